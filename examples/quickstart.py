@@ -1,0 +1,26 @@
+"""Start a local sandbox through a two-layer stack and run a command in it."""
+
+import anyio
+
+from sandbox_middleware import LocalProvider, Middleware, ProviderMiddleware, Sandbox, SandboxSpec, stack
+
+
+class PrintCalls(ProviderMiddleware):
+    """A tiny middleware: prints each command on its way in and its exit code on the way out."""
+
+    async def exec(self, handle, command, **kwargs):  # type: ignore[no-untyped-def]
+        print(f"-> {handle.sandbox_id}: {command}")
+        result = await super().exec(handle, command, **kwargs)
+        print(f"<- exit {result.return_code}")
+        return result
+
+
+async def main() -> None:
+    provider = stack(LocalProvider(), [Middleware(PrintCalls), Middleware(ProviderMiddleware)])
+    async with Sandbox(provider, SandboxSpec()) as sandbox:
+        result = await sandbox.exec("echo hello from $(pwd)")
+        print(result.stdout, end="")
+
+
+if __name__ == "__main__":
+    anyio.run(main)

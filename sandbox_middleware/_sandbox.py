@@ -1,0 +1,124 @@
+"""The ``Sandbox`` facade: one sandbox's lifecycle as an async context manager."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import TracebackType
+
+import anyio
+
+from ._protocol import SandboxError, SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
+
+__all__ = ["Sandbox", "SandboxNotStartedError", "close_shielded"]
+
+logger = logging.getLogger("sandbox_middleware")
+
+DEFAULT_CLOSE_TIMEOUT_S = 60.0
+
+
+class SandboxNotStartedError(SandboxError):
+    """An operation needs a started sandbox; call ``start()`` or use ``async with``."""
+
+
+async def close_shielded(provider: SandboxProvider, handle: SandboxHandle, timeout_s: float) -> None:
+    """Close ``handle``, shielded from cancellation and bounded by ``timeout_s`` (``TimeoutError``)."""
+    with anyio.CancelScope(shield=True), anyio.fail_after(timeout_s):
+        await provider.close(handle)
+
+
+class Sandbox:
+    """One sandbox: ``async with Sandbox(provider, spec) as sb: await sb.exec("pytest")``.
+
+    ``start()`` creates the sandbox and uploads ``spec.files``; if anything after create fails or
+    is cancelled, the sandbox is closed (shielded from cancellation, bounded by
+    ``close_timeout_s``) and the original error propagates. ``stop()`` closes it; a close the
+    provider rejected leaves the sandbox started, so a later ``stop()`` retries it.
+    """
+
+    def __init__(
+        self,
+        provider: SandboxProvider,
+        spec: SandboxSpec | None = None,
+        *,
+        close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+    ) -> None:
+        self.provider = provider
+        self.spec = spec if spec is not None else SandboxSpec()
+        self.close_timeout_s = close_timeout_s
+        self._handle: SandboxHandle | None = None
+
+    @property
+    def handle(self) -> SandboxHandle:
+        if self._handle is None:
+            raise SandboxNotStartedError("this Sandbox is not started (or already stopped); call start() first")
+        return self._handle
+
+    @property
+    def started(self) -> bool:
+        return self._handle is not None
+
+    async def start(self) -> SandboxHandle:
+        if self._handle is not None:
+            raise SandboxError(f"sandbox {self._handle.sandbox_id!r} is already started")
+        handle = await self.provider.create(self.spec)
+        self._handle = handle
+        try:
+            for target, source in self.spec.files.items():
+                await self.provider.upload_file(handle, Path(source), target)
+        except BaseException:
+            await self._stop_after_failure()
+            raise
+        return handle
+
+    async def _stop_after_failure(self) -> None:
+        """Stop while another error is propagating: log a failed close, never replace that error."""
+        try:
+            await self.stop()
+        except Exception:
+            handle = self._handle
+            logger.warning(
+                "could not close sandbox %s after a failure; it is still held",
+                handle.sandbox_id if handle else "?",
+                exc_info=True,
+            )
+
+    async def stop(self) -> None:
+        """Close the sandbox (shielded, bounded); a no-op when it is not started."""
+        handle = self._handle
+        if handle is None:
+            return
+        await close_shielded(self.provider, handle, self.close_timeout_s)
+        self._handle = None
+
+    async def exec(
+        self,
+        command: str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        user: str | int | None = None,
+    ) -> SandboxExecResult:
+        return await self.provider.exec(self.handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
+
+    async def upload(self, source_path: str | Path, target_path: str) -> None:
+        await self.provider.upload_file(self.handle, Path(source_path), target_path)
+
+    async def download(self, source_path: str, target_path: str | Path) -> None:
+        await self.provider.download_file(self.handle, source_path, Path(target_path))
+
+    async def status(self) -> SandboxStatus:
+        return await self.provider.status(self.handle)
+
+    async def __aenter__(self) -> Sandbox:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            await self.stop()
+        else:
+            await self._stop_after_failure()

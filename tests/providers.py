@@ -1,0 +1,86 @@
+"""Small in-process providers for tests, written against the protocol without inheritance."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from sandbox_middleware import (
+    SandboxEndpoint,
+    SandboxExecResult,
+    SandboxHandle,
+    SandboxSpec,
+    SandboxStatus,
+)
+
+
+class PlainProvider:
+    """A provider that only knows the protocol; records each call as (operation, sandbox id)."""
+
+    name = "plain"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.alive: set[str] = set()
+        self._ids = itertools.count()
+
+    async def create(self, spec: SandboxSpec) -> SandboxHandle:
+        sandbox_id = f"plain-{next(self._ids)}"
+        self.calls.append(("create", sandbox_id))
+        self.alive.add(sandbox_id)
+        return SandboxHandle(sandbox_id, self.name, None)
+
+    async def exec(
+        self,
+        handle: SandboxHandle,
+        command: str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: int | float | None = None,
+        user: str | int | None = None,
+    ) -> SandboxExecResult:
+        self.calls.append(("exec", handle.sandbox_id))
+        return SandboxExecResult(command, "", 0)
+
+    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
+        self.calls.append(("upload", handle.sandbox_id))
+
+    async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
+        self.calls.append(("download", handle.sandbox_id))
+
+    async def status(self, handle: SandboxHandle) -> SandboxStatus:
+        self.calls.append(("status", handle.sandbox_id))
+        return SandboxStatus.RUNNING if handle.sandbox_id in self.alive else SandboxStatus.STOPPED
+
+    async def close(self, handle: SandboxHandle) -> None:
+        self.calls.append(("close", handle.sandbox_id))
+        self.alive.discard(handle.sandbox_id)
+
+    async def aclose(self) -> None:
+        self.calls.append(("aclose", ""))
+
+
+class EndpointProvider(PlainProvider):
+    async def endpoint(self, handle: SandboxHandle, port: int) -> SandboxEndpoint:
+        self.calls.append(("endpoint", handle.sandbox_id))
+        return SandboxEndpoint(f"http://sandbox-{handle.sandbox_id}:{port}")
+
+
+class ConnectProvider(PlainProvider):
+    async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]:
+        self.calls.append(("serialize_handle", handle.sandbox_id))
+        return {"sandbox_id": handle.sandbox_id}
+
+    async def connect(self, descriptor: Mapping[str, Any]) -> SandboxHandle:
+        self.calls.append(("connect", str(descriptor["sandbox_id"])))
+        self.alive.add(str(descriptor["sandbox_id"]))
+        return SandboxHandle(str(descriptor["sandbox_id"]), self.name, None)
+
+
+class PtyProvider(PlainProvider):
+    async def create_pty(self, handle: SandboxHandle, spec: Any) -> Any:
+        self.calls.append(("create_pty", handle.sandbox_id))
+        return ("pty", handle.sandbox_id, spec)

@@ -1,0 +1,117 @@
+"""The Sandbox facade: start, stop and cleanup on every failure path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from sandbox_middleware import (
+    LocalProvider,
+    ProviderMiddleware,
+    Sandbox,
+    SandboxHandle,
+    SandboxNotStartedError,
+    SandboxSpec,
+)
+
+from .providers import PlainProvider
+
+pytestmark = pytest.mark.anyio
+
+
+class UploadFails(ProviderMiddleware):
+    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
+        raise OSError("disk full")
+
+
+class CloseFailsOnce(ProviderMiddleware):
+    failures = 1
+
+    async def close(self, handle: SandboxHandle) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("control plane unavailable")
+        await super().close(handle)
+
+
+async def test_lifecycle_with_local_provider(tmp_path: Path) -> None:
+    """Files from the spec are uploaded at start; exit stops the sandbox."""
+    source = tmp_path / "task.txt"
+    source.write_text("task")
+    local = LocalProvider(base_dir=tmp_path / "boxes")
+    async with Sandbox(local, SandboxSpec(files={"in/task.txt": str(source)})) as sb:
+        assert (await sb.exec("cat in/task.txt")).stdout == "task"
+        root = Path(sb.handle.raw["root"])
+    assert not root.exists()
+    assert not sb.started
+
+
+async def test_failed_upload_closes_and_propagates() -> None:
+    """A failing initial upload closes the sandbox and the upload's error propagates."""
+    plain = PlainProvider()
+    with pytest.raises(OSError, match="disk full"):
+        async with Sandbox(UploadFails(plain), SandboxSpec(files={"a": "/nonexistent"})):
+            pytest.fail("body must not run")
+    assert plain.alive == set()
+    assert [op for op, _ in plain.calls] == ["create", "close"]
+
+
+async def test_cancellation_right_after_create_closes() -> None:
+    """Cancelled between create and the upload, the sandbox is still closed."""
+    plain = PlainProvider()
+
+    class SlowUpload(ProviderMiddleware):
+        async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
+            await anyio.sleep_forever()
+
+    with anyio.move_on_after(0.1) as scope:
+        async with Sandbox(SlowUpload(plain), SandboxSpec(files={"a": "/x"})):
+            pytest.fail("body must not run")
+    assert scope.cancelled_caught
+    assert plain.alive == set()
+    assert [op for op, _ in plain.calls] == ["create", "close"]
+
+
+async def test_cancellation_in_body_closes() -> None:
+    """Cancelling the body still closes the sandbox, shielded from that cancellation."""
+    plain = PlainProvider()
+    with anyio.move_on_after(0.1):
+        async with Sandbox(plain):
+            await anyio.sleep_forever()
+    assert plain.alive == set()
+
+
+async def test_failed_close_then_retry() -> None:
+    """A rejected close leaves the sandbox started; a second stop closes it; a third is a no-op."""
+    plain = PlainProvider()
+    sandbox = Sandbox(CloseFailsOnce(plain))
+    await sandbox.start()
+    with pytest.raises(ConnectionError):
+        await sandbox.stop()
+    assert sandbox.started and plain.alive
+    await sandbox.stop()
+    assert not sandbox.started and not plain.alive
+    await sandbox.stop()
+    assert [op for op, _ in plain.calls].count("close") == 1
+
+
+async def test_close_is_bounded_in_time() -> None:
+    """A close that hangs is abandoned after close_timeout_s with TimeoutError."""
+
+    class Hangs(ProviderMiddleware):
+        async def close(self, handle: SandboxHandle) -> None:
+            await anyio.sleep_forever()
+
+    sandbox = Sandbox(Hangs(PlainProvider()), close_timeout_s=0.1)
+    await sandbox.start()
+    with pytest.raises(TimeoutError):
+        await sandbox.stop()
+    assert sandbox.started
+
+
+async def test_operations_need_a_started_sandbox() -> None:
+    """Using a sandbox before start raises a typed error saying what to do."""
+    with pytest.raises(SandboxNotStartedError, match="call start"):
+        await Sandbox(PlainProvider()).exec("true")

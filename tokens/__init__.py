@@ -1,0 +1,3 @@
+"""Token capture for OpenAI-compatible chat completions."""
+
+__all__: list[str] = []
