@@ -2,6 +2,7 @@
 
 from ._core import Middleware, ProviderMiddleware, stack
 from ._local import BwrapUnavailableError, LocalProvider
+from ._metrics import MetricsMiddleware
 from ._protocol import (
     ConnectableProvider,
     SandboxCreateError,
@@ -17,14 +18,19 @@ from ._protocol import (
     SupportsSandboxEndpoint,
     SupportsSandboxPty,
 )
+from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
 from ._sandbox import Sandbox, SandboxNotStartedError
+from ._tracing import TracingMiddleware
 
 __all__ = [
     "BwrapUnavailableError",
     "ConnectableProvider",
+    "HeldSandbox",
     "LocalProvider",
+    "MetricsMiddleware",
     "Middleware",
     "ProviderMiddleware",
+    "ReleaseAccountingMiddleware",
     "Sandbox",
     "SandboxCreateError",
     "SandboxEndpoint",
@@ -39,5 +45,6 @@ __all__ = [
     "SandboxStatus",
     "SupportsSandboxEndpoint",
     "SupportsSandboxPty",
+    "TracingMiddleware",
     "stack",
 ]

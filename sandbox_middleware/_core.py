@@ -72,6 +72,7 @@ class ProviderMiddleware:
     """
 
     inner: SandboxProvider
+    name: str
 
     def __new__(cls, inner: SandboxProvider, *args: Any, **kwargs: Any) -> ProviderMiddleware:
         present = tuple(isinstance(inner, protocol) for protocol, _, _ in _CAPABILITIES)
@@ -79,10 +80,7 @@ class ProviderMiddleware:
 
     def __init__(self, inner: SandboxProvider) -> None:
         self.inner = inner
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
+        self.name = inner.name
 
     def __repr__(self) -> str:
         return f"{type(self).__qualname__}({self.inner!r})"

@@ -1,0 +1,133 @@
+"""``ReleaseAccountingMiddleware``: how many sandboxes are held right now, and which."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import anyio
+from opentelemetry.metrics import Meter, MeterProvider, UpDownCounter
+
+from ._core import ProviderMiddleware
+from ._protocol import SandboxHandle, SandboxProvider, SandboxSpec
+from ._sandbox import close_shielded
+from ._telemetry import PROVIDER_ATTR, Instruments, report_once
+
+__all__ = ["HeldSandbox", "ReleaseAccountingMiddleware"]
+
+logger = logging.getLogger("sandbox_middleware")
+
+
+@dataclass(frozen=True, slots=True)
+class HeldSandbox:
+    """One sandbox this layer obtained from ``create`` and has not seen released."""
+
+    sandbox_id: str
+    provider: str
+    since: float
+    """Wall-clock time (``time.time()``) when create handed the handle back."""
+    release_failed: bool
+    """A close was tried and raised; the provider may still hold it."""
+    handle: SandboxHandle
+
+
+def _active_counter(meter: Meter) -> UpDownCounter:
+    return meter.create_up_down_counter(
+        "gym.sandbox.active",
+        unit="{sandbox}",
+        description="Sandboxes created and not yet released; sum across processes.",
+    )
+
+
+class ReleaseAccountingMiddleware(ProviderMiddleware):
+    """Counts ``gym.sandbox.active`` (+1 per handle create returned, -1 once close returned) and
+    keeps a ledger of the sandboxes held, ``held()``.
+
+    A close that raised released nothing: the sandbox stays counted and is marked
+    ``release_failed``; a later successful close subtracts once, a repeated close nothing. A failed
+    create counts nothing, and a handle from ``connect()`` is neither counted nor subtracted (the
+    process that created it counts it). Ledger operations are O(1).
+
+    On ``aclose()`` sandboxes still held are logged in one warning naming them; with
+    ``release_on_aclose=True`` they are closed first (shielded, ``release_timeout_s`` each) and
+    the warning names those that could not be released.
+    """
+
+    def __init__(
+        self,
+        inner: SandboxProvider,
+        *,
+        meter_provider: MeterProvider | None = None,
+        release_on_aclose: bool = False,
+        release_timeout_s: float = 60.0,
+        release_concurrency: int = 64,
+    ) -> None:
+        super().__init__(inner)
+        self._counter = Instruments(_active_counter, meter_provider)
+        self._attributes = {PROVIDER_ATTR: inner.name}
+        self._ledger: dict[str, HeldSandbox] = {}
+        self.release_on_aclose = release_on_aclose
+        self.release_timeout_s = release_timeout_s
+        self.release_concurrency = release_concurrency
+
+    def held(self) -> list[HeldSandbox]:
+        """The sandboxes this layer holds now, oldest first."""
+        return list(self._ledger.values())
+
+    def _add(self, delta: int) -> None:
+        counter = self._counter.get()
+        if counter is None:
+            return
+        try:
+            counter.add(delta, self._attributes)
+        except Exception as exc:
+            report_once("gym.sandbox.active", exc)
+
+    async def create(self, spec: SandboxSpec) -> SandboxHandle:
+        handle = await self.inner.create(spec)
+        self._ledger[handle.sandbox_id] = HeldSandbox(handle.sandbox_id, self.inner.name, time.time(), False, handle)
+        self._add(1)
+        return handle
+
+    async def close(self, handle: SandboxHandle) -> None:
+        try:
+            await self.inner.close(handle)
+        except BaseException:
+            entry = self._ledger.get(handle.sandbox_id)
+            if entry is not None and not entry.release_failed:
+                self._ledger[handle.sandbox_id] = dataclasses.replace(entry, release_failed=True)
+            raise
+        if self._ledger.pop(handle.sandbox_id, None) is not None:
+            self._add(-1)
+
+    async def release_held(self) -> list[HeldSandbox]:
+        """Close every held sandbox (shielded, bounded, concurrently); return those still held."""
+        limiter = anyio.CapacityLimiter(max(1, self.release_concurrency))
+
+        async def release(entry: HeldSandbox) -> None:
+            async with limiter:
+                try:
+                    await close_shielded(self, entry.handle, self.release_timeout_s)
+                except Exception as exc:
+                    logger.warning("could not release sandbox %s: %r", entry.sandbox_id, exc)
+
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for entry in self.held():
+                    tg.start_soon(release, entry)
+        return self.held()
+
+    async def aclose(self) -> None:
+        remaining = await self.release_held() if self.release_on_aclose and self._ledger else self.held()
+        if remaining:
+            what = "could not be released" if self.release_on_aclose else "are still held (leaked?)"
+            logger.warning(
+                "%s: %d sandbox(es) %s at aclose: %s",
+                self.inner.name,
+                len(remaining),
+                what,
+                ", ".join(entry.sandbox_id for entry in remaining),
+            )
+        await self.inner.aclose()

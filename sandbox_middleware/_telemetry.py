@@ -1,0 +1,112 @@
+"""What the telemetry middlewares share: attribute names, lazy providers, never-raising records.
+
+Only the OpenTelemetry API is used. With no SDK configured (the API's proxy or no-op providers)
+nothing is created or recorded; once an SDK provider is installed, globally or passed in, the
+instruments are created once per meter and reused by every middleware instance.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import Meter, MeterProvider, NoOpMeterProvider
+from opentelemetry.trace import Tracer, TracerProvider
+
+try:  # The API's placeholder before an SDK is installed; private, so its absence only costs speed.
+    from opentelemetry.metrics._internal import _ProxyMeterProvider
+
+    _NO_SDK_METER_PROVIDERS: tuple[type, ...] = (NoOpMeterProvider, _ProxyMeterProvider)
+except ImportError:  # pragma: no cover
+    _NO_SDK_METER_PROVIDERS = (NoOpMeterProvider,)
+_NO_SDK_TRACER_PROVIDERS = (trace.NoOpTracerProvider, trace.ProxyTracerProvider)
+
+logger = logging.getLogger("sandbox_middleware.telemetry")
+
+SCOPE = "sandbox_middleware"
+PROVIDER_ATTR = "nemo.gym.sandbox.provider"
+SANDBOX_ID_ATTR = "nemo.gym.sandbox.id"
+OPERATION_ATTR = "operation"
+ERROR_TYPE_ATTR = "error.type"
+
+# Remote starts take about a minute; the SDK's default buckets end at 10 s.
+DURATION_BUCKETS_MS: tuple[float, ...] = (
+    1, 5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000,
+    120_000, 300_000, 600_000, 1_200_000, 1_800_000,
+)  # fmt: skip
+
+B = TypeVar("B")
+
+_reported: set[str] = set()
+_instrument_cache: weakref.WeakKeyDictionary[Meter, dict[Callable[[Meter], Any], Any]] = weakref.WeakKeyDictionary()
+
+
+def report_once(what: str, exc: BaseException) -> None:
+    """Log a telemetry failure the first time ``what`` fails; the caller's operation goes on."""
+    if what not in _reported:
+        _reported.add(what)
+        logger.warning("telemetry failure in %s, ignored (logged once): %r", what, exc, exc_info=exc)
+
+
+def error_type(exc: BaseException) -> str:
+    """The exception's qualified class name (``module.Class``; builtins unprefixed)."""
+    cls = type(exc)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Instruments(Generic[B]):
+    """A middleware's instruments from ``meter_provider`` (default: the global one), or None.
+
+    ``factory`` builds the instrument bundle from a meter; it runs once per meter, whichever
+    middleware instance asks first. Returns None while no SDK is configured.
+    """
+
+    def __init__(self, factory: Callable[[Meter], B], meter_provider: MeterProvider | None) -> None:
+        self._factory = factory
+        self._provider = meter_provider
+        self._bundle: B | None = None
+
+    def get(self) -> B | None:
+        bundle = self._bundle
+        if bundle is not None:
+            return bundle
+        provider = self._provider if self._provider is not None else metrics.get_meter_provider()
+        if isinstance(provider, _NO_SDK_METER_PROVIDERS):
+            return None
+        try:
+            meter = provider.get_meter(SCOPE)
+            per_meter = _instrument_cache.setdefault(meter, {})
+            bundle = per_meter.get(self._factory)
+            if bundle is None:
+                bundle = per_meter[self._factory] = self._factory(meter)
+        except Exception as exc:
+            report_once(f"creating instruments ({getattr(self._factory, '__qualname__', self._factory)})", exc)
+            return None
+        self._bundle = bundle
+        return bundle
+
+
+class Tracing:
+    """The tracer from ``tracer_provider`` (default: the global one), or None without an SDK."""
+
+    def __init__(self, tracer_provider: TracerProvider | None) -> None:
+        self._provider = tracer_provider
+        self._tracer: Tracer | None = None
+
+    def get(self) -> Tracer | None:
+        tracer = self._tracer
+        if tracer is not None:
+            return tracer
+        provider = self._provider if self._provider is not None else trace.get_tracer_provider()
+        if isinstance(provider, _NO_SDK_TRACER_PROVIDERS):
+            return None
+        try:
+            tracer = provider.get_tracer(SCOPE)
+        except Exception as exc:
+            report_once("creating the tracer", exc)
+            return None
+        self._tracer = tracer
+        return tracer

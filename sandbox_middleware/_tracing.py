@@ -1,0 +1,151 @@
+"""``TracingMiddleware``: one span per sandbox operation."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from opentelemetry import context, trace
+from opentelemetry.trace import Span, StatusCode, TracerProvider
+
+from ._core import ProviderMiddleware
+from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
+from ._telemetry import ERROR_TYPE_ATTR, PROVIDER_ATTR, SANDBOX_ID_ATTR, Tracing, error_type, report_once
+
+__all__ = ["TracingMiddleware"]
+
+T = TypeVar("T")
+
+COMMAND_ATTR = "nemo.gym.sandbox.command"
+EXIT_CODE_ATTR = "process.exit.code"
+EXEC_ERROR_ATTR = "nemo.gym.sandbox.exec.error_type"
+
+
+class TracingMiddleware(ProviderMiddleware):
+    """Spans ``gym.sandbox.start`` (create), ``gym.sandbox.exec``, ``gym.sandbox.upload``,
+    ``gym.sandbox.download``, ``gym.sandbox.status`` and ``gym.sandbox.stop`` (close).
+
+    Each span carries ``nemo.gym.sandbox.provider`` and, once known, ``nemo.gym.sandbox.id``. An
+    operation that raised ends its span with error status, the exception recorded and
+    ``error.type`` set; cancellation is not an error. The span is current while the inner call
+    runs, so layers inside (retries) can add events to it.
+
+    Commands often carry secrets: the command text is recorded only with ``record_command=True``,
+    truncated to ``command_max_length`` characters. Environment values are never recorded.
+    """
+
+    def __init__(
+        self,
+        inner: SandboxProvider,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        record_command: bool = False,
+        command_max_length: int = 1024,
+    ) -> None:
+        super().__init__(inner)
+        if command_max_length < 0:
+            raise ValueError(f"TracingMiddleware: command_max_length must be >= 0, not {command_max_length}")
+        self._tracing = Tracing(tracer_provider)
+        self.record_command = record_command
+        self.command_max_length = command_max_length
+
+    async def _traced(
+        self,
+        span_name: str,
+        handle: SandboxHandle | None,
+        call: Callable[[], Awaitable[T]],
+        attributes: dict[str, Any] | None = None,
+        on_result: Callable[[Span, T], None] | None = None,
+    ) -> T:
+        tracer = self._tracing.get()
+        if tracer is None:
+            return await call()
+        span: Span | None = None
+        token: object = None
+        try:
+            attrs: dict[str, Any] = {PROVIDER_ATTR: self.inner.name}
+            if handle is not None:
+                attrs[SANDBOX_ID_ATTR] = handle.sandbox_id
+            if attributes:
+                attrs.update(attributes)
+            span = tracer.start_span(span_name, attributes=attrs)
+            token = context.attach(trace.set_span_in_context(span))
+        except Exception as exc:
+            report_once(f"starting span {span_name}", exc)
+        try:
+            result = await call()
+        except Exception as exc:
+            if span is not None:
+                _safely(span_name, _record_error, span, exc)
+            raise
+        else:
+            if span is not None and on_result is not None:
+                _safely(span_name, on_result, span, result)
+            return result
+        finally:
+            if token is not None:
+                _safely(span_name, context.detach, token)
+            if span is not None:
+                _safely(span_name, span.end)
+
+    async def create(self, spec: SandboxSpec) -> SandboxHandle:
+        return await self._traced("gym.sandbox.start", None, lambda: self.inner.create(spec), on_result=_set_id)
+
+    async def exec(
+        self,
+        handle: SandboxHandle,
+        command: str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: int | float | None = None,
+        user: str | int | None = None,
+    ) -> SandboxExecResult:
+        attributes = {COMMAND_ATTR: command[: self.command_max_length]} if self.record_command else None
+        return await self._traced(
+            "gym.sandbox.exec",
+            handle,
+            lambda: self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user),
+            attributes,
+            _set_exec_result,
+        )
+
+    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
+        await self._traced(
+            "gym.sandbox.upload", handle, lambda: self.inner.upload_file(handle, source_path, target_path)
+        )
+
+    async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
+        await self._traced(
+            "gym.sandbox.download", handle, lambda: self.inner.download_file(handle, source_path, target_path)
+        )
+
+    async def status(self, handle: SandboxHandle) -> SandboxStatus:
+        return await self._traced("gym.sandbox.status", handle, lambda: self.inner.status(handle))
+
+    async def close(self, handle: SandboxHandle) -> None:
+        await self._traced("gym.sandbox.stop", handle, lambda: self.inner.close(handle))
+
+
+def _safely(span_name: str, fn: Callable[..., object], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:
+        report_once(f"span {span_name}", exc)
+
+
+def _record_error(span: Span, exc: Exception) -> None:
+    span.set_attribute(ERROR_TYPE_ATTR, error_type(exc))
+    span.record_exception(exc)
+    span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+
+
+def _set_id(span: Span, handle: SandboxHandle) -> None:
+    span.set_attribute(SANDBOX_ID_ATTR, handle.sandbox_id)
+
+
+def _set_exec_result(span: Span, result: SandboxExecResult) -> None:
+    span.set_attribute(EXIT_CODE_ATTR, result.return_code)
+    if result.error_type is not None:
+        span.set_attribute(EXEC_ERROR_ATTR, result.error_type)

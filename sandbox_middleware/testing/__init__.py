@@ -1,0 +1,9 @@
+"""Test helpers for users of this package: a fault-injecting provider that keeps the ground truth.
+
+Fixtures for an in-memory OpenTelemetry SDK live in ``sandbox_middleware.testing.fixtures``
+(``pytest_plugins = ["sandbox_middleware.testing.fixtures"]``; needs ``opentelemetry-sdk``).
+"""
+
+from ._faults import FaultInjectingProvider, InjectedCreateError, InjectedFault
+
+__all__ = ["FaultInjectingProvider", "InjectedCreateError", "InjectedFault"]

@@ -1,0 +1,165 @@
+"""``FaultInjectingProvider``: an in-process provider that fails, lags and hangs on request."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Collection, Mapping
+from pathlib import Path
+
+import anyio
+
+from .._protocol import (
+    SandboxCreateError,
+    SandboxError,
+    SandboxExecResult,
+    SandboxHandle,
+    SandboxNotFoundError,
+    SandboxSpec,
+    SandboxStatus,
+)
+
+OPERATIONS = ("create", "exec", "upload", "download", "status", "close")
+
+
+class InjectedFault(SandboxError):
+    """A failure the fault injector made on purpose."""
+
+
+class InjectedCreateError(InjectedFault, SandboxCreateError):
+    """An injected create failure (a ``SandboxCreateError``, so retry layers treat it as one)."""
+
+
+class FaultInjectingProvider:
+    """A provider whose sandboxes are entries in a set, with faults injected on request.
+
+    - ``failure_rates``: probability per operation (create, exec, upload, download, status,
+      close) that the call raises ``InjectedFault`` (``InjectedCreateError`` for create) before
+      it has any effect.
+    - ``lost_create_rate``: probability that create really creates the sandbox and then raises
+      (the response was lost): the sandbox exists but nobody holds its handle.
+    - ``close_failures``: each sandbox's first N closes raise, the next one succeeds.
+    - ``latency``: seconds each operation waits (anyio.sleep) before its effect.
+    - ``hang_at``: await points, ``"operation:before"`` or ``"operation:after"`` (after the
+      effect), where the call waits forever, so the caller's cancel scope cancels it right there.
+
+    Ground truth: ``alive`` is the set of sandbox ids that really exist, ``orphaned`` those created
+    by a lost or cancelled create whose handle never reached the caller, ``injected`` every fault
+    raised. ``seed`` makes the random choices reproducible.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str = "faulty",
+        seed: int = 0,
+        failure_rates: Mapping[str, float] | None = None,
+        lost_create_rate: float = 0.0,
+        close_failures: int = 0,
+        latency: Mapping[str, float] | None = None,
+        hang_at: Collection[str] = (),
+    ) -> None:
+        rates = dict(failure_rates or {})
+        unknown = set(rates) | set(latency or {}) | {point.split(":")[0] for point in hang_at}
+        unknown -= set(OPERATIONS)
+        if unknown:
+            raise ValueError(f"FaultInjectingProvider: unknown operation(s) {sorted(unknown)}; use {OPERATIONS}")
+        for operation, rate in rates.items():
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(
+                    f"FaultInjectingProvider: failure rate for {operation!r} must be in [0, 1], not {rate}"
+                )
+        self.name = name
+        self.failure_rates = rates
+        self.lost_create_rate = lost_create_rate
+        self.close_failures = close_failures
+        self.latency = dict(latency or {})
+        self.hang_at = frozenset(hang_at)
+        self.random = random.Random(seed)
+        self.alive: set[str] = set()
+        self.orphaned: set[str] = set()
+        self.injected: list[InjectedFault] = []
+        self.calls: dict[str, int] = dict.fromkeys(OPERATIONS, 0)
+        self._close_attempts: dict[str, int] = {}
+        self._ids = itertools.count()
+
+    def __repr__(self) -> str:
+        return f"FaultInjectingProvider(name={self.name!r}, alive={len(self.alive)})"
+
+    async def _enter(self, operation: str, sandbox_id: str | None) -> None:
+        """The 'before' await point: latency, hang, injected failure, liveness."""
+        self.calls[operation] += 1
+        delay = self.latency.get(operation)
+        if delay:
+            await anyio.sleep(delay)
+        else:
+            await anyio.lowlevel.checkpoint()
+        if f"{operation}:before" in self.hang_at:
+            await anyio.sleep_forever()
+        rate = self.failure_rates.get(operation)
+        if rate and self.random.random() < rate:
+            self._raise(operation, f"injected {operation} failure")
+        if sandbox_id is not None and sandbox_id not in self.alive:
+            raise SandboxNotFoundError(f"{self.name}: no live sandbox {sandbox_id!r}")
+
+    async def _leave(self, operation: str) -> None:
+        """The 'after' await point, once the operation took effect."""
+        if f"{operation}:after" in self.hang_at:
+            await anyio.sleep_forever()
+        await anyio.lowlevel.checkpoint()
+
+    def _raise(self, operation: str, message: str) -> None:
+        error = InjectedCreateError(message) if operation == "create" else InjectedFault(message)
+        self.injected.append(error)
+        raise error
+
+    async def create(self, spec: SandboxSpec) -> SandboxHandle:
+        await self._enter("create", None)
+        sandbox_id = f"{self.name}-{next(self._ids)}"
+        self.alive.add(sandbox_id)
+        self.orphaned.add(sandbox_id)  # until the handle is handed back
+        if self.lost_create_rate and self.random.random() < self.lost_create_rate:
+            self._raise("create", f"injected lost response: {sandbox_id} was created")
+        await self._leave("create")
+        self.orphaned.discard(sandbox_id)
+        return SandboxHandle(sandbox_id, self.name, None)
+
+    async def exec(
+        self,
+        handle: SandboxHandle,
+        command: str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: int | float | None = None,
+        user: str | int | None = None,
+    ) -> SandboxExecResult:
+        await self._enter("exec", handle.sandbox_id)
+        await self._leave("exec")
+        return SandboxExecResult(f"ran: {command}\n", "", 0)
+
+    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
+        await self._enter("upload", handle.sandbox_id)
+        await self._leave("upload")
+
+    async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
+        await self._enter("download", handle.sandbox_id)
+        await self._leave("download")
+
+    async def status(self, handle: SandboxHandle) -> SandboxStatus:
+        await self._enter("status", None)
+        await self._leave("status")
+        return SandboxStatus.RUNNING if handle.sandbox_id in self.alive else SandboxStatus.STOPPED
+
+    async def close(self, handle: SandboxHandle) -> None:
+        await self._enter("close", None)
+        attempts = self._close_attempts.get(handle.sandbox_id, 0)
+        if attempts < self.close_failures and handle.sandbox_id in self.alive:
+            self._close_attempts[handle.sandbox_id] = attempts + 1
+            self._raise("close", f"injected close failure {attempts + 1}/{self.close_failures}")
+        self._close_attempts.pop(handle.sandbox_id, None)
+        self.alive.discard(handle.sandbox_id)
+        await self._leave("close")
+
+    async def aclose(self) -> None:
+        await anyio.lowlevel.checkpoint()
