@@ -1,5 +1,6 @@
 """Composable middleware for sandbox providers (the NeMo Gym ``SandboxProvider`` protocol)."""
 
+from ._budget import RetryBudget
 from ._core import Middleware, ProviderMiddleware, stack
 from ._local import BwrapUnavailableError, LocalProvider
 from ._metrics import MetricsMiddleware
@@ -19,6 +20,7 @@ from ._protocol import (
     SupportsSandboxPty,
 )
 from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
+from ._retry import RetryMiddleware
 from ._sandbox import Sandbox, SandboxNotStartedError
 from ._tracing import TracingMiddleware
 
@@ -31,6 +33,8 @@ __all__ = [
     "Middleware",
     "ProviderMiddleware",
     "ReleaseAccountingMiddleware",
+    "RetryBudget",
+    "RetryMiddleware",
     "Sandbox",
     "SandboxCreateError",
     "SandboxEndpoint",

@@ -274,3 +274,7 @@ def _read_and_remove(path: Path) -> str:
 def _copy(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
+
+
+# Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.
+BwrapUnavailableError.__module__ = "sandbox_middleware"

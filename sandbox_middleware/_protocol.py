@@ -153,3 +153,10 @@ class SupportsSandboxPty(Protocol):
     """Optional capability: an interactive terminal; spec and session are the provider's own types."""
 
     async def create_pty(self, handle: SandboxHandle, spec: Any) -> Any: ...
+
+
+# Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.
+SandboxError.__module__ = "sandbox_middleware"
+SandboxCreateError.__module__ = "sandbox_middleware"
+SandboxNotFoundError.__module__ = "sandbox_middleware"
+SandboxPathError.__module__ = "sandbox_middleware"

@@ -80,15 +80,12 @@ async def test_failed_create_counts_nothing(telemetry: TelemetryCapture) -> None
     assert telemetry.value(ACTIVE) == 0
     assert telemetry.histogram_count(STARTUP) == 0
     assert (
-        telemetry.value(
-            FAILURES, operation="create", error__type="sandbox_middleware.testing._faults.InjectedCreateError"
-        )
-        == 1
+        telemetry.value(FAILURES, operation="create", error__type="sandbox_middleware.testing.InjectedCreateError") == 1
     )
     [span] = telemetry.spans("gym.sandbox.start")
     assert span.status.status_code is StatusCode.ERROR
     assert span.attributes is not None
-    assert span.attributes["error.type"] == "sandbox_middleware.testing._faults.InjectedCreateError"
+    assert span.attributes["error.type"] == "sandbox_middleware.testing.InjectedCreateError"
     assert "nemo.gym.sandbox.id" not in span.attributes
     assert [event.name for event in span.events] == ["exception"]
 

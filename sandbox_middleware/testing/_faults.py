@@ -163,3 +163,8 @@ class FaultInjectingProvider:
 
     async def aclose(self) -> None:
         await anyio.lowlevel.checkpoint()
+
+
+# Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.
+InjectedFault.__module__ = "sandbox_middleware.testing"
+InjectedCreateError.__module__ = "sandbox_middleware.testing"

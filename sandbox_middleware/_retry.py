@@ -1,0 +1,237 @@
+"""``RetryMiddleware``: bounded, attributed, budgeted retries on stamina."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeAlias, TypeVar
+
+import anyio
+import stamina
+from opentelemetry import trace
+from opentelemetry.metrics import Counter, Meter, MeterProvider
+
+from ._budget import RetryBudget
+from ._core import ProviderMiddleware
+from ._protocol import SandboxCreateError, SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
+from ._telemetry import OPERATION_ATTR, PROVIDER_ATTR, Instruments, error_type, report_once
+
+__all__ = ["RETRYABLE_OPERATIONS", "RetryMiddleware", "RetryOn"]
+
+T = TypeVar("T")
+
+logger = logging.getLogger("sandbox_middleware.retry")
+
+RetryOn: TypeAlias = type[Exception] | tuple[type[Exception], ...] | Callable[[Exception], bool | float | dt.timedelta]
+RETRYABLE_OPERATIONS = ("create", "exec", "upload", "download", "status", "close")
+
+
+@dataclass(frozen=True)
+class _Instruments:
+    create_retries: Counter
+    retries: Counter
+    throttled: Counter
+
+    @classmethod
+    def create(cls, meter: Meter) -> _Instruments:
+        return cls(
+            create_retries=meter.create_counter(
+                "gym.sandbox.create_retry_total", unit="{retry}", description="Retried sandbox create attempts."
+            ),
+            retries=meter.create_counter(
+                "gym.sandbox.retry_total", unit="{retry}", description="Retried attempts of other sandbox operations."
+            ),
+            throttled=meter.create_counter(
+                "gym.sandbox.retry_throttled_total",
+                unit="{retry}",
+                description="Retries refused by the retry budget; the error propagated at once.",
+            ),
+        )
+
+
+class RetryMiddleware(ProviderMiddleware):
+    """Retries the operations named in ``operations`` (default: only ``create``) with stamina.
+
+    ``on`` is stamina's: an exception type, a tuple of them, or a predicate that returns whether
+    to retry, or the seconds to wait (e.g. from a Retry-After hint). ``attempts``, ``timeout``
+    (total, in seconds) and the ``wait_*`` backoff settings are stamina's too.
+
+    ``exec`` is not retried unless named: a command may have run. ``close`` may be named
+    (releasing is idempotent for correct providers).
+
+    ``attempt_timeout`` bounds each attempt; the attempt then raises ``TimeoutError``. **A create
+    attempt that timed out may have created a sandbox** that nobody holds: it is retried only if
+    ``TimeoutError`` is covered by ``on``, which the default is not.
+
+    Every retried attempt adds 1 to ``gym.sandbox.create_retry_total`` (other operations:
+    ``gym.sandbox.retry_total`` with ``operation``), logs one warning (operation, attempt number,
+    wait, error) from the same place, and adds a ``retry`` event to the current span (the
+    ``TracingMiddleware`` span when tracing sits outside).
+
+    ``budget``, a ``RetryBudget``, is shared by every call through this layer: while it is
+    exhausted the error propagates at once and ``gym.sandbox.retry_throttled_total`` counts it.
+    Cancellation is never retried and never swallowed.
+    """
+
+    def __init__(
+        self,
+        inner: SandboxProvider,
+        *,
+        on: RetryOn = (SandboxCreateError, ConnectionError),
+        attempts: int | None = 10,
+        timeout: float | None = 600.0,
+        wait_initial: float = 0.5,
+        wait_max: float = 30.0,
+        wait_jitter: float = 1.0,
+        attempt_timeout: float | None = None,
+        operations: Collection[str] = ("create",),
+        budget: RetryBudget | None = None,
+        meter_provider: MeterProvider | None = None,
+    ) -> None:
+        super().__init__(inner)
+        unknown = set(operations) - set(RETRYABLE_OPERATIONS)
+        if isinstance(operations, str) or unknown:
+            raise ValueError(
+                f"RetryMiddleware: operations must be a list of {list(RETRYABLE_OPERATIONS)}, got {operations!r}"
+            )
+        if attempt_timeout is not None and attempt_timeout <= 0:
+            raise ValueError(f"RetryMiddleware: attempt_timeout must be > 0 seconds, not {attempt_timeout!r}")
+        if attempts is not None and attempts < 1:
+            raise ValueError(f"RetryMiddleware: attempts must be >= 1, not {attempts!r}")
+        self.on = on
+        self.attempts = attempts
+        self.timeout = timeout
+        self.wait_initial = wait_initial
+        self.wait_max = wait_max
+        self.wait_jitter = wait_jitter
+        self.attempt_timeout = attempt_timeout
+        self.operations = frozenset(operations)
+        self.budget = budget
+        self._instruments = Instruments(_Instruments.create, meter_provider)
+        self._matches = _matcher(on)
+
+    def __repr__(self) -> str:
+        return f"RetryMiddleware({self.inner!r}, operations={sorted(self.operations)}, attempts={self.attempts})"
+
+    def _predicate(self, operation: str) -> Callable[[Exception], bool | float | dt.timedelta]:
+        def should_retry(exc: Exception) -> bool | float | dt.timedelta:
+            verdict = self._matches(exc)
+            if verdict is False:
+                return False
+            if self.budget is not None and not self.budget.on_failure():
+                self._count("throttled", operation)
+                return False
+            return verdict
+
+        return should_retry
+
+    def _count(self, which: str, operation: str) -> None:
+        instruments = self._instruments.get()
+        if instruments is None:
+            return
+        try:
+            if which == "throttled":
+                instruments.throttled.add(1, {PROVIDER_ATTR: self.name, OPERATION_ATTR: operation})
+            elif operation == "create":
+                instruments.create_retries.add(1, {PROVIDER_ATTR: self.name})
+            else:
+                instruments.retries.add(1, {PROVIDER_ATTR: self.name, OPERATION_ATTR: operation})
+        except Exception as exc:
+            report_once(f"retry counter ({which})", exc)
+
+    def _retrying_now(self, operation: str, attempt: int, waited: float, error: Exception | None) -> None:
+        """The one place a retry is reported: counter, warning and span event agree by construction."""
+        self._count("retry", operation)
+        logger.warning(
+            "retrying %s on %s: attempt %d after waiting %.3fs; previous attempt failed with %r",
+            operation,
+            self.name,
+            attempt,
+            waited,
+            error,
+        )
+        try:
+            trace.get_current_span().add_event(
+                "retry",
+                {
+                    "operation": operation,
+                    "attempt": attempt,
+                    "wait_s": waited,
+                    "error.type": error_type(error) if error is not None else "",
+                },
+            )
+        except Exception as exc:
+            report_once("retry span event", exc)
+
+    async def _call(self, operation: str, call: Callable[[], Awaitable[T]]) -> T:
+        if operation not in self.operations:
+            return await call()
+        last_error: Exception | None = None
+        failed_at = 0.0
+        async for attempt in stamina.retry_context(
+            on=self._predicate(operation),
+            attempts=self.attempts,
+            timeout=self.timeout,
+            wait_initial=self.wait_initial,
+            wait_max=self.wait_max,
+            wait_jitter=self.wait_jitter,
+        ):
+            with attempt:
+                if attempt.num > 1:
+                    self._retrying_now(operation, attempt.num, time.monotonic() - failed_at, last_error)
+                try:
+                    if self.attempt_timeout is None:
+                        result = await call()
+                    else:
+                        with anyio.fail_after(self.attempt_timeout):
+                            result = await call()
+                except Exception as exc:
+                    last_error, failed_at = exc, time.monotonic()
+                    raise
+                if self.budget is not None:
+                    self.budget.on_success()
+                return result
+        raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
+
+    async def create(self, spec: SandboxSpec) -> SandboxHandle:
+        return await self._call("create", lambda: self.inner.create(spec))
+
+    async def exec(
+        self,
+        handle: SandboxHandle,
+        command: str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: int | float | None = None,
+        user: str | int | None = None,
+    ) -> SandboxExecResult:
+        return await self._call(
+            "exec", lambda: self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
+        )
+
+    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
+        await self._call("upload", lambda: self.inner.upload_file(handle, source_path, target_path))
+
+    async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
+        await self._call("download", lambda: self.inner.download_file(handle, source_path, target_path))
+
+    async def status(self, handle: SandboxHandle) -> SandboxStatus:
+        return await self._call("status", lambda: self.inner.status(handle))
+
+    async def close(self, handle: SandboxHandle) -> None:
+        await self._call("close", lambda: self.inner.close(handle))
+
+
+def _matcher(on: RetryOn) -> Callable[[Exception], bool | float | dt.timedelta]:
+    if isinstance(on, type) and issubclass(on, Exception):
+        return lambda exc: isinstance(exc, on)
+    if isinstance(on, tuple) and all(isinstance(t, type) and issubclass(t, Exception) for t in on):
+        return lambda exc: isinstance(exc, on)
+    if callable(on) and not isinstance(on, type):
+        return on
+    raise TypeError(f"RetryMiddleware: on must be an exception type, a tuple of them, or a predicate; got {on!r}")
