@@ -1,0 +1,41 @@
+"""The token bundle and the completion that carries it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["TokenBundle", "TokenCompletion", "TokenSource"]
+
+TokenSource = Literal["message", "vllm", "tokenize"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TokenBundle:
+    """The tokens of one turn exactly as the server used them.
+
+    The lists are the very objects decoded from the response (no copies), so treat them as
+    read-only. ``source`` says where they came from: ``message`` (a bundle already on
+    ``choice.message``), ``vllm`` (inline ids), or ``tokenize`` (generation from logprobs, prompt
+    reconstructed by ``/tokenize``).
+    """
+
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    source: str
+    routed_experts: Any = None
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenBundle(source={self.source!r}, prompt={len(self.prompt_token_ids)} ids, "
+            f"generation={len(self.generation_token_ids)} ids)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCompletion:
+    """A chat completion response (dict) with its bundle on ``choices[0].message``, and the bundle."""
+
+    response: dict[str, Any]
+    bundle: TokenBundle

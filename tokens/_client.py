@@ -1,0 +1,237 @@
+"""``TokenClient``: chat completions over httpx with the token bundle extracted from the response."""
+
+from __future__ import annotations
+
+import datetime as dt
+import email.utils
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import httpx
+import msgspec
+import stamina
+
+from ._bundle import TokenBundle, TokenCompletion
+from ._chain import DEFAULT_CHAIN, ChainEntry, Exchange, build_chain
+from ._decode import decode_response
+from ._errors import (
+    ContextLengthExceededError,
+    MalformedTokenMetadataError,
+    ServerResponseError,
+    UnsupportedRequestError,
+)
+
+__all__ = ["RetryPolicy", "TokenClient", "prepare_request", "server_root"]
+
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+_ids = msgspec.json.Decoder(list[int])
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How transient failures (connection errors, 429, 500, 502, 503, 504) are retried, with stamina.
+
+    A 429's Retry-After is honoured (capped at ``wait_max``); a 400 is never retried.
+    """
+
+    attempts: int = 3
+    timeout: float = 120.0
+    wait_initial: float = 0.5
+    wait_max: float = 10.0
+    wait_jitter: float = 0.5
+
+
+def server_root(base_url: str) -> str:
+    """The server root for ``/tokenize``: ``base_url`` without a trailing slash or ``/v1``."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+def prepare_request(body: Mapping[str, Any], *, request_token_ids: bool) -> dict[str, Any]:
+    """The request as sent: logprobs forced on, one log probability per token, token ids as tokens.
+
+    Refuses (``UnsupportedRequestError``, before anything is sent) ``n`` other than 1 and streaming.
+    """
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise UnsupportedRequestError(
+            f"n={n!r}: token capture supports one choice per request; send n=1 (or omit it) and "
+            "issue separate requests for several samples"
+        )
+    if body.get("stream"):
+        raise UnsupportedRequestError(
+            "stream=true: token capture needs the whole response; send stream=false (or omit it)"
+        )
+    sent = dict(body)
+    sent.pop("prompt_logprobs", None)
+    sent["logprobs"] = True
+    sent["top_logprobs"] = 0
+    sent["return_tokens_as_token_ids"] = True
+    if request_token_ids:
+        sent["return_token_ids"] = True
+    return sent
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        return max(0.0, when.timestamp() - time.time())
+
+
+def _error_from(response: httpx.Response, what: str) -> ServerResponseError:
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = response.text
+    detail = body.get("error", body) if isinstance(body, dict) else body
+    message = detail.get("message") if isinstance(detail, dict) else None
+    text = str(message if message is not None else body)[:2000]
+    status = response.status_code
+    if status == 400 and (
+        "context length" in text or (isinstance(detail, dict) and detail.get("param") == "input_tokens")
+    ):
+        return ContextLengthExceededError(
+            f"{what}: the prompt does not fit the model's context: {text}", status_code=status, body=body
+        )
+    return ServerResponseError(
+        f"{what}: HTTP {status} from {response.request.url}: {text}",
+        status_code=status,
+        body=body,
+        retry_after=_retry_after(response) if status == 429 else None,
+    )
+
+
+class TokenClient:
+    """An async client for OpenAI-compatible chat completions that returns exact token bundles.
+
+    ``await client.chat_completion(**body)`` posts ``{base_url}/chat/completions`` with logprobs
+    forced on (and ``return_token_ids`` when ``request_prompt_and_generation_token_ids``), then runs
+    the response through the extraction chain (``middleware``, default ``DEFAULT_CHAIN``: a bundle
+    on the message, vLLM inline ids, logprobs plus ``/tokenize``). ``/tokenize`` on the server
+    root is the only other request, and only when no inline source gave the prompt ids.
+
+    Pass ``http_client`` to share a pool (it is not closed by this client). Transient failures
+    are retried per ``retry`` (``None`` disables retries).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        http_client: httpx.AsyncClient | None = None,
+        request_prompt_and_generation_token_ids: bool = False,
+        middleware: Sequence[ChainEntry] | None = None,
+        timeout: httpx.Timeout | float = httpx.Timeout(600.0, connect=10.0),
+        retry: RetryPolicy | None = RetryPolicy(),
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"TokenClient: base_url must be an http(s) URL such as http://host:8000/v1, not {base_url!r}"
+            )
+        self.base_url = base_url.rstrip("/")
+        self.tokenize_url = server_root(base_url) + "/tokenize"
+        self.request_prompt_and_generation_token_ids = request_prompt_and_generation_token_ids
+        self.retry = retry
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._owns_client = http_client is None
+        self._http = http_client if http_client is not None else httpx.AsyncClient(timeout=timeout)
+        self._timeout = timeout
+        self._chain = build_chain(DEFAULT_CHAIN if middleware is None else middleware)
+
+    async def __aenter__(self) -> TokenClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:  # fmt: skip
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._http.aclose()
+
+    async def _post(self, url: str, body: Mapping[str, Any], what: str) -> bytes:
+        """POST ``body``; the raw response bytes on 2xx, a typed error otherwise, retried per policy."""
+        payload = msgspec.json.encode(body)
+        headers = {**self._headers, "Content-Type": "application/json"}
+
+        async def once() -> bytes:
+            response = await self._http.post(url, content=payload, headers=headers, timeout=self._timeout)
+            if response.status_code >= 400:
+                raise _error_from(response, what)
+            return response.content
+
+        policy = self.retry
+        if policy is None:
+            return await once()
+        async for attempt in stamina.retry_context(
+            on=_retryable(policy),
+            attempts=policy.attempts,
+            timeout=policy.timeout,
+            wait_initial=policy.wait_initial,
+            wait_max=policy.wait_max,
+            wait_jitter=policy.wait_jitter,
+        ):
+            with attempt:
+                return await once()
+        raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
+
+    async def tokenize(self, body: Mapping[str, Any]) -> list[int]:
+        """``POST {server root}/tokenize`` with ``body``; the prompt ids."""
+        data = await self._post(self.tokenize_url, body, "/tokenize")
+        try:
+            tokens = msgspec.json.decode(data, type=dict[str, msgspec.Raw]).get("tokens")
+            if tokens is None:
+                raise MalformedTokenMetadataError("/tokenize response has no 'tokens' list")
+            result: list[int] = _ids.decode(tokens)
+        except msgspec.MsgspecError as exc:
+            raise MalformedTokenMetadataError(f"/tokenize response: 'tokens' is not a list of ids ({exc})") from exc
+        return result
+
+    async def chat_completion(self, **body: Any) -> TokenCompletion:
+        """Post a chat completion; the response with its bundle on ``choices[0].message``."""
+        request = prepare_request(body, request_token_ids=self.request_prompt_and_generation_token_ids)
+        data = await self._post(self.base_url + "/chat/completions", request, "chat completion")
+        return await self.extract(request, data)
+
+    async def extract(self, request: Mapping[str, Any], data: bytes | str) -> TokenCompletion:
+        """Run a response body through the extraction chain (``/tokenize`` as its fallback)."""
+        response = decode_response(data)
+        bundle = await self._chain(Exchange(request, response, self.tokenize))
+        return TokenCompletion(attach_bundle(response.body, bundle), bundle)
+
+
+def attach_bundle(body: dict[str, Any], bundle: TokenBundle) -> dict[str, Any]:
+    """Place ``bundle`` on ``body["choices"][0]["message"]`` (the transport fields are already gone)."""
+    message = body["choices"][0]["message"]
+    message["prompt_token_ids"] = bundle.prompt_token_ids
+    message["generation_token_ids"] = bundle.generation_token_ids
+    message["generation_log_probs"] = bundle.generation_log_probs
+    if bundle.routed_experts is not None:
+        message["routed_experts"] = bundle.routed_experts
+        body["choices"][0].pop("routed_experts", None)
+    return body
+
+
+def _retryable(policy: RetryPolicy) -> Any:
+    def on(exc: Exception) -> bool | float | dt.timedelta:
+        if isinstance(exc, httpx.TransportError):
+            return True
+        if isinstance(exc, ServerResponseError) and exc.status_code in RETRY_STATUSES:
+            if exc.retry_after is not None:
+                return min(exc.retry_after, policy.wait_max)
+            return True
+        return False
+
+    return on

@@ -1,0 +1,188 @@
+"""Decoding a chat completion for token extraction, fast at 128K-token lengths.
+
+The response is scanned once into raw slices; the token fields (the large part) are decoded
+straight into typed lists by msgspec, which rejects booleans for ints, non-numbers for log
+probabilities and non-finite numbers, and everything else is decoded as plain JSON. The token
+fields are decoded only when an extraction step asks for them, and at most once.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+import msgspec
+
+from ._errors import MalformedTokenMetadataError, TokenCaptureError
+
+__all__ = ["DecodedResponse", "MalformedResponseError", "decode_response"]
+
+
+class MalformedResponseError(TokenCaptureError):
+    """The response body is not a chat completion (not JSON, not an object, no choices)."""
+
+
+MalformedResponseError.__module__ = "tokens"
+
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _LogprobEntry(msgspec.Struct):
+    token: str
+    logprob: float
+
+
+class _Logprobs(msgspec.Struct):
+    content: list[_LogprobEntry] | None = None
+
+
+_fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_choices = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
+_ids = msgspec.json.Decoder(list[TokenId] | None)
+_floats = msgspec.json.Decoder(list[float] | None)
+_logprobs = msgspec.json.Decoder(_Logprobs | None)
+_any = msgspec.json.Decoder()
+
+_TOKEN_PREFIX = "token_id:"
+_TOKEN_LINES = re.compile(r"token_id:[0-9]+(?:\ntoken_id:[0-9]+)*")
+
+# Fields held raw until an extraction step decodes them typed: (container, key).
+_TOP_RAW = ("prompt_token_ids",)
+_CHOICE_RAW = ("token_ids", "logprobs")
+_MESSAGE_RAW = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
+def _validation_error(field: str, exc: msgspec.MsgspecError) -> MalformedTokenMetadataError:
+    message, _, path = str(exc).partition(" - at `")
+    where = field + path.rstrip("`")[1:] if path else field
+    return MalformedTokenMetadataError(f"{where}: {message}")
+
+
+def _generic(raw: msgspec.Raw, field: str) -> Any:
+    try:
+        return _any.decode(raw)
+    except msgspec.MsgspecError as exc:  # pragma: no cover - the raw scan already validated it
+        raise MalformedResponseError(f"{field}: {exc}") from exc
+
+
+class DecodedResponse:
+    """A chat completion with its token fields held back for typed decoding.
+
+    ``body`` is the response as plain JSON without the token transport fields; ``choice`` is
+    ``body["choices"][0]`` and ``message`` is ``choice["message"]`` (the same objects). The token
+    fields are read through ``token_ids``, ``log_probs`` and ``logprob_tokens``.
+    """
+
+    __slots__ = ("_decoded", "_logprob_tokens", "_raw", "body", "choice", "message")
+
+    def __init__(self, body: dict[str, Any], choice: dict[str, Any], message: dict[str, Any],
+                 raw: dict[str, msgspec.Raw]) -> None:  # fmt: skip
+        self.body = body
+        self.choice = choice
+        self.message = message
+        self._raw = raw
+        self._decoded: dict[str, Any] = {}
+        self._logprob_tokens: tuple[list[int], list[float]] | bool | None = False
+
+    def _typed(self, field: str, decoder: msgspec.json.Decoder[Any]) -> Any:
+        if field in self._decoded:
+            return self._decoded[field]
+        raw = self._raw.get(field)
+        try:
+            value = None if raw is None else decoder.decode(raw)
+        except msgspec.MsgspecError as exc:
+            raise _validation_error(field, exc) from exc
+        self._decoded[field] = value
+        return value
+
+    def token_ids(self, field: str) -> list[int] | None:
+        """The ids at ``field`` (e.g. ``"prompt_token_ids"``, ``"choices[0].token_ids"``); None if absent or null."""
+        value: list[int] | None = self._typed(field, _ids)
+        return value
+
+    def log_probs(self, field: str) -> list[float] | None:
+        value: list[float] | None = self._typed(field, _floats)
+        return value
+
+    def logprob_tokens(self) -> tuple[list[int], list[float]] | None:
+        """Generation ids and log probabilities from ``choices[0].logprobs.content``; None if absent.
+
+        Tokens must read ``token_id:<int>`` (the request asks for ``return_tokens_as_token_ids``).
+        """
+        cached = self._logprob_tokens
+        if cached is not False:
+            return cached  # type: ignore[return-value]
+        logprobs: _Logprobs | None = self._typed("choices[0].logprobs", _logprobs)
+        result: tuple[list[int], list[float]] | None = None
+        if logprobs is not None and logprobs.content is not None:
+            entries = logprobs.content
+            tokens = [entry.token for entry in entries]
+            if tokens and _TOKEN_LINES.fullmatch("\n".join(tokens)) is None:
+                raise _bad_token(tokens)
+            result = ([int(token[9:]) for token in tokens], [entry.logprob for entry in entries])
+        self._logprob_tokens = result
+        return result
+
+    def present(self, field: str) -> bool:
+        """Whether a held-back token field was sent with a value other than null."""
+        raw = self._raw.get(field)
+        return raw is not None and not (len(raw) == 4 and bytes(raw) == b"null")
+
+
+def _bad_token(tokens: list[str]) -> MalformedTokenMetadataError:
+    for index, token in enumerate(tokens):
+        digits = token[len(_TOKEN_PREFIX) :]
+        if not (token.startswith(_TOKEN_PREFIX) and digits.isascii() and digits.isdigit()):
+            return MalformedTokenMetadataError(
+                f"choices[0].logprobs.content[{index}].token: {token[:40]!r} is not 'token_id:<int>'; "
+                "request return_tokens_as_token_ids=true (TokenClient does)"
+            )
+    return MalformedTokenMetadataError("choices[0].logprobs.content: a token is not 'token_id:<int>'")
+
+
+def decode_response(data: bytes | str) -> DecodedResponse:
+    """Decode a chat completion body; token fields are kept raw for typed decoding later."""
+    try:
+        top = _fields.decode(data)
+    except msgspec.ValidationError as exc:
+        raise MalformedResponseError(f"the response is not a JSON object: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise MalformedResponseError(f"the response is not valid JSON: {exc}") from exc
+    raw: dict[str, msgspec.Raw] = {}
+    body: dict[str, Any] = {}
+    for key, value in top.items():
+        if key in _TOP_RAW:
+            raw[key] = value
+        elif key != "choices":
+            body[key] = _generic(value, key)
+    if "choices" not in top:
+        raise MalformedResponseError("the response has no 'choices'; is this a chat completion response?")
+    try:
+        choices = _choices.decode(top["choices"])
+    except msgspec.ValidationError as exc:
+        raise MalformedResponseError(f"choices: expected a list of objects ({exc})") from exc
+    if not choices:
+        raise MalformedResponseError("choices: the list is empty; the server returned no completion")
+    first: dict[str, Any] = {}
+    for key, value in choices[0].items():
+        if key in _CHOICE_RAW:
+            raw[f"choices[0].{key}"] = value
+        elif key != "message":
+            first[key] = _generic(value, f"choices[0].{key}")
+    message: dict[str, Any] = {}
+    if "message" in choices[0]:
+        try:
+            message_fields = _fields.decode(choices[0]["message"])
+        except msgspec.ValidationError as exc:
+            raise MalformedResponseError(f"choices[0].message: expected an object ({exc})") from exc
+        for key, value in message_fields.items():
+            if key in _MESSAGE_RAW:
+                raw[f"choices[0].message.{key}"] = value
+            else:
+                message[key] = _generic(value, f"choices[0].message.{key}")
+    first["message"] = message
+    others = [
+        {key: _generic(value, f"choices[{n}].{key}") for key, value in c.items()} for n, c in enumerate(choices[1:], 1)
+    ]
+    body["choices"] = [first, *others]
+    return DecodedResponse(body, first, message, raw)

@@ -1,0 +1,73 @@
+"""Typed errors of the token client: each says what was wrong, where, and what to do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ConflictingTokenMetadataError",
+    "ContextLengthExceededError",
+    "MalformedTokenMetadataError",
+    "MissingTokenMetadataError",
+    "PartialTokenMetadataError",
+    "ServerResponseError",
+    "TokenCaptureError",
+    "TokensError",
+    "UnsupportedRequestError",
+]
+
+
+class TokensError(Exception):
+    """Base class of every error the ``tokens`` package raises."""
+
+
+class UnsupportedRequestError(TokensError):
+    """The request asks for something token capture cannot serve (``n`` > 1, streaming); nothing was sent."""
+
+
+class ServerResponseError(TokensError):
+    """The server answered with an HTTP error; ``status_code`` and ``body`` are kept."""
+
+    def __init__(self, message: str, *, status_code: int, body: Any, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+        self.retry_after = retry_after
+
+
+class ContextLengthExceededError(ServerResponseError):
+    """The prompt (plus ``max_tokens``) does not fit the model's context; shorten it. Never retried."""
+
+
+class TokenCaptureError(TokensError):
+    """The response's token metadata cannot give an exact bundle."""
+
+
+class PartialTokenMetadataError(TokenCaptureError):
+    """A token source is present only in part (some of its fields missing)."""
+
+
+class ConflictingTokenMetadataError(TokenCaptureError):
+    """Two token sources in one response disagree."""
+
+
+class MalformedTokenMetadataError(TokenCaptureError):
+    """Token metadata of the wrong shape or type (not a list, a bad entry, a boolean for a number...)."""
+
+
+class MissingTokenMetadataError(TokenCaptureError):
+    """The response carries no token source at all (no logprobs, no inline ids)."""
+
+
+for _cls in (
+    TokensError,
+    UnsupportedRequestError,
+    ServerResponseError,
+    ContextLengthExceededError,
+    TokenCaptureError,
+    PartialTokenMetadataError,
+    ConflictingTokenMetadataError,
+    MalformedTokenMetadataError,
+    MissingTokenMetadataError,
+):
+    _cls.__module__ = "tokens"
