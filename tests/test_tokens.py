@@ -228,7 +228,7 @@ async def test_partial_inline_ids() -> None:
     """prompt_token_ids without choice.token_ids, or the reverse, is partial."""
     response = copy.deepcopy(INLINE)
     response["choices"][0]["token_ids"] = None
-    with pytest.raises(PartialTokenMetadataError, match="no choices\\[0\\].token_ids"):
+    with pytest.raises(PartialTokenMetadataError, match=r"no choices\[0\]\.token_ids"):
         await complete(response)
     response = copy.deepcopy(INLINE)
     del response["prompt_token_ids"]
@@ -273,7 +273,7 @@ async def test_length_mismatch_is_malformed() -> None:
     """Generation ids and log probabilities of different lengths are malformed."""
     response = copy.deepcopy(INLINE)
     response["choices"][0]["token_ids"].append(5)
-    with pytest.raises(MalformedTokenMetadataError, match="7 ids but choices\\[0\\].logprobs.content has 6"):
+    with pytest.raises(MalformedTokenMetadataError, match=r"7 ids but choices\[0\]\.logprobs\.content has 6"):
         await complete(response)
     response = message_bundle_response()
     response["choices"][0]["message"]["generation_log_probs"].pop()

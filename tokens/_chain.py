@@ -155,8 +155,9 @@ def extract_vllm_inline(response: DecodedResponse) -> TokenBundle | None:
     ids, log_probs = from_logprobs
     _lengths_match(generation, log_probs, "choices[0].token_ids", "choices[0].logprobs.content")
     if ids != generation:
+        where = _first_difference(generation, ids)
         raise ConflictingTokenMetadataError(
-            f"choices[0].token_ids and the ids in choices[0].logprobs.content disagree {_first_difference(generation, ids)}"
+            f"choices[0].token_ids and the ids in choices[0].logprobs.content disagree {where}"
         )
     return TokenBundle(prompt, generation, log_probs, "vllm", _routed_experts(response))
 

@@ -26,6 +26,8 @@ from ._errors import (
 
 __all__ = ["RetryPolicy", "TokenClient", "prepare_request", "server_root"]
 
+# Long generations (32K tokens) take minutes; connecting should not.
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _ids = msgspec.json.Decoder(list[int])
 
@@ -133,7 +135,7 @@ class TokenClient:
         http_client: httpx.AsyncClient | None = None,
         request_prompt_and_generation_token_ids: bool = False,
         middleware: Sequence[ChainEntry] | None = None,
-        timeout: httpx.Timeout | float = httpx.Timeout(600.0, connect=10.0),
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         retry: RetryPolicy | None = RetryPolicy(),
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
