@@ -39,3 +39,6 @@ class TokenCompletion:
 
     response: dict[str, Any]
     bundle: TokenBundle
+
+    def __repr__(self) -> str:  # the response can be megabytes: never print it whole
+        return f"TokenCompletion(id={self.response.get('id')!r}, bundle={self.bundle!r})"

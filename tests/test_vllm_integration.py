@@ -1,0 +1,99 @@
+"""Token capture against a real vLLM server (CPU build) on a tiny random model made at test time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tokens import TokenClient
+
+pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
+
+REQUEST = json.loads((Path(__file__).parent / "fixtures" / "vllm-0.32" / "chat_inline_ids.request.json").read_text())
+MESSAGES = REQUEST["messages"]
+TOOLS = REQUEST["tools"]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Counting:
+    """An httpx client that counts the requests it sends, by path."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+        async def record(request: httpx.Request) -> None:
+            self.paths.append(request.url.path)
+
+        self.client = httpx.AsyncClient(timeout=120, event_hooks={"request": [record]})
+
+
+async def tokenize(base_url: str, **body: Any) -> list[int]:
+    async with httpx.AsyncClient(timeout=60) as client:
+        response = await client.post(base_url.removesuffix("/v1") + "/tokenize", json={"model": "tiny", **body})
+        response.raise_for_status()
+        tokens: list[int] = response.json()["tokens"]
+        return tokens
+
+
+async def test_inline_ids_equal_tokenize_in_one_request(vllm_base_url: str) -> None:
+    """With inline ids requested, the prompt ids equal /tokenize's and exactly one request is made."""
+    counting = Counting()
+    async with (
+        counting.client,
+        TokenClient(vllm_base_url, http_client=counting.client, request_prompt_and_generation_token_ids=True) as client,
+    ):
+        completion = await client.chat_completion(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=8, seed=1)
+    assert completion.bundle.source == "vllm"
+    assert counting.paths == ["/v1/chat/completions"]
+    assert completion.bundle.prompt_token_ids == await tokenize(vllm_base_url, messages=MESSAGES, tools=TOOLS)
+    assert len(completion.bundle.generation_token_ids) == len(completion.bundle.generation_log_probs) > 0
+    assert all(lp <= 0.0 for lp in completion.bundle.generation_log_probs)
+
+
+async def test_fallback_gives_the_same_prompt_ids(vllm_base_url: str) -> None:
+    """Without inline ids, logprobs plus /tokenize reproduce the same prompt and generation."""
+    counting = Counting()
+    async with counting.client, TokenClient(vllm_base_url, http_client=counting.client) as client:
+        fallback = await client.chat_completion(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=8, seed=1)
+    async with TokenClient(vllm_base_url, request_prompt_and_generation_token_ids=True) as client:
+        inline = await client.chat_completion(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=8, seed=1)
+    assert fallback.bundle.source == "tokenize"
+    assert counting.paths == ["/v1/chat/completions", "/tokenize"]
+    assert fallback.bundle.prompt_token_ids == inline.bundle.prompt_token_ids
+    assert fallback.bundle.generation_token_ids == inline.bundle.generation_token_ids
+
+
+async def test_generation_ids_decode_to_the_text(vllm_base_url: str) -> None:
+    """The generated ids detokenize to exactly the returned message text."""
+    async with TokenClient(vllm_base_url, request_prompt_and_generation_token_ids=True) as client:
+        completion = await client.chat_completion(
+            model="tiny", messages=[{"role": "user", "content": "Say hello"}], max_tokens=12, seed=3
+        )
+    async with httpx.AsyncClient(timeout=60) as http:
+        response = await http.post(
+            vllm_base_url.removesuffix("/v1") + "/detokenize",
+            json={"model": "tiny", "tokens": completion.bundle.generation_token_ids},
+        )
+    assert response.json()["prompt"] == completion.response["choices"][0]["message"]["content"]
+
+
+async def test_second_turn_with_the_first_answer(vllm_base_url: str) -> None:
+    """A second turn that feeds the first answer back gets its own exact prompt ids."""
+    async with TokenClient(vllm_base_url, request_prompt_and_generation_token_ids=True) as client:
+        first = await client.chat_completion(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=6, seed=1)
+        answer = first.response["choices"][0]["message"]
+        turn2 = [*MESSAGES, {"role": "assistant", "content": answer["content"] or ""},
+                 {"role": "user", "content": "And in Lima?"}]  # fmt: skip
+        second = await client.chat_completion(model="tiny", messages=turn2, tools=TOOLS, max_tokens=6, seed=1)
+    assert second.bundle.source == "vllm"
+    assert second.bundle.prompt_token_ids == await tokenize(vllm_base_url, messages=turn2, tools=TOOLS)
+    assert len(second.bundle.prompt_token_ids) > len(first.bundle.prompt_token_ids)
+    assert second.bundle.prompt_token_ids[: len(first.bundle.prompt_token_ids)] == first.bundle.prompt_token_ids
