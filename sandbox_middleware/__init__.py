@@ -1,6 +1,7 @@
 """Composable middleware for sandbox providers (the NeMo Gym ``SandboxProvider`` protocol)."""
 
 from ._budget import RetryBudget
+from ._config import ConfigError, ResolvedStack, build_provider, load_config, resolve_config
 from ._core import Middleware, ProviderMiddleware, stack
 from ._local import BwrapUnavailableError, LocalProvider
 from ._metrics import MetricsMiddleware
@@ -19,6 +20,7 @@ from ._protocol import (
     SupportsSandboxEndpoint,
     SupportsSandboxPty,
 )
+from ._registry import RegistryError, register_middleware, register_provider
 from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
 from ._retry import RetryMiddleware
 from ._sandbox import Sandbox, SandboxNotStartedError
@@ -26,13 +28,16 @@ from ._tracing import TracingMiddleware
 
 __all__ = [
     "BwrapUnavailableError",
+    "ConfigError",
     "ConnectableProvider",
     "HeldSandbox",
     "LocalProvider",
     "MetricsMiddleware",
     "Middleware",
     "ProviderMiddleware",
+    "RegistryError",
     "ReleaseAccountingMiddleware",
+    "ResolvedStack",
     "RetryBudget",
     "RetryMiddleware",
     "Sandbox",
@@ -50,5 +55,10 @@ __all__ = [
     "SupportsSandboxEndpoint",
     "SupportsSandboxPty",
     "TracingMiddleware",
+    "build_provider",
+    "load_config",
+    "register_middleware",
+    "register_provider",
+    "resolve_config",
     "stack",
 ]

@@ -68,6 +68,8 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
         self._counter = Instruments(_active_counter, meter_provider)
         self._attributes = {PROVIDER_ATTR: inner.name}
         self._ledger: dict[str, HeldSandbox] = {}
+        self.peak_held = 0
+        """The most sandboxes this layer held at once (its high-water mark of ``gym.sandbox.active``)."""
         self.release_on_aclose = release_on_aclose
         self.release_timeout_s = release_timeout_s
         self.release_concurrency = release_concurrency
@@ -88,6 +90,7 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
         handle = await self.inner.create(spec)
         self._ledger[handle.sandbox_id] = HeldSandbox(handle.sandbox_id, self.inner.name, time.time(), False, handle)
+        self.peak_held = max(self.peak_held, len(self._ledger))
         self._add(1)
         return handle
 

@@ -4,6 +4,6 @@ Fixtures for an in-memory OpenTelemetry SDK live in ``sandbox_middleware.testing
 (``pytest_plugins = ["sandbox_middleware.testing.fixtures"]``; needs ``opentelemetry-sdk``).
 """
 
-from ._faults import FaultInjectingProvider, InjectedCreateError, InjectedFault
+from ._faults import OPERATIONS, FaultInjectingProvider, InjectedCreateError, InjectedFault, parse_faults
 
-__all__ = ["FaultInjectingProvider", "InjectedCreateError", "InjectedFault"]
+__all__ = ["OPERATIONS", "FaultInjectingProvider", "InjectedCreateError", "InjectedFault", "parse_faults"]

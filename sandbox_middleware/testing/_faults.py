@@ -15,6 +15,7 @@ from .._protocol import (
     SandboxExecResult,
     SandboxHandle,
     SandboxNotFoundError,
+    SandboxProvider,
     SandboxSpec,
     SandboxStatus,
 )
@@ -43,6 +44,9 @@ class FaultInjectingProvider:
     - ``hang_at``: await points, ``"operation:before"`` or ``"operation:after"`` (after the
       effect), where the call waits forever, so the caller's cancel scope cancels it right there.
 
+    With ``inner`` (a real provider) the effects happen there and the faults are injected in front
+    of it (``sandbox-middleware run --faults``); without it sandboxes are entries in a set.
+
     Ground truth: ``alive`` is the set of sandbox ids that really exist, ``orphaned`` those created
     by a lost or cancelled create whose handle never reached the caller, ``injected`` every fault
     raised. ``seed`` makes the random choices reproducible.
@@ -50,6 +54,7 @@ class FaultInjectingProvider:
 
     def __init__(
         self,
+        inner: SandboxProvider | None = None,
         *,
         name: str = "faulty",
         seed: int = 0,
@@ -69,7 +74,8 @@ class FaultInjectingProvider:
                 raise ValueError(
                     f"FaultInjectingProvider: failure rate for {operation!r} must be in [0, 1], not {rate}"
                 )
-        self.name = name
+        self.inner = inner
+        self.name = inner.name if inner is not None else name
         self.failure_rates = rates
         self.lost_create_rate = lost_create_rate
         self.close_failures = close_failures
@@ -115,14 +121,18 @@ class FaultInjectingProvider:
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
         await self._enter("create", None)
-        sandbox_id = f"{self.name}-{next(self._ids)}"
+        if self.inner is not None:
+            handle = await self.inner.create(spec)
+        else:
+            handle = SandboxHandle(f"{self.name}-{next(self._ids)}", self.name, None)
+        sandbox_id = handle.sandbox_id
         self.alive.add(sandbox_id)
         self.orphaned.add(sandbox_id)  # until the handle is handed back
         if self.lost_create_rate and self.random.random() < self.lost_create_rate:
             self._raise("create", f"injected lost response: {sandbox_id} was created")
         await self._leave("create")
         self.orphaned.discard(sandbox_id)
-        return SandboxHandle(sandbox_id, self.name, None)
+        return handle
 
     async def exec(
         self,
@@ -135,21 +145,33 @@ class FaultInjectingProvider:
         user: str | int | None = None,
     ) -> SandboxExecResult:
         await self._enter("exec", handle.sandbox_id)
+        if self.inner is not None:
+            result = await self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
+        else:
+            result = SandboxExecResult(f"ran: {command}\n", "", 0)
         await self._leave("exec")
-        return SandboxExecResult(f"ran: {command}\n", "", 0)
+        return result
 
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         await self._enter("upload", handle.sandbox_id)
+        if self.inner is not None:
+            await self.inner.upload_file(handle, source_path, target_path)
         await self._leave("upload")
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         await self._enter("download", handle.sandbox_id)
+        if self.inner is not None:
+            await self.inner.download_file(handle, source_path, target_path)
         await self._leave("download")
 
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
         await self._enter("status", None)
+        if self.inner is not None:
+            status = await self.inner.status(handle)
+        else:
+            status = SandboxStatus.RUNNING if handle.sandbox_id in self.alive else SandboxStatus.STOPPED
         await self._leave("status")
-        return SandboxStatus.RUNNING if handle.sandbox_id in self.alive else SandboxStatus.STOPPED
+        return status
 
     async def close(self, handle: SandboxHandle) -> None:
         await self._enter("close", None)
@@ -157,12 +179,34 @@ class FaultInjectingProvider:
         if attempts < self.close_failures and handle.sandbox_id in self.alive:
             self._close_attempts[handle.sandbox_id] = attempts + 1
             self._raise("close", f"injected close failure {attempts + 1}/{self.close_failures}")
+        if self.inner is not None:
+            await self.inner.close(handle)
         self._close_attempts.pop(handle.sandbox_id, None)
         self.alive.discard(handle.sandbox_id)
         await self._leave("close")
 
     async def aclose(self) -> None:
+        if self.inner is not None:
+            await self.inner.aclose()
         await anyio.lowlevel.checkpoint()
+
+
+def parse_faults(spec: str) -> dict[str, float]:
+    """``"create=0.1,close=0.05"`` as failure rates; a ``ValueError`` says what is wrong."""
+    rates: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        operation, sep, value = part.partition("=")
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = -1.0
+        if not sep or operation not in OPERATIONS or not 0.0 <= rate <= 1.0:
+            raise ValueError(
+                f"bad fault {part!r}: use operation=probability with operation one of {', '.join(OPERATIONS)} "
+                "and probability in [0, 1], e.g. create=0.1,close=0.05"
+            )
+        rates[operation] = rate
+    return rates
 
 
 # Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.

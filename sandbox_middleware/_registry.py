@@ -1,0 +1,150 @@
+"""Provider and middleware registries: built-ins, ``register_*`` calls, and entry points."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from ._protocol import SandboxError
+
+__all__ = [
+    "MIDDLEWARE_GROUPS",
+    "PROVIDER_GROUPS",
+    "Registry",
+    "RegistryError",
+    "middleware_registry",
+    "provider_registry",
+    "register_middleware",
+    "register_provider",
+]
+
+PROVIDER_GROUPS = ("sandbox_middleware.providers", "nemo_gym.sandbox_providers")
+MIDDLEWARE_GROUPS = ("sandbox_middleware.middleware",)
+_THIS_DISTRIBUTION = "llm-sandbox-middleware"
+
+
+class RegistryError(SandboxError):
+    """An unknown or duplicate provider or middleware name."""
+
+
+RegistryError.__module__ = "sandbox_middleware"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    load: Callable[[], Any]
+    origin: str
+    """Where the name comes from: ``built-in (...)``, ``register_...()``, or ``distribution X (group)``."""
+    target: str
+
+
+class Registry:
+    """Names to classes. Precedence: ``register()`` calls, then built-ins, then entry points.
+
+    Entry points may not reuse a built-in name, and two distributions may not publish the same
+    name (unless both point at the same object): either is an error that names both origins.
+    """
+
+    def __init__(self, kind: str, groups: Iterable[str], builtins: dict[str, Callable[[], Any]]) -> None:
+        self.kind = kind
+        self.groups = tuple(groups)
+        self._builtins = {
+            name: _Entry(load, f"built-in ({_THIS_DISTRIBUTION})", name) for name, load in builtins.items()
+        }
+        self._registered: dict[str, _Entry] = {}
+        self._discovered: dict[str, _Entry] | None = None
+
+    def register(self, name: str, cls: Any, *, replace: bool = False) -> None:
+        if not isinstance(name, str) or not name:
+            raise RegistryError(f"a {self.kind} name must be a non-empty string, not {name!r}")
+        if name in self._registered and not replace:
+            raise RegistryError(
+                f"{self.kind} {name!r} is already registered ({self._registered[name].target}); "
+                "pass replace=True to replace it"
+            )
+        self._registered[name] = _Entry(lambda: cls, f"register_{self.kind}()", _qualname(cls))
+
+    def _entry_points(self) -> dict[str, _Entry]:
+        if self._discovered is not None:
+            return self._discovered
+        found: dict[str, _Entry] = {}
+        for group in self.groups:
+            for ep in metadata.entry_points(group=group):
+                dist = ep.dist.name if ep.dist is not None else "an unknown distribution"
+                entry = _Entry(ep.load, f"distribution {dist!r} ({group})", ep.value)
+                clash = self._builtins.get(ep.name) or found.get(ep.name)
+                if clash is not None and clash.target != entry.target:
+                    raise RegistryError(
+                        f"duplicate {self.kind} name {ep.name!r}: {clash.origin} -> {clash.target} and "
+                        f"{entry.origin} -> {entry.target}; uninstall one of them or register one explicitly "
+                        f"with register_{self.kind}()"
+                    )
+                if ep.name not in self._builtins:
+                    found.setdefault(ep.name, entry)
+        self._discovered = found
+        return found
+
+    def names(self) -> list[str]:
+        return sorted({*self._registered, *self._builtins, *self._entry_points()})
+
+    def origin(self, name: str) -> str:
+        return self._lookup(name).origin
+
+    def _lookup(self, name: str) -> _Entry:
+        entry = self._registered.get(name) or self._builtins.get(name)
+        if entry is None:
+            entry = self._entry_points().get(name)
+        if entry is None:
+            raise RegistryError(f"unknown {self.kind} {name!r}; available: {', '.join(self.names())}")
+        return entry
+
+    def get(self, name: str) -> Any:
+        """The class registered under ``name``."""
+        return self._lookup(name).load()
+
+    def refresh(self) -> None:
+        """Forget the entry points found so far (after installing a distribution at run time)."""
+        self._discovered = None
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _local() -> Any:
+    from ._local import LocalProvider
+
+    return LocalProvider
+
+
+def _builtin_middleware() -> dict[str, Callable[[], Any]]:
+    def load(module: str, name: str) -> Callable[[], Any]:
+        def loader() -> Any:
+            import importlib
+
+            return getattr(importlib.import_module(module, __package__), name)
+
+        return loader
+
+    return {
+        "tracing": load("._tracing", "TracingMiddleware"),
+        "metrics": load("._metrics", "MetricsMiddleware"),
+        "release_accounting": load("._release_accounting", "ReleaseAccountingMiddleware"),
+        "retry": load("._retry", "RetryMiddleware"),
+    }
+
+
+provider_registry = Registry("provider", PROVIDER_GROUPS, {"local": _local})
+middleware_registry = Registry("middleware", MIDDLEWARE_GROUPS, _builtin_middleware())
+
+
+def register_provider(name: str, cls: Any, *, replace: bool = False) -> None:
+    """Make ``cls`` available as ``provider: {name: {...}}`` in configs; takes precedence over all else."""
+    provider_registry.register(name, cls, replace=replace)
+
+
+def register_middleware(name: str, cls: Any, *, replace: bool = False) -> None:
+    """Make ``cls`` (a ``ProviderMiddleware``) available by ``name`` in a config's middleware list."""
+    middleware_registry.register(name, cls, replace=replace)
