@@ -1,4 +1,4 @@
-"""What the telemetry middlewares share: attribute names, lazy providers, never-raising records.
+"""What the telemetry middlewares (and the ``tokens`` client) share: names, lazy providers, safe records.
 
 Only the OpenTelemetry API is used. With no SDK configured (the API's proxy or no-op providers)
 nothing is created or recorded; once an SDK provider is installed, globally or passed in, the
@@ -64,9 +64,10 @@ class Instruments(Generic[B]):
     middleware instance asks first. Returns None while no SDK is configured.
     """
 
-    def __init__(self, factory: Callable[[Meter], B], meter_provider: MeterProvider | None) -> None:
+    def __init__(self, factory: Callable[[Meter], B], meter_provider: MeterProvider | None, scope: str = SCOPE) -> None:
         self._factory = factory
         self._provider = meter_provider
+        self._scope = scope
         self._bundle: B | None = None
 
     def get(self) -> B | None:
@@ -77,7 +78,7 @@ class Instruments(Generic[B]):
         if isinstance(provider, _NO_SDK_METER_PROVIDERS):
             return None
         try:
-            meter = provider.get_meter(SCOPE)
+            meter = provider.get_meter(self._scope)
             per_meter = _instrument_cache.setdefault(meter, {})
             bundle = per_meter.get(self._factory)
             if bundle is None:
@@ -92,8 +93,9 @@ class Instruments(Generic[B]):
 class Tracing:
     """The tracer from ``tracer_provider`` (default: the global one), or None without an SDK."""
 
-    def __init__(self, tracer_provider: TracerProvider | None) -> None:
+    def __init__(self, tracer_provider: TracerProvider | None, scope: str = SCOPE) -> None:
         self._provider = tracer_provider
+        self._scope = scope
         self._tracer: Tracer | None = None
 
     def get(self) -> Tracer | None:
@@ -104,7 +106,7 @@ class Tracing:
         if isinstance(provider, _NO_SDK_TRACER_PROVIDERS):
             return None
         try:
-            tracer = provider.get_tracer(SCOPE)
+            tracer = provider.get_tracer(self._scope)
         except Exception as exc:
             report_once("creating the tracer", exc)
             return None

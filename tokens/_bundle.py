@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-__all__ = ["TokenBundle", "TokenCompletion", "TokenSource"]
-
-TokenSource = Literal["message", "vllm", "tokenize"]
+__all__ = ["TokenBundle", "TokenCompletion"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -16,8 +14,8 @@ class TokenBundle:
 
     The lists are the very objects decoded from the response (no copies), so treat them as
     read-only. ``source`` says where they came from: ``message`` (a bundle already on
-    ``choice.message``), ``vllm`` (inline ids), or ``tokenize`` (generation from logprobs, prompt
-    reconstructed by ``/tokenize``).
+    ``choice.message``), ``dynamo`` (``nvext.engine_data``), ``sglang`` or ``vllm`` (inline ids), or
+    ``tokenize`` (generation from logprobs, prompt reconstructed by ``/tokenize``: not ``exact``).
     """
 
     prompt_token_ids: list[int]
@@ -25,6 +23,13 @@ class TokenBundle:
     generation_log_probs: list[float]
     source: str
     routed_experts: Any = None
+    floored_positions: tuple[int, ...] = ()
+    """Positions whose log probability is the server's -9999.0 floor (no real value was computed)."""
+
+    @property
+    def exact(self) -> bool:
+        """True when every id came from the server inline; False when the prompt was reconstructed."""
+        return self.source != "tokenize"
 
     def __repr__(self) -> str:
         return (

@@ -13,6 +13,8 @@ gave the prompt ids.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,21 +26,31 @@ from ._errors import (
     MalformedTokenMetadataError,
     MissingTokenMetadataError,
     PartialTokenMetadataError,
+    TokenIdsIgnoredError,
 )
 
 __all__ = [
     "DEFAULT_CHAIN",
+    "LOG_PROB_FLOOR",
+    "DynamoSource",
     "Exchange",
     "Handler",
+    "LogProbFloorCheck",
     "LogprobsSource",
     "MessageBundleSource",
+    "SGLangSource",
     "TokenMiddleware",
+    "UsageCheck",
     "VLLMInlineSource",
     "build_chain",
+    "extract_dynamo",
     "extract_message_bundle",
+    "extract_sglang",
     "extract_vllm_inline",
     "require_bundle",
 ]
+
+logger = logging.getLogger("tokens")
 
 TokenizeFn = Callable[[Mapping[str, Any]], Awaitable[list[int]]]
 
@@ -50,6 +62,8 @@ class Exchange:
     request: Mapping[str, Any]
     response: DecodedResponse
     tokenize: TokenizeFn | None = None
+    allow_tokenize_fallback: bool = False
+    """Whether a request that asked for inline ids may fall back to ``/tokenize`` when none came back."""
     found: TokenBundle | None = None
     sources: list[str] = field(default_factory=list)
 
@@ -133,7 +147,8 @@ def extract_vllm_inline(response: DecodedResponse) -> TokenBundle | None:
     """vLLM's inline ids (``return_token_ids``): top-level ``prompt_token_ids`` and
     ``choices[0].token_ids``, log probabilities from ``choices[0].logprobs``; or None."""
     has_prompt = response.present("prompt_token_ids")
-    has_generation = response.present("choices[0].token_ids")
+    # choice.token_ids beside choice.prompt_token_ids is SGLang's shape, not half of vLLM's.
+    has_generation = response.present("choices[0].token_ids") and not response.present("choices[0].prompt_token_ids")
     if not (has_prompt or has_generation):
         return None
     if not (has_prompt and has_generation):
@@ -160,6 +175,58 @@ def extract_vllm_inline(response: DecodedResponse) -> TokenBundle | None:
             f"choices[0].token_ids and the ids in choices[0].logprobs.content disagree {where}"
         )
     return TokenBundle(prompt, generation, log_probs, "vllm", _routed_experts(response))
+
+
+_DYNAMO_FIELDS = (
+    "nvext.engine_data.prompt_token_ids",
+    "nvext.engine_data.completion_token_ids",
+    "nvext.engine_data.completion_logprobs",
+)
+
+
+def extract_dynamo(response: DecodedResponse) -> TokenBundle | None:
+    """NVIDIA Dynamo's ``nvext.engine_data`` (requested with ``nvext: {extra_fields: ["engine_data"]}``):
+    ``prompt_token_ids``, ``completion_token_ids`` and ``completion_logprobs``; or None."""
+    present = [name for name in _DYNAMO_FIELDS if response.present(name)]
+    if not present:
+        return None
+    if len(present) < len(_DYNAMO_FIELDS):
+        missing = [name for name in _DYNAMO_FIELDS if name not in present]
+        raise PartialTokenMetadataError(
+            f"the response carries {', '.join(present)} but not {', '.join(missing)}; Dynamo's engine_data "
+            "must have all three (is the backend old, or were log probabilities not requested?)"
+        )
+    prompt = response.token_ids(_DYNAMO_FIELDS[0])
+    generation = response.token_ids(_DYNAMO_FIELDS[1])
+    log_probs = response.log_probs(_DYNAMO_FIELDS[2])
+    assert prompt is not None and generation is not None and log_probs is not None
+    _lengths_match(generation, log_probs, _DYNAMO_FIELDS[1], _DYNAMO_FIELDS[2])
+    return TokenBundle(prompt, generation, log_probs, "dynamo", _routed_experts(response))
+
+
+def extract_sglang(response: DecodedResponse) -> TokenBundle | None:
+    """SGLang's inline ids (``return_token_ids``): ``choices[0].prompt_token_ids`` and
+    ``choices[0].token_ids``, log probabilities from ``choices[0].logprobs.content``; or None."""
+    has_prompt = response.present("choices[0].prompt_token_ids")
+    if not has_prompt:
+        return None
+    if not response.present("choices[0].token_ids"):
+        raise PartialTokenMetadataError(
+            "the response has SGLang inline choices[0].prompt_token_ids but no choices[0].token_ids; "
+            "SGLang sends both with return_token_ids=true"
+        )
+    prompt = response.token_ids("choices[0].prompt_token_ids")
+    generation = response.token_ids("choices[0].token_ids")
+    assert prompt is not None and generation is not None
+    entries = response.logprob_entries()
+    if entries is None:
+        raise MissingTokenMetadataError(
+            "the response has SGLang inline ids but no choices[0].logprobs.content for their log probabilities; "
+            "request logprobs=true (TokenClient does)"
+        )
+    log_probs = [entry.logprob for entry in entries]
+    _lengths_match(generation, log_probs, "choices[0].token_ids", "choices[0].logprobs.content")
+    return TokenBundle(prompt, generation, log_probs, "sglang", _routed_experts(response))
 
 
 _TOKENIZE_FIELDS = ("model", "messages", "tools", "chat_template_kwargs", "mm_processor_kwargs",
@@ -202,6 +269,18 @@ class MessageBundleSource(_PureSource):
     extract = staticmethod(extract_message_bundle)
 
 
+class DynamoSource(_PureSource):
+    """NVIDIA Dynamo's ``nvext.engine_data`` (source ``dynamo``)."""
+
+    extract = staticmethod(extract_dynamo)
+
+
+class SGLangSource(_PureSource):
+    """SGLang's inline ids on the choice (source ``sglang``)."""
+
+    extract = staticmethod(extract_sglang)
+
+
 class VLLMInlineSource(_PureSource):
     """vLLM inline ids with logprobs (source ``vllm``)."""
 
@@ -210,32 +289,98 @@ class VLLMInlineSource(_PureSource):
 
 class LogprobsSource(TokenMiddleware):
     """Generation ids and log probabilities from ``choices[0].logprobs.content``; the prompt ids from
-    ``/tokenize`` (source ``tokenize``), called only when no source before it found a bundle."""
+    ``/tokenize`` (source ``tokenize``), called only when no source before it found a bundle.
+
+    When an earlier source found the bundle, the logprob tokens are a cross-check of its
+    generation ids (skipped when the server wrote tokens as text rather than ``token_id:<int>``).
+    """
 
     async def __call__(self, exchange: Exchange) -> TokenBundle:
+        found = exchange.found
+        if found is not None:
+            try:
+                from_logprobs = exchange.response.logprob_tokens()
+            except MalformedTokenMetadataError:
+                from_logprobs = None  # text tokens: nothing to compare ids with
+            if from_logprobs is not None and from_logprobs[0] != found.generation_token_ids:
+                where = _first_difference(found.generation_token_ids, from_logprobs[0])
+                raise ConflictingTokenMetadataError(
+                    f"generation_token_ids from the {found.source!r} source and the ids in "
+                    f"choices[0].logprobs.content disagree {where}"
+                )
+            return await self.inner(exchange)
         from_logprobs = exchange.response.logprob_tokens()
         if from_logprobs is not None:
+            if exchange.request.get("return_token_ids") and not exchange.allow_tokenize_fallback:
+                raise TokenIdsIgnoredError(
+                    "the request asked for return_token_ids but the server sent no inline ids (an older vLLM, or "
+                    "a server that ignores the field); the prompt would have to be re-tokenized. Upgrade the "
+                    "server, or pass allow_tokenize_fallback=True to accept reconstructed prompt ids"
+                )
+            if exchange.tokenize is None:
+                raise MissingTokenMetadataError(
+                    "the response has generation tokens in logprobs but no prompt ids, and no /tokenize "
+                    "fallback is configured"
+                )
             ids, log_probs = from_logprobs
-            found = exchange.found
-            if found is not None:
-                if ids != found.generation_token_ids:
-                    raise ConflictingTokenMetadataError(
-                        f"generation_token_ids from the {found.source!r} source and the ids in "
-                        f"choices[0].logprobs.content disagree {_first_difference(found.generation_token_ids, ids)}"
-                    )
-            else:
-                if exchange.tokenize is None:
-                    raise MissingTokenMetadataError(
-                        "the response has generation tokens in logprobs but no prompt ids, and no /tokenize "
-                        "fallback is configured"
-                    )
-                prompt = await exchange.tokenize(tokenize_body(exchange.request))
-                exchange.offer(TokenBundle(prompt, ids, log_probs, "tokenize", _routed_experts(exchange.response)))
+            prompt = await exchange.tokenize(tokenize_body(exchange.request))
+            exchange.offer(TokenBundle(prompt, ids, log_probs, "tokenize", _routed_experts(exchange.response)))
         return await self.inner(exchange)
 
 
+LOG_PROB_FLOOR = -9999.0
+
+
+class UsageCheck(TokenMiddleware):
+    """After extraction: ``usage.prompt_tokens`` / ``usage.completion_tokens``, when present, must
+    equal the bundle's list lengths (``ConflictingTokenMetadataError``)."""
+
+    async def __call__(self, exchange: Exchange) -> TokenBundle:
+        bundle = await self.inner(exchange)
+        usage = exchange.response.body.get("usage")
+        if isinstance(usage, dict):
+            for key, ids in (
+                ("prompt_tokens", bundle.prompt_token_ids),
+                ("completion_tokens", bundle.generation_token_ids),
+            ):
+                count = usage.get(key)
+                if isinstance(count, int) and not isinstance(count, bool) and count != len(ids):
+                    raise ConflictingTokenMetadataError(
+                        f"usage.{key} is {count} but the {bundle.source!r} source has {len(ids)} ids; the server's "
+                        "accounting and its token lists disagree"
+                    )
+        return bundle
+
+
+class LogProbFloorCheck(TokenMiddleware):
+    """After extraction: log probabilities at the server's -9999.0 floor (no real value was
+    computed) are reported in ``TokenBundle.floored_positions`` and logged, not passed off as numbers."""
+
+    async def __call__(self, exchange: Exchange) -> TokenBundle:
+        bundle = await self.inner(exchange)
+        log_probs = bundle.generation_log_probs
+        if LOG_PROB_FLOOR not in log_probs:
+            return bundle
+        positions = tuple(i for i, value in enumerate(log_probs) if value == LOG_PROB_FLOOR)
+        logger.warning(
+            "%d generated token(s) carry the server's -9999.0 log-probability floor (positions %s); "
+            "see TokenBundle.floored_positions",
+            len(positions),
+            list(positions[:20]),
+        )
+        return dataclasses.replace(bundle, floored_positions=positions)
+
+
 ChainEntry = Callable[[Handler], Handler]
-DEFAULT_CHAIN: tuple[ChainEntry, ...] = (MessageBundleSource, VLLMInlineSource, LogprobsSource)
+DEFAULT_CHAIN: tuple[ChainEntry, ...] = (
+    UsageCheck,
+    LogProbFloorCheck,
+    MessageBundleSource,
+    DynamoSource,
+    SGLangSource,
+    VLLMInlineSource,
+    LogprobsSource,
+)
 
 
 def build_chain(entries: Sequence[ChainEntry] = DEFAULT_CHAIN, inner: Handler = require_bundle) -> Handler:

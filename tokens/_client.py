@@ -13,6 +13,10 @@ from typing import Any
 import httpx
 import msgspec
 import stamina
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.trace import Span, StatusCode, TracerProvider
+
+from sandbox_middleware._telemetry import ERROR_TYPE_ATTR, Instruments, Tracing, error_type, report_once
 
 from ._bundle import TokenBundle, TokenCompletion
 from ._chain import DEFAULT_CHAIN, ChainEntry, Exchange, build_chain
@@ -23,6 +27,7 @@ from ._errors import (
     ServerResponseError,
     UnsupportedRequestError,
 )
+from ._telemetry import SCOPE, SOURCE_ATTR, TokenInstruments
 
 __all__ = ["RetryPolicy", "TokenClient", "prepare_request", "server_root"]
 
@@ -124,7 +129,13 @@ class TokenClient:
     root is the only other request, and only when no inline source gave the prompt ids.
 
     Pass ``http_client`` to share a pool (it is not closed by this client). Transient failures
-    are retried per ``retry`` (``None`` disables retries).
+    are retried per ``retry`` (``None`` disables retries). When inline ids were requested but the
+    server sent none, ``TokenIdsIgnoredError`` is raised unless ``allow_tokenize_fallback``.
+
+    Telemetry (``meter_provider`` / ``tracer_provider``, default the global ones):
+    ``tokens.capture.source_total`` by ``tokens.source``, ``tokens.capture.error_total`` by
+    ``error.type``, ``tokens.tokenize_fallback.duration_ms``, and a ``tokens.chat_completion`` span
+    with the source and the token counts.
     """
 
     def __init__(
@@ -137,6 +148,9 @@ class TokenClient:
         middleware: Sequence[ChainEntry] | None = None,
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         retry: RetryPolicy | None = RetryPolicy(),
+        allow_tokenize_fallback: bool = False,
+        meter_provider: MeterProvider | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(
@@ -151,6 +165,9 @@ class TokenClient:
         self._http = http_client if http_client is not None else httpx.AsyncClient(timeout=timeout)
         self._timeout = timeout
         self._chain = build_chain(DEFAULT_CHAIN if middleware is None else middleware)
+        self.allow_tokenize_fallback = allow_tokenize_fallback
+        self._instruments = Instruments(TokenInstruments.create, meter_provider, SCOPE)
+        self._tracing = Tracing(tracer_provider, SCOPE)
 
     async def __aenter__(self) -> TokenClient:
         return self
@@ -191,7 +208,14 @@ class TokenClient:
 
     async def tokenize(self, body: Mapping[str, Any]) -> list[int]:
         """``POST {server root}/tokenize`` with ``body``; the prompt ids."""
+        started = time.perf_counter()
         data = await self._post(self.tokenize_url, body, "/tokenize")
+        instruments = self._instruments.get()
+        if instruments is not None:
+            try:
+                instruments.tokenize_ms.record((time.perf_counter() - started) * 1000.0)
+            except Exception as exc:
+                report_once("tokens.tokenize_fallback.duration_ms", exc)
         try:
             tokens = msgspec.json.decode(data, type=dict[str, msgspec.Raw]).get("tokens")
             if tokens is None:
@@ -204,14 +228,43 @@ class TokenClient:
     async def chat_completion(self, **body: Any) -> TokenCompletion:
         """Post a chat completion; the response with its bundle on ``choices[0].message``."""
         request = prepare_request(body, request_token_ids=self.request_prompt_and_generation_token_ids)
-        data = await self._post(self.base_url + "/chat/completions", request, "chat completion")
-        return await self.extract(request, data)
+        tracer = self._tracing.get()
+        if tracer is None:
+            return await self._complete(request)
+        with tracer.start_as_current_span(
+            "tokens.chat_completion", record_exception=False, set_status_on_exception=False
+        ) as span:
+            try:
+                completion = await self._complete(request)
+            except Exception as exc:
+                _safely(_mark_error, span, exc)
+                raise
+            _safely(_mark_bundle, span, completion.bundle)
+            return completion
+
+    async def _complete(self, request: dict[str, Any]) -> TokenCompletion:
+        try:
+            data = await self._post(self.base_url + "/chat/completions", request, "chat completion")
+            return await self.extract(request, data)
+        except Exception as exc:
+            self._count("errors", {ERROR_TYPE_ATTR: error_type(exc)})
+            raise
 
     async def extract(self, request: Mapping[str, Any], data: bytes | str) -> TokenCompletion:
         """Run a response body through the extraction chain (``/tokenize`` as its fallback)."""
         response = decode_response(data)
-        bundle = await self._chain(Exchange(request, response, self.tokenize))
+        bundle = await self._chain(Exchange(request, response, self.tokenize, self.allow_tokenize_fallback))
+        self._count("sources", {SOURCE_ATTR: bundle.source})
         return TokenCompletion(attach_bundle(response.body, bundle), bundle)
+
+    def _count(self, which: str, attributes: dict[str, str]) -> None:
+        instruments = self._instruments.get()
+        if instruments is None:
+            return
+        try:
+            getattr(instruments, which).add(1, attributes)
+        except Exception as exc:
+            report_once(f"tokens counter {which}", exc)
 
 
 def attach_bundle(body: dict[str, Any], bundle: TokenBundle) -> dict[str, Any]:
@@ -224,6 +277,28 @@ def attach_bundle(body: dict[str, Any], bundle: TokenBundle) -> dict[str, Any]:
         message["routed_experts"] = bundle.routed_experts
         body["choices"][0].pop("routed_experts", None)
     return body
+
+
+def _safely(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:
+        report_once("tokens.chat_completion span", exc)
+
+
+def _mark_bundle(span: Span, bundle: TokenBundle) -> None:
+    span.set_attribute(SOURCE_ATTR, bundle.source)
+    span.set_attribute("tokens.exact", bundle.exact)
+    span.set_attribute("tokens.prompt_count", len(bundle.prompt_token_ids))
+    span.set_attribute("tokens.generation_count", len(bundle.generation_token_ids))
+    if bundle.floored_positions:
+        span.set_attribute("tokens.floored_count", len(bundle.floored_positions))
+
+
+def _mark_error(span: Span, exc: Exception) -> None:
+    span.set_attribute(ERROR_TYPE_ATTR, error_type(exc))
+    span.record_exception(exc)
+    span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
 
 
 def _retryable(policy: RetryPolicy) -> Any:

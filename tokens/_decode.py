@@ -46,10 +46,11 @@ _any = msgspec.json.Decoder()
 _TOKEN_PREFIX = "token_id:"
 _TOKEN_LINES = re.compile(r"token_id:[0-9]+(?:\ntoken_id:[0-9]+)*")
 
-# Fields held raw until an extraction step decodes them typed: (container, key).
-_TOP_RAW = ("prompt_token_ids",)
-_CHOICE_RAW = ("token_ids", "logprobs")
-_MESSAGE_RAW = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+# Fields held raw until an extraction step decodes them typed, by container.
+_TOP_RAW = frozenset({"prompt_token_ids"})  # vLLM
+_CHOICE_RAW = frozenset({"token_ids", "logprobs", "prompt_token_ids"})  # vLLM, SGLang (prompt ids on the choice)
+_MESSAGE_RAW = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})  # NeMo RL
+_ENGINE_DATA_RAW = frozenset({"prompt_token_ids", "completion_token_ids", "completion_logprobs"})  # Dynamo
 
 
 def _validation_error(field: str, exc: msgspec.MsgspecError) -> MalformedTokenMetadataError:
@@ -104,18 +105,23 @@ class DecodedResponse:
         value: list[float] | None = self._typed(field, _floats)
         return value
 
+    def logprob_entries(self) -> list[Any] | None:
+        """The entries of ``choices[0].logprobs.content`` (``.token``, ``.logprob``), or None if absent."""
+        logprobs: _Logprobs | None = self._typed("choices[0].logprobs", _logprobs)
+        return None if logprobs is None else logprobs.content
+
     def logprob_tokens(self) -> tuple[list[int], list[float]] | None:
         """Generation ids and log probabilities from ``choices[0].logprobs.content``; None if absent.
 
-        Tokens must read ``token_id:<int>`` (the request asks for ``return_tokens_as_token_ids``).
+        Tokens must read ``token_id:<int>`` (the request asks for ``return_tokens_as_token_ids``);
+        otherwise ``MalformedTokenMetadataError`` names the first one that does not.
         """
         cached = self._logprob_tokens
         if cached is not False:
             return cached  # type: ignore[return-value]
-        logprobs: _Logprobs | None = self._typed("choices[0].logprobs", _logprobs)
+        entries = self.logprob_entries()
         result: tuple[list[int], list[float]] | None = None
-        if logprobs is not None and logprobs.content is not None:
-            entries = logprobs.content
+        if entries is not None:
             tokens = [entry.token for entry in entries]
             if tokens and _TOKEN_LINES.fullmatch("\n".join(tokens)) is None:
                 raise _bad_token(tokens)
@@ -140,6 +146,27 @@ def _bad_token(tokens: list[str]) -> MalformedTokenMetadataError:
     return MalformedTokenMetadataError("choices[0].logprobs.content: a token is not 'token_id:<int>'")
 
 
+def _object(raw: msgspec.Raw, field: str) -> dict[str, msgspec.Raw]:
+    try:
+        fields: dict[str, msgspec.Raw] = _fields.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise MalformedResponseError(f"{field}: expected an object ({exc})") from exc
+    return fields
+
+
+def _split(
+    fields: dict[str, msgspec.Raw], held: frozenset[str], prefix: str, raw: dict[str, msgspec.Raw]
+) -> dict[str, Any]:
+    """Decode ``fields`` as plain JSON except the ``held`` ones, kept raw under ``prefix + key``."""
+    decoded: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key in held:
+            raw[prefix + key] = value
+        else:
+            decoded[key] = _generic(value, prefix + key)
+    return decoded
+
+
 def decode_response(data: bytes | str) -> DecodedResponse:
     """Decode a chat completion body; token fields are kept raw for typed decoding later."""
     try:
@@ -148,41 +175,49 @@ def decode_response(data: bytes | str) -> DecodedResponse:
         raise MalformedResponseError(f"the response is not a JSON object: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise MalformedResponseError(f"the response is not valid JSON: {exc}") from exc
-    raw: dict[str, msgspec.Raw] = {}
-    body: dict[str, Any] = {}
-    for key, value in top.items():
-        if key in _TOP_RAW:
-            raw[key] = value
-        elif key != "choices":
-            body[key] = _generic(value, key)
     if "choices" not in top:
         raise MalformedResponseError("the response has no 'choices'; is this a chat completion response?")
+    raw: dict[str, msgspec.Raw] = {}
+    nvext = top.pop("nvext", None)
+    choices_raw = top.pop("choices")
+    body = _split(top, _TOP_RAW, "", raw)
+    if nvext is not None:
+        body["nvext"] = _nvext(nvext, raw)
     try:
-        choices = _choices.decode(top["choices"])
+        choices = _choices.decode(choices_raw)
     except msgspec.ValidationError as exc:
         raise MalformedResponseError(f"choices: expected a list of objects ({exc})") from exc
     if not choices:
         raise MalformedResponseError("choices: the list is empty; the server returned no completion")
-    first: dict[str, Any] = {}
-    for key, value in choices[0].items():
-        if key in _CHOICE_RAW:
-            raw[f"choices[0].{key}"] = value
-        elif key != "message":
-            first[key] = _generic(value, f"choices[0].{key}")
-    message: dict[str, Any] = {}
-    if "message" in choices[0]:
-        try:
-            message_fields = _fields.decode(choices[0]["message"])
-        except msgspec.ValidationError as exc:
-            raise MalformedResponseError(f"choices[0].message: expected an object ({exc})") from exc
-        for key, value in message_fields.items():
-            if key in _MESSAGE_RAW:
-                raw[f"choices[0].message.{key}"] = value
-            else:
-                message[key] = _generic(value, f"choices[0].message.{key}")
+    message_raw = choices[0].pop("message", None)
+    first = _split(choices[0], _CHOICE_RAW, "choices[0].", raw)
+    message = (
+        {}
+        if message_raw is None
+        else _split(_object(message_raw, "choices[0].message"), _MESSAGE_RAW, "choices[0].message.", raw)
+    )
     first["message"] = message
     others = [
         {key: _generic(value, f"choices[{n}].{key}") for key, value in c.items()} for n, c in enumerate(choices[1:], 1)
     ]
     body["choices"] = [first, *others]
     return DecodedResponse(body, first, message, raw)
+
+
+def _nvext(value: msgspec.Raw, raw: dict[str, msgspec.Raw]) -> Any:
+    """Dynamo's ``nvext``: its ``engine_data`` token fields are held raw, the rest decoded."""
+    try:
+        fields: dict[str, msgspec.Raw] = _fields.decode(value)
+    except msgspec.ValidationError:
+        return _generic(value, "nvext")  # not an object: nothing of ours in it
+    engine_data = fields.pop("engine_data", None)
+    nvext = {key: _generic(item, f"nvext.{key}") for key, item in fields.items()}
+    if engine_data is not None:
+        try:
+            engine_fields: dict[str, msgspec.Raw] = _fields.decode(engine_data)
+        except msgspec.ValidationError as exc:
+            raise MalformedTokenMetadataError(f"nvext.engine_data: expected an object ({exc})") from exc
+        rest = _split(engine_fields, _ENGINE_DATA_RAW, "nvext.engine_data.", raw)
+        if rest:
+            nvext["engine_data"] = rest
+    return nvext

@@ -12,6 +12,7 @@ __all__ = [
     "PartialTokenMetadataError",
     "ServerResponseError",
     "TokenCaptureError",
+    "TokenIdsIgnoredError",
     "TokensError",
     "UnsupportedRequestError",
 ]
@@ -59,6 +60,10 @@ class MissingTokenMetadataError(TokenCaptureError):
     """The response carries no token source at all (no logprobs, no inline ids)."""
 
 
+class TokenIdsIgnoredError(TokenCaptureError):
+    """Inline ids were requested (``return_token_ids``) but the server silently sent none."""
+
+
 for _cls in (
     TokensError,
     UnsupportedRequestError,
@@ -69,5 +74,6 @@ for _cls in (
     ConflictingTokenMetadataError,
     MalformedTokenMetadataError,
     MissingTokenMetadataError,
+    TokenIdsIgnoredError,
 ):
     _cls.__module__ = "tokens"
