@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tokens import TokenClient
+from tokens import TokenClient, Trajectory
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 
@@ -97,3 +97,35 @@ async def test_second_turn_with_the_first_answer(vllm_base_url: str) -> None:
     assert second.bundle.prompt_token_ids == await tokenize(vllm_base_url, messages=turn2, tools=TOOLS)
     assert len(second.bundle.prompt_token_ids) > len(first.bundle.prompt_token_ids)
     assert second.bundle.prompt_token_ids[: len(first.bundle.prompt_token_ids)] == first.bundle.prompt_token_ids
+
+
+async def test_three_turns_through_a_trajectory(vllm_base_url: str) -> None:
+    """Three real turns: the trajectory's verdict (drift or not, and where) equals a direct comparison."""
+    end_of_turn = (await tokenize(vllm_base_url, prompt="<|im_end|>", add_special_tokens=False))[0]
+    trajectory = Trajectory(policy="split", boundary_token_ids={end_of_turn})
+    messages = list(MESSAGES)
+    bundles = []
+    async with TokenClient(vllm_base_url, request_prompt_and_generation_token_ids=True) as client:
+        for turn, follow_up in enumerate(["And in Lima?", "And in Tokyo?", None]):
+            completion = await client.chat_completion(model="tiny", messages=messages, tools=TOOLS, max_tokens=6,
+                                                      seed=turn)  # fmt: skip
+            drift = trajectory.add(completion)
+            bundles.append(completion.bundle)
+            if turn:
+                previous = bundles[-2]
+                expected = previous.prompt_token_ids + previous.generation_token_ids
+                actual = completion.bundle.prompt_token_ids
+                direct = next((i for i, (a, b) in enumerate(zip(expected, actual, strict=False)) if a != b), None)
+                if direct is None and len(actual) < len(expected):
+                    direct = len(actual)
+                # A generated end-of-turn token re-rendered by the template is tolerated, not drift.
+                if direct == len(expected) - 1 and expected[-1] == end_of_turn:
+                    direct = None
+                assert (drift.index if drift is not None else None) == direct
+            if follow_up is not None:
+                answer = completion.response["choices"][0]["message"]["content"] or ""
+                messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
+    assert sum(s.turns for s in trajectory.segments) == 3
+    assert len(trajectory.segments) == 1 + len(trajectory.drifts)
+    for segment in trajectory.segments:
+        assert len(segment.token_ids) == len(segment.loss_mask) == len(segment.log_probs)

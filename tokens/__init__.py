@@ -35,6 +35,7 @@ from ._errors import (
     TokensError,
     UnsupportedRequestError,
 )
+from ._trajectory import Drift, DriftPolicy, Segment, Trajectory, TrajectoryDriftError
 
 __all__ = [
     "DEFAULT_CHAIN",
@@ -42,6 +43,8 @@ __all__ = [
     "ConflictingTokenMetadataError",
     "ContextLengthExceededError",
     "DecodedResponse",
+    "Drift",
+    "DriftPolicy",
     "DynamoSource",
     "Exchange",
     "Handler",
@@ -54,6 +57,7 @@ __all__ = [
     "PartialTokenMetadataError",
     "RetryPolicy",
     "SGLangSource",
+    "Segment",
     "ServerResponseError",
     "TokenBundle",
     "TokenCaptureError",
@@ -62,6 +66,8 @@ __all__ = [
     "TokenIdsIgnoredError",
     "TokenMiddleware",
     "TokensError",
+    "Trajectory",
+    "TrajectoryDriftError",
     "UnsupportedRequestError",
     "UsageCheck",
     "VLLMInlineSource",

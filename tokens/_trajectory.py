@@ -1,0 +1,178 @@
+"""``Trajectory``: multi-turn token sequences for training, with drift detection.
+
+In a multi-turn rollout each turn's prompt should start with the previous prompt plus the tokens
+the model generated. When it does not (a chat template that strips earlier reasoning, a tool call
+re-tokenized differently, a separator dropped at the boundary), the tokens trained on are not the
+ones the model conditioned on, and the importance ratio is silently wrong. ``Trajectory`` checks
+every turn, says where the sequences diverge, and applies a policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ._bundle import TokenBundle, TokenCompletion
+from ._errors import TokensError
+
+__all__ = ["Drift", "DriftPolicy", "Segment", "Trajectory", "TrajectoryDriftError"]
+
+DriftPolicy = Literal["error", "split", "mask"]
+
+
+@dataclass(frozen=True)
+class Drift:
+    """Where turn ``turn``'s prompt stopped extending the previous prompt plus generation."""
+
+    turn: int
+    """0-based index of the turn whose prompt diverged."""
+    index: int
+    """First position (in that prompt) that differs from the expected prefix."""
+    window_start: int
+    expected: list[int]
+    """The expected ids (previous prompt + generation) from ``window_start``."""
+    actual: list[int]
+    """The prompt's ids from ``window_start``."""
+    expected_text: str | None = None
+    actual_text: str | None = None
+
+    def describe(self) -> str:
+        text = (
+            f"turn {self.turn}: the prompt diverges from the previous prompt + generation at index {self.index}; "
+            f"from index {self.window_start} expected {self.expected} but got {self.actual}"
+        )
+        if self.expected_text is not None or self.actual_text is not None:
+            text += f" (expected text {self.expected_text!r}, actual text {self.actual_text!r})"
+        return text
+
+
+class TrajectoryDriftError(TokensError):
+    """A turn's prompt does not extend the previous prompt + generation (policy ``error``)."""
+
+    def __init__(self, drift: Drift) -> None:
+        super().__init__(
+            drift.describe() + ". The chat template or the client rewrote history; train on split segments "
+            "(policy='split'), mask this trajectory (policy='mask'), or send required_prefix_token_ids"
+        )
+        self.drift = drift
+
+
+TrajectoryDriftError.__module__ = "tokens"
+
+
+@dataclass
+class Segment:
+    """A token sequence ready for a trainer: ids, a loss mask (1 = generated, trained on) and the
+    sampled log probabilities aligned with them (0.0 where the mask is 0)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    trainable: bool = True
+    """False when the policy ``mask`` kept a drifted trajectory going: do not train on it."""
+    turns: int = 0
+
+    def _extend(self, ids: list[int], mask: int, log_probs: list[float] | None = None) -> None:
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([mask] * len(ids))
+        self.log_probs.extend(log_probs if log_probs is not None else [0.0] * len(ids))
+
+    def _truncate(self, length: int) -> None:
+        del self.token_ids[length:], self.loss_mask[length:], self.log_probs[length:]
+
+
+class Trajectory:
+    """Feed it each turn's ``TokenCompletion`` (or ``TokenBundle``) in order.
+
+    Each prompt must start with the previous prompt + generation. At the boundary, a generated
+    end-of-turn token in ``boundary_token_ids`` may be dropped or replaced by another boundary token
+    (templates re-render it); tokens the template appends after the generation (separators, the
+    next user or tool message) are prompt tokens with loss mask 0.
+
+    On a divergence, ``policy`` decides: ``error`` raises ``TrajectoryDriftError``; ``split``
+    closes the segment and starts a new one from the new prompt; ``mask`` keeps one segment,
+    rebased on the new prompt from the divergence on, and marks it untrainable. Every divergence
+    is also recorded in ``drifts``. ``decode`` (ids -> text) adds the text around it.
+    """
+
+    def __init__(
+        self,
+        *,
+        policy: DriftPolicy = "error",
+        boundary_token_ids: Collection[int] = (),
+        decode: Callable[[list[int]], str] | None = None,
+        window: int = 8,
+    ) -> None:
+        if policy not in ("error", "split", "mask"):
+            raise ValueError(f"Trajectory: policy must be 'error', 'split' or 'mask', not {policy!r}")
+        if window < 1:
+            raise ValueError(f"Trajectory: window must be at least 1, not {window}")
+        self.policy: DriftPolicy = policy
+        self.boundary_token_ids = frozenset(boundary_token_ids)
+        self.decode = decode
+        self.window = window
+        self.segments: list[Segment] = []
+        self.drifts: list[Drift] = []
+        self._turns = 0
+
+    @property
+    def required_prefix_token_ids(self) -> list[int] | None:
+        """The previous prompt + generation: what the next prompt must start with (None before a turn)."""
+        return list(self.segments[-1].token_ids) if self.segments else None
+
+    def add(self, turn: TokenCompletion | TokenBundle) -> Drift | None:
+        """Add one turn; the drift found at it (already handled per the policy), or None."""
+        bundle = turn.bundle if isinstance(turn, TokenCompletion) else turn
+        prompt, generation = bundle.prompt_token_ids, bundle.generation_token_ids
+        number = self._turns
+        self._turns += 1
+        if not self.segments:
+            self._start(prompt, bundle)
+            return None
+        segment = self.segments[-1]
+        expected = segment.token_ids
+        length = len(expected)
+        if prompt[:length] == expected:
+            matched = length
+        else:
+            matched = _first_difference(expected, prompt)
+            boundary_end = matched == length - 1 and expected[-1] in self.boundary_token_ids and segment.loss_mask[-1]
+            if not boundary_end:
+                drift = self._drift(number, matched, expected, prompt)
+                self.drifts.append(drift)
+                if self.policy == "error":
+                    raise TrajectoryDriftError(drift)
+                if self.policy == "split":
+                    self._start(prompt, bundle)
+                    return drift
+                segment.trainable = False
+            segment._truncate(matched)
+        segment._extend(prompt[matched:], 0)
+        segment._extend(generation, 1, bundle.generation_log_probs)
+        segment.turns += 1
+        return self.drifts[-1] if self.drifts and self.drifts[-1].turn == number else None
+
+    def _start(self, prompt: list[int], bundle: TokenBundle) -> None:
+        segment = Segment()
+        segment._extend(prompt, 0)
+        segment._extend(bundle.generation_token_ids, 1, bundle.generation_log_probs)
+        segment.turns = 1
+        self.segments.append(segment)
+
+    def _drift(self, turn: int, index: int, expected: list[int], actual: list[int]) -> Drift:
+        start = max(0, index - self.window)
+        want, got = expected[start : index + self.window], actual[start : index + self.window]
+        decode = self.decode
+        return Drift(
+            turn, index, start, want, got,
+            decode(want) if decode is not None else None, decode(got) if decode is not None else None,
+        )  # fmt: skip
+
+
+def _first_difference(expected: list[int], actual: list[int]) -> int:
+    """The first index where they differ (``len(actual)`` when ``actual`` is a strict prefix)."""
+    for index, (want, got) in enumerate(zip(expected, actual, strict=False)):
+        if want != got:
+            return index
+    return min(len(expected), len(actual))
