@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TypeAlias, TypeVar
 
@@ -198,7 +199,7 @@ class RetryMiddleware(ProviderMiddleware):
         raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
-        return await self._call("create", lambda: self.inner.create(spec))
+        return await self._call("create", partial(self.inner.create, spec))
 
     async def exec(
         self,
@@ -210,21 +211,23 @@ class RetryMiddleware(ProviderMiddleware):
         timeout_s: int | float | None = None,
         user: str | int | None = None,
     ) -> SandboxExecResult:
+        if "exec" not in self.operations:  # the default: a command may have run, never repeat it
+            return await self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
         return await self._call(
-            "exec", lambda: self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
+            "exec", partial(self.inner.exec, handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
         )
 
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
-        await self._call("upload", lambda: self.inner.upload_file(handle, source_path, target_path))
+        await self._call("upload", partial(self.inner.upload_file, handle, source_path, target_path))
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
-        await self._call("download", lambda: self.inner.download_file(handle, source_path, target_path))
+        await self._call("download", partial(self.inner.download_file, handle, source_path, target_path))
 
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
-        return await self._call("status", lambda: self.inner.status(handle))
+        return await self._call("status", partial(self.inner.status, handle))
 
     async def close(self, handle: SandboxHandle) -> None:
-        await self._call("close", lambda: self.inner.close(handle))
+        await self._call("close", partial(self.inner.close, handle))
 
 
 def _matcher(on: RetryOn) -> Callable[[Exception], bool | float | dt.timedelta]:

@@ -8,11 +8,14 @@ instruments are created once per meter and reused by every middleware instance.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from opentelemetry import metrics, trace
+from opentelemetry.environment_variables import OTEL_PYTHON_METER_PROVIDER, OTEL_PYTHON_TRACER_PROVIDER
 from opentelemetry.metrics import Meter, MeterProvider, NoOpMeterProvider
 from opentelemetry.trace import Tracer, TracerProvider
 
@@ -23,6 +26,25 @@ try:  # The API's placeholder before an SDK is installed; private, so its absenc
 except ImportError:  # pragma: no cover
     _NO_SDK_METER_PROVIDERS = (NoOpMeterProvider,)
 _NO_SDK_TRACER_PROVIDERS = (trace.NoOpTracerProvider, trace.ProxyTracerProvider)
+
+
+def _public_tracer_provider() -> TracerProvider | None:
+    provider = trace.get_tracer_provider()
+    return None if isinstance(provider, _NO_SDK_TRACER_PROVIDERS) else provider
+
+
+def _public_meter_provider() -> MeterProvider | None:
+    provider = metrics.get_meter_provider()
+    return None if isinstance(provider, _NO_SDK_METER_PROVIDERS) else provider
+
+
+# Every operation asks "is an SDK installed yet?" The public getters answer by looking up an
+# environment variable on each call (hundreds of nanoseconds); the API modules' own globals answer
+# the same question for free. Read them where they exist and no provider is named in the environment.
+_trace_globals: Any = trace
+_metrics_globals: Any = sys.modules.get("opentelemetry.metrics._internal")
+_FAST_TRACE = hasattr(_trace_globals, "_TRACER_PROVIDER") and OTEL_PYTHON_TRACER_PROVIDER not in os.environ
+_FAST_METRICS = hasattr(_metrics_globals, "_METER_PROVIDER") and OTEL_PYTHON_METER_PROVIDER not in os.environ
 
 logger = logging.getLogger("sandbox_middleware.telemetry")
 
@@ -64,6 +86,8 @@ class Instruments(Generic[B]):
     middleware instance asks first. Returns None while no SDK is configured.
     """
 
+    __slots__ = ("_bundle", "_factory", "_provider", "_scope")
+
     def __init__(self, factory: Callable[[Meter], B], meter_provider: MeterProvider | None, scope: str = SCOPE) -> None:
         self._factory = factory
         self._provider = meter_provider
@@ -74,7 +98,11 @@ class Instruments(Generic[B]):
         bundle = self._bundle
         if bundle is not None:
             return bundle
-        provider = self._provider if self._provider is not None else metrics.get_meter_provider()
+        provider = self._provider
+        if provider is None:
+            provider = _metrics_globals._METER_PROVIDER if _FAST_METRICS else _public_meter_provider()
+            if provider is None:
+                return None
         if isinstance(provider, _NO_SDK_METER_PROVIDERS):
             return None
         try:
@@ -93,6 +121,8 @@ class Instruments(Generic[B]):
 class Tracing:
     """The tracer from ``tracer_provider`` (default: the global one), or None without an SDK."""
 
+    __slots__ = ("_provider", "_scope", "_tracer")
+
     def __init__(self, tracer_provider: TracerProvider | None, scope: str = SCOPE) -> None:
         self._provider = tracer_provider
         self._scope = scope
@@ -102,7 +132,11 @@ class Tracing:
         tracer = self._tracer
         if tracer is not None:
             return tracer
-        provider = self._provider if self._provider is not None else trace.get_tracer_provider()
+        provider = self._provider
+        if provider is None:
+            provider = _trace_globals._TRACER_PROVIDER if _FAST_TRACE else _public_tracer_provider()
+            if provider is None:
+                return None
         if isinstance(provider, _NO_SDK_TRACER_PROVIDERS):
             return None
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -64,7 +65,7 @@ class TracingMiddleware(ProviderMiddleware):
         span: Span | None = None
         token: object = None
         try:
-            attrs: dict[str, Any] = {PROVIDER_ATTR: self.inner.name}
+            attrs: dict[str, Any] = {PROVIDER_ATTR: self.name}
             if handle is not None:
                 attrs[SANDBOX_ID_ATTR] = handle.sandbox_id
             if attributes:
@@ -73,24 +74,27 @@ class TracingMiddleware(ProviderMiddleware):
             token = context.attach(trace.set_span_in_context(span))
         except Exception as exc:
             report_once(f"starting span {span_name}", exc)
+        if span is None:
+            return await call()
         try:
             result = await call()
         except Exception as exc:
-            if span is not None:
-                _safely(span_name, _record_error, span, exc)
+            _safely(span_name, _record_error, span, exc)
             raise
         else:
-            if span is not None and on_result is not None:
+            if on_result is not None:
                 _safely(span_name, on_result, span, result)
             return result
         finally:
-            if token is not None:
-                _safely(span_name, context.detach, token)
-            if span is not None:
-                _safely(span_name, span.end)
+            try:
+                if token is not None:
+                    context.detach(token)
+                span.end()
+            except Exception as exc:
+                report_once(f"span {span_name}", exc)
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
-        return await self._traced("gym.sandbox.start", None, lambda: self.inner.create(spec), on_result=_set_id)
+        return await self._traced("gym.sandbox.start", None, partial(self.inner.create, spec), on_result=_set_id)
 
     async def exec(
         self,
@@ -102,30 +106,32 @@ class TracingMiddleware(ProviderMiddleware):
         timeout_s: int | float | None = None,
         user: str | int | None = None,
     ) -> SandboxExecResult:
+        if self._tracing.get() is None:  # the hot path without an SDK: no closure, no extra frame
+            return await self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
         attributes = {COMMAND_ATTR: command[: self.command_max_length]} if self.record_command else None
         return await self._traced(
             "gym.sandbox.exec",
             handle,
-            lambda: self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user),
+            partial(self.inner.exec, handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user),
             attributes,
             _set_exec_result,
         )
 
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         await self._traced(
-            "gym.sandbox.upload", handle, lambda: self.inner.upload_file(handle, source_path, target_path)
+            "gym.sandbox.upload", handle, partial(self.inner.upload_file, handle, source_path, target_path)
         )
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         await self._traced(
-            "gym.sandbox.download", handle, lambda: self.inner.download_file(handle, source_path, target_path)
+            "gym.sandbox.download", handle, partial(self.inner.download_file, handle, source_path, target_path)
         )
 
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
-        return await self._traced("gym.sandbox.status", handle, lambda: self.inner.status(handle))
+        return await self._traced("gym.sandbox.status", handle, partial(self.inner.status, handle))
 
     async def close(self, handle: SandboxHandle) -> None:
-        await self._traced("gym.sandbox.stop", handle, lambda: self.inner.close(handle))
+        await self._traced("gym.sandbox.stop", handle, partial(self.inner.close, handle))
 
 
 def _safely(span_name: str, fn: Callable[..., object], *args: Any) -> None:
