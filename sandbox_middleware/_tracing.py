@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextvars import Token
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from opentelemetry import context, trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Span, StatusCode, TracerProvider
 
 from ._core import ProviderMiddleware
@@ -63,7 +65,7 @@ class TracingMiddleware(ProviderMiddleware):
         if tracer is None:
             return await call()
         span: Span | None = None
-        token: object = None
+        token: Token[Context] | None = None
         try:
             attrs: dict[str, Any] = {PROVIDER_ATTR: self.name}
             if handle is not None:
