@@ -1,0 +1,151 @@
+"""Scale: 100, 1,000 and 10,000 concurrent sandboxes through the full stack on an in-process provider.
+
+Run: python bench/scale.py
+
+For each level, all sandboxes are created concurrently, each runs one exec while all are held, and
+all are closed; it prints the time per operation of each phase (the goal is flat: the stack's
+bookkeeping is O(1) per sandbox), beside the same phases on the bare provider in the same run
+(what the event loop and the garbage collector cost at that scale without any middleware) and, from a separate tracemalloc pass, the memory each held
+sandbox costs across the stack (ledger, handle, telemetry) with the SDK configured.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import tracemalloc
+from typing import Any
+
+import anyio
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from sandbox_middleware import (
+    MetricsMiddleware,
+    Middleware,
+    ReleaseAccountingMiddleware,
+    RetryMiddleware,
+    SandboxHandle,
+    SandboxSpec,
+    TracingMiddleware,
+    stack,
+)
+from sandbox_middleware.testing import FaultInjectingProvider
+
+LEVELS = (100, 1_000, 10_000)
+
+
+class DropExporter(SpanExporter):
+    def export(self, spans: Any) -> SpanExportResult:
+        return SpanExportResult.SUCCESS
+
+
+def build(variant: str = "sdk") -> tuple[Any, FaultInjectingProvider, Any]:
+    """The provider for ``variant``: the stack with an SDK, the stack without one, or the bare provider."""
+    if variant == "bare":
+        provider = FaultInjectingProvider(name="inproc")
+        return provider, provider, ()
+    if variant == "no-sdk":
+        inner = FaultInjectingProvider(name="inproc")
+        layers = [Middleware(TracingMiddleware), Middleware(MetricsMiddleware),
+                  Middleware(ReleaseAccountingMiddleware), Middleware(RetryMiddleware)]  # fmt: skip
+        return stack(inner, layers), inner, ()
+    meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(DropExporter(), max_queue_size=200_000))
+    inner = FaultInjectingProvider(name="inproc")
+    provider = stack(
+        inner,
+        [
+            Middleware(TracingMiddleware, tracer_provider=tracer_provider),
+            Middleware(MetricsMiddleware, meter_provider=meter_provider),
+            Middleware(ReleaseAccountingMiddleware, meter_provider=meter_provider),
+            Middleware(RetryMiddleware, meter_provider=meter_provider),
+        ],
+    )
+    return provider, inner, (meter_provider, tracer_provider)
+
+
+async def phase(count: int, operation: Any) -> float:
+    """Run ``operation(i)`` for i < count all at once; microseconds per operation."""
+    gc.collect()
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for index in range(count):
+            tg.start_soon(operation, index)
+    return (time.perf_counter() - started) / count * 1e6
+
+
+async def level(count: int, variant: str = "sdk") -> tuple[float, float, float]:
+    provider, inner, providers = build(variant)
+    handles: list[SandboxHandle | None] = [None] * count
+
+    async def create(index: int) -> None:
+        handles[index] = await provider.create(SandboxSpec())
+
+    async def execute(index: int) -> None:
+        handle = handles[index]
+        assert handle is not None
+        await provider.exec(handle, "true")
+
+    async def close(index: int) -> None:
+        handle = handles[index]
+        assert handle is not None
+        await provider.close(handle)
+
+    create_us = await phase(count, create)
+    assert len(inner.alive) == count
+    exec_us = await phase(count, execute)
+    close_us = await phase(count, close)
+    assert not inner.alive
+    for telemetry in providers:
+        telemetry.shutdown()
+    return create_us, exec_us, close_us
+
+
+async def memory_per_sandbox(count: int) -> float:
+    provider, inner, providers = build()
+    handles = [await provider.create(SandboxSpec())]  # warm up: instruments and caches exist
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    handles += [await provider.create(SandboxSpec()) for _ in range(count)]
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    for handle in handles:
+        await provider.close(handle)
+    for telemetry in providers:
+        telemetry.shutdown()
+    return grown / count
+
+
+async def main() -> int:
+    variants = ("sdk", "no-sdk", "bare")
+    print("microseconds per operation (create / exec / close), all at once at each level")
+    print(f"{'concurrent':>10}  {'stack + SDK':>22}  {'stack, no SDK':>22}  {'bare provider':>22}")
+    results: dict[tuple[int, str], tuple[float, float, float]] = {}
+    for count in LEVELS:
+        cells = []
+        for variant in variants:
+            results[count, variant] = timing = await level(count, variant)
+            cells.append(" / ".join(f"{value:6.1f}" for value in timing))
+        print(f"{count:>10}  " + "  ".join(f"{cell:>22}" for cell in cells))
+    for variant in variants:
+        low, high = results[LEVELS[0], variant], results[LEVELS[-1], variant]
+        ratios = ", ".join(
+            f"{name} {h / lo:.2f}x" for name, lo, h in zip(("create", "exec", "close"), low, high, strict=True)
+        )
+        print(f"{variant:>13}: per-op time at 10,000 / at 100 (flat = 1.00x): {ratios}")
+    per_sandbox = await memory_per_sandbox(10_000)
+    print(f"memory per held sandbox (whole stack, SDK configured, 10,000 held): {per_sandbox / 1024:.2f} KiB "
+          f"({per_sandbox * 10_000 / 2**20:.1f} MiB for 10,000)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(anyio.run(main))
