@@ -5,8 +5,9 @@ Run: python bench/scale.py
 For each level, all sandboxes are created concurrently, each runs one exec while all are held, and
 all are closed; it prints the time per operation of each phase (the goal is flat: the stack's
 bookkeeping is O(1) per sandbox), beside the same phases on the bare provider in the same run
-(what the event loop and the garbage collector cost at that scale without any middleware) and, from a separate tracemalloc pass, the memory each held
-sandbox costs across the stack (ledger, handle, telemetry) with the SDK configured.
+(what the event loop and the garbage collector cost at that scale without any middleware) and,
+from a separate tracemalloc pass, the memory each held sandbox costs across the stack (ledger,
+handle, telemetry) with the SDK configured.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ async def level(count: int, variant: str = "sdk") -> tuple[float, float, float]:
 
 
 async def memory_per_sandbox(count: int) -> float:
-    provider, inner, providers = build()
+    provider, _, providers = build()
     handles = [await provider.create(SandboxSpec())]  # warm up: instruments and caches exist
     gc.collect()
     tracemalloc.start()
