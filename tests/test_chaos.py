@@ -140,8 +140,10 @@ async def test_chaos(telemetry: TelemetryCapture, pytestconfig: pytest.Config, t
 
     held = {entry.sandbox_id for entry in accounting.held()}
     really = inner.alive - inner.orphaned
-    print(f"chaos: {sessions} sessions in {elapsed:.1f}s: {outcomes}; held {len(held)}, orphaned by lost "
-          f"responses or cancelled creates {len(inner.orphaned)}, telemetry failures injected {flaky.raised}")  # fmt: skip
+    print(
+        f"chaos: {sessions} sessions in {elapsed:.1f}s: {outcomes}; held {len(held)}, orphaned by lost "
+        f"responses or cancelled creates {len(inner.orphaned)}, telemetry failures injected {flaky.raised}"
+    )
 
     # Accounting tells the truth: the counter, the ledger and the provider's ground truth agree.
     assert telemetry.value("gym.sandbox.active") == len(held) == len(really)
