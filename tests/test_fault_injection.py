@@ -1,0 +1,104 @@
+"""The fault injector itself, and a cancellation at every await point of a session through the stack."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from sandbox_middleware import (
+    LocalProvider,
+    MetricsMiddleware,
+    Middleware,
+    ReleaseAccountingMiddleware,
+    RetryMiddleware,
+    Sandbox,
+    SandboxSpec,
+    TracingMiddleware,
+    stack,
+)
+from sandbox_middleware.testing import OPERATIONS, FaultInjectingProvider, InjectedFault, parse_faults
+from sandbox_middleware.testing.fixtures import TelemetryCapture
+
+pytestmark = pytest.mark.anyio
+
+POINTS = [f"{operation}:{phase}" for operation in OPERATIONS if operation != "status" for phase in ("before", "after")]
+
+
+@pytest.mark.parametrize("point", POINTS)
+async def test_cancellation_at_every_await_point(point: str, telemetry: TelemetryCapture, tmp_path: Path) -> None:
+    """Cancelled at any await point of a session, the counter, the ledger and the ground truth still agree."""
+    inner = FaultInjectingProvider(hang_at={point})
+    provider = stack(
+        inner,
+        [
+            Middleware(TracingMiddleware, tracer_provider=telemetry.tracer_provider),
+            Middleware(MetricsMiddleware, meter_provider=telemetry.meter_provider),
+            Middleware(ReleaseAccountingMiddleware, meter_provider=telemetry.meter_provider),
+            Middleware(RetryMiddleware, meter_provider=telemetry.meter_provider),
+        ],
+    )
+    accounting = provider.inner.inner  # type: ignore[attr-defined]
+    source = tmp_path / "in.txt"
+    source.write_text("x")
+    sandbox = Sandbox(provider, SandboxSpec(files={"in.txt": str(source)}), close_timeout_s=0.2)
+    if point.startswith("close"):
+        # Closing is shielded from cancellation and bounded in time: a hung close times out.
+        with pytest.raises(TimeoutError):
+            async with sandbox:
+                await sandbox.exec("true")
+        [entry] = accounting.held()
+        assert entry.release_failed and telemetry.value("gym.sandbox.active") == 1
+        inner.hang_at = frozenset()
+        await sandbox.stop()  # the retried stop reconciles, whatever the first close did
+    else:
+        with anyio.move_on_after(0.1) as scope:
+            async with sandbox:
+                await sandbox.exec("true")
+                await sandbox.download("out", tmp_path / "out")
+        assert scope.cancelled_caught
+    held = {entry.sandbox_id for entry in accounting.held()}
+    assert telemetry.value("gym.sandbox.active") == len(held) == 0
+    assert held == inner.alive - inner.orphaned
+    if point == "create:after":
+        assert len(inner.orphaned) == 1  # created, but the handle never reached anyone: a provider-side leak
+
+
+async def test_lost_response_and_close_failures() -> None:
+    """A lost create response leaves a sandbox only the ground truth knows; a close fails N times, then works."""
+    lost = FaultInjectingProvider(lost_create_rate=1.0)
+    with pytest.raises(InjectedFault, match="lost response"):
+        await lost.create(SandboxSpec())
+    assert len(lost.alive) == 1 and lost.alive == lost.orphaned
+    flaky = FaultInjectingProvider(close_failures=2)
+    handle = await flaky.create(SandboxSpec())
+    for _ in range(2):
+        with pytest.raises(InjectedFault):
+            await flaky.close(handle)
+    await flaky.close(handle)
+    assert not flaky.alive and [type(e).__name__ for e in flaky.injected] == ["InjectedFault"] * 2
+
+
+async def test_wrapping_a_real_provider(tmp_path: Path) -> None:
+    """In front of a real provider the effects are real and the faults still injected."""
+    local = LocalProvider(base_dir=tmp_path)
+    faulty = FaultInjectingProvider(local, failure_rates={"exec": 1.0})
+    assert faulty.name == "local"
+    handle = await faulty.create(SandboxSpec())
+    assert Path(handle.raw["root"]).is_dir()
+    with pytest.raises(InjectedFault):
+        await faulty.exec(handle, "true")
+    await faulty.close(handle)
+    assert not Path(handle.raw["root"]).exists()
+
+
+def test_bad_options_and_fault_specs() -> None:
+    """Unknown operations and rates outside [0, 1] are refused with the allowed values."""
+    with pytest.raises(ValueError, match="unknown operation"):
+        FaultInjectingProvider(failure_rates={"craete": 0.1})
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
+        FaultInjectingProvider(failure_rates={"create": 2})
+    assert parse_faults("create=0.1, close=0.05") == {"create": 0.1, "close": 0.05}
+    with pytest.raises(ValueError, match="operation=probability"):
+        parse_faults("create=lots")
