@@ -108,7 +108,7 @@ async def main() -> int:
     handle = SandboxHandle("noop-0", "noop")
     noop = NoOpProvider()
 
-    bare = noop
+    bare: SandboxProvider = noop
     for _ in range(4):
         bare = ProviderMiddleware(bare)
     no_sdk = full_stack(noop)

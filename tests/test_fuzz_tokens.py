@@ -33,9 +33,10 @@ FUZZ = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCh
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
 json_values = st.recursive(
-    scalars, lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=5),
+    scalars,
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=5),
     max_leaves=25,
-)  # fmt: skip
+)
 special = st.sampled_from(
     [True, False, None, float("nan"), float("inf"), -float("inf"), -9999.0, 0, -1, 2**70, 1.5, "token_id:12",
      "token_id:-3", "token_id:1_0", "tökén", "\u202e", "", [], {}, [True], [1.0], ["token_id:1"], [[1, 2]],
