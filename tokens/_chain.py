@@ -124,23 +124,28 @@ _MESSAGE_FIELDS = (
 )
 
 
-def extract_message_bundle(response: DecodedResponse) -> TokenBundle | None:
-    """A complete bundle already on ``choices[0].message`` (as NeMo RL attaches it), or None."""
-    present = [name for name in _MESSAGE_FIELDS if response.present(name)]
+def _three_field_bundle(response: DecodedResponse, fields: tuple[str, str, str], source: str,
+                        hint: str) -> TokenBundle | None:  # fmt: skip
+    """A bundle from three held fields (prompt ids, generation ids, log probabilities): all or none."""
+    present = [name for name in fields if response.present(name)]
     if not present:
         return None
-    if len(present) < len(_MESSAGE_FIELDS):
-        missing = [name for name in _MESSAGE_FIELDS if name not in present]
+    if len(present) < len(fields):
+        missing = [name for name in fields if name not in present]
         raise PartialTokenMetadataError(
-            f"choices[0].message carries {', '.join(present)} but not {', '.join(missing)}; a bundle on the "
-            "message must have all three fields"
+            f"the response carries {', '.join(present)} but not {', '.join(missing)}; {hint}"
         )
-    prompt = response.token_ids(_MESSAGE_FIELDS[0])
-    generation = response.token_ids(_MESSAGE_FIELDS[1])
-    log_probs = response.log_probs(_MESSAGE_FIELDS[2])
+    prompt = response.token_ids(fields[0])
+    generation = response.token_ids(fields[1])
+    log_probs = response.log_probs(fields[2])
     assert prompt is not None and generation is not None and log_probs is not None
-    _lengths_match(generation, log_probs, _MESSAGE_FIELDS[1], _MESSAGE_FIELDS[2])
-    return TokenBundle(prompt, generation, log_probs, "message", _routed_experts(response))
+    _lengths_match(generation, log_probs, fields[1], fields[2])
+    return TokenBundle(prompt, generation, log_probs, source, _routed_experts(response))
+
+
+def extract_message_bundle(response: DecodedResponse) -> TokenBundle | None:
+    """A complete bundle already on ``choices[0].message`` (as NeMo RL attaches it), or None."""
+    return _three_field_bundle(response, _MESSAGE_FIELDS, "message", "a bundle on the message must have all three")
 
 
 def extract_vllm_inline(response: DecodedResponse) -> TokenBundle | None:
@@ -187,21 +192,10 @@ _DYNAMO_FIELDS = (
 def extract_dynamo(response: DecodedResponse) -> TokenBundle | None:
     """NVIDIA Dynamo's ``nvext.engine_data`` (requested with ``nvext: {extra_fields: ["engine_data"]}``):
     ``prompt_token_ids``, ``completion_token_ids`` and ``completion_logprobs``; or None."""
-    present = [name for name in _DYNAMO_FIELDS if response.present(name)]
-    if not present:
-        return None
-    if len(present) < len(_DYNAMO_FIELDS):
-        missing = [name for name in _DYNAMO_FIELDS if name not in present]
-        raise PartialTokenMetadataError(
-            f"the response carries {', '.join(present)} but not {', '.join(missing)}; Dynamo's engine_data "
-            "must have all three (is the backend old, or were log probabilities not requested?)"
-        )
-    prompt = response.token_ids(_DYNAMO_FIELDS[0])
-    generation = response.token_ids(_DYNAMO_FIELDS[1])
-    log_probs = response.log_probs(_DYNAMO_FIELDS[2])
-    assert prompt is not None and generation is not None and log_probs is not None
-    _lengths_match(generation, log_probs, _DYNAMO_FIELDS[1], _DYNAMO_FIELDS[2])
-    return TokenBundle(prompt, generation, log_probs, "dynamo", _routed_experts(response))
+    return _three_field_bundle(
+        response, _DYNAMO_FIELDS, "dynamo",
+        "Dynamo's engine_data must have all three (is the backend old, or were log probabilities not requested?)",
+    )  # fmt: skip
 
 
 def extract_sglang(response: DecodedResponse) -> TokenBundle | None:
