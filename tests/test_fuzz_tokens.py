@@ -108,7 +108,7 @@ def test_mutated_real_responses(data: st.DataObject, sample: dict[str, Any], req
         target = response
         for step in path[:-1]:
             target = target[step]
-        target[path[-1]] = data.draw(special | json_values)
+        target[path[-1]] = copy.deepcopy(data.draw(special | json_values))  # never share the pool's objects
     check(json.dumps(response), request)
 
 
@@ -137,3 +137,16 @@ def test_huge_and_empty_lists() -> None:
     empty["choices"][0]["logprobs"]["content"] = []
     empty["usage"]["completion_tokens"] = 0
     check(json.dumps(empty), REQUESTS[0])
+
+
+def test_invalid_utf8_inside_a_nested_string() -> None:
+    """A byte that breaks UTF-8 inside the message (found by the fuzzer) is a TokenCaptureError."""
+    raw = bytearray(json.dumps(SAMPLES[0]).encode())
+    raw[raw.index(b'"content"') + 12] = 0x80
+    check(bytes(raw), REQUESTS[0])
+    try:
+        anyio.run(CLIENT.extract, REQUESTS[0], bytes(raw))
+    except TokenCaptureError as exc:
+        assert "UTF-8" in str(exc)
+    else:
+        raise AssertionError("invalid UTF-8 was accepted")

@@ -62,7 +62,7 @@ def _validation_error(field: str, exc: msgspec.MsgspecError) -> MalformedTokenMe
 def _generic(raw: msgspec.Raw, field: str) -> Any:
     try:
         return _any.decode(raw)
-    except msgspec.MsgspecError as exc:  # pragma: no cover - the raw scan already validated it
+    except msgspec.MsgspecError as exc:  # the raw scan does not check what is inside strings (UTF-8)
         raise MalformedResponseError(f"{field}: {exc}") from exc
 
 
@@ -146,11 +146,14 @@ def _bad_token(tokens: list[str]) -> MalformedTokenMetadataError:
     return MalformedTokenMetadataError("choices[0].logprobs.content: a token is not 'token_id:<int>'")
 
 
-def _object(raw: msgspec.Raw, field: str) -> dict[str, msgspec.Raw]:
+def _object(
+    raw: msgspec.Raw, field: str, error: type[TokenCaptureError] = MalformedResponseError
+) -> dict[str, msgspec.Raw]:
+    """``raw`` as an object of raw fields, or ``error`` naming ``field``."""
     try:
         fields: dict[str, msgspec.Raw] = _fields.decode(raw)
-    except msgspec.ValidationError as exc:
-        raise MalformedResponseError(f"{field}: expected an object ({exc})") from exc
+    except msgspec.MsgspecError as exc:
+        raise error(f"{field}: expected an object ({exc})") from exc
     return fields
 
 
@@ -185,7 +188,7 @@ def decode_response(data: bytes | str) -> DecodedResponse:
         body["nvext"] = _nvext(nvext, raw)
     try:
         choices = _choices.decode(choices_raw)
-    except msgspec.ValidationError as exc:
+    except msgspec.MsgspecError as exc:
         raise MalformedResponseError(f"choices: expected a list of objects ({exc})") from exc
     if not choices:
         raise MalformedResponseError("choices: the list is empty; the server returned no completion")
@@ -208,15 +211,12 @@ def _nvext(value: msgspec.Raw, raw: dict[str, msgspec.Raw]) -> Any:
     """Dynamo's ``nvext``: its ``engine_data`` token fields are held raw, the rest decoded."""
     try:
         fields: dict[str, msgspec.Raw] = _fields.decode(value)
-    except msgspec.ValidationError:
-        return _generic(value, "nvext")  # not an object: nothing of ours in it
+    except msgspec.MsgspecError:
+        return _generic(value, "nvext")  # not an object: nothing of ours in it (or not JSON: that error)
     engine_data = fields.pop("engine_data", None)
     nvext = {key: _generic(item, f"nvext.{key}") for key, item in fields.items()}
     if engine_data is not None:
-        try:
-            engine_fields: dict[str, msgspec.Raw] = _fields.decode(engine_data)
-        except msgspec.ValidationError as exc:
-            raise MalformedTokenMetadataError(f"nvext.engine_data: expected an object ({exc})") from exc
+        engine_fields = _object(engine_data, "nvext.engine_data", MalformedTokenMetadataError)
         rest = _split(engine_fields, _ENGINE_DATA_RAW, "nvext.engine_data.", raw)
         if rest:
             nvext["engine_data"] = rest
