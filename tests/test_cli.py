@@ -135,3 +135,11 @@ def test_check_prints_the_stack_and_rejects_bad_configs(tmp_path: Path) -> None:
     assert "middleware[0] (retry): option 'timeout' must be float or null, not 'soon'" in done.stderr
     done = run("run", str(bad))
     assert done.returncode == 2 and "sessions ok" not in done.stdout
+
+
+def test_console_export_prints_the_metric_data() -> None:
+    """--export console prints the metric data (the active counter and both histograms) on stdout."""
+    done = run("run", "--sessions", "2", "--commands", "1", "--export", "console")
+    assert done.returncode == 0, done.stderr
+    names = set(re.findall(r'"name": "(gym\.sandbox\.[a-z_]+)"', done.stdout))
+    assert {"gym.sandbox.active", "gym.sandbox.startup_duration_ms", "gym.sandbox.exec_duration_ms"} <= names
