@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 import tempfile
 import time
@@ -73,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--linger", type=float, default=0.0, help="seconds to keep exporting after the run")
     run.add_argument("--faults", default="", help="inject provider faults, e.g. create=0.1,close=0.05,exec=0.01")
     run.add_argument("--seed", type=int, default=None, help="seed of the fault injector (printed when random)")
+    run.add_argument("--verbose", action="store_true", help="also log a warning for every retry")
     run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="draw a progress bar on stderr (default: when stderr is a terminal)")  # fmt: skip
     check = sub.add_parser("check", help="validate a config and print the resolved stack, outermost first")
@@ -185,6 +187,7 @@ def _run_command(args: argparse.Namespace) -> int:
             print(f"injecting faults {rates} with seed {seed}", file=sys.stderr)
         if args.progress is None:
             args.progress = sys.stderr.isatty()
+        _configure_logging(args.verbose, args.progress)
         run = _Run(args.sessions)
         accounting = _find_accounting(provider)
         anyio.run(_workload, provider, args, run, accounting)
@@ -285,10 +288,46 @@ def _draw(run: _Run, accounting: ReleaseAccountingMiddleware | None, *, final: b
     width = 30
     filled = width * done // max(run.sessions, 1)
     active = len(accounting.held()) if accounting is not None else "?"
-    line = (f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{run.sessions} sessions  ok {run.ok}  "
+    line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{run.sessions} sessions  ok {run.ok}  "
             f"failed {run.failed}  active {active}")  # fmt: skip
-    sys.stderr.write(line + ("\n" if final else ""))
+    _ProgressAwareHandler.bar = "" if final else line
+    sys.stderr.write(_CLEAR_LINE + line + ("\n" if final else ""))
     sys.stderr.flush()
+
+
+_CLEAR_LINE = "\r\033[K"
+
+
+class _ProgressAwareHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes log records above the progress bar: clear the bar's line, write the record, redraw it."""
+
+    bar = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = self.format(record)
+            self.stream.write(_CLEAR_LINE + message + "\n" + type(self).bar)
+            self.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def _configure_logging(verbose: bool, progress: bool) -> None:
+    """The program's logging: warnings of this package on stderr, above the progress bar.
+
+    Retries are counted in the table; each one's warning is shown only with --verbose. stamina's own
+    per-retry log line is turned off: RetryMiddleware logs every retry itself.
+    """
+    import stamina.instrumentation
+
+    stamina.instrumentation.set_on_retry_hooks([])
+    handler: logging.Handler = _ProgressAwareHandler(sys.stderr) if progress else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    package = logging.getLogger("sandbox_middleware")
+    package.addHandler(handler)
+    package.setLevel(logging.WARNING)
+    package.propagate = False
+    logging.getLogger("sandbox_middleware.retry").setLevel(logging.WARNING if verbose else logging.ERROR)
 
 
 def _points(reader: Any, name: str) -> list[Any]:
