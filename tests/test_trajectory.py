@@ -148,3 +148,14 @@ def test_turn_2_request_matches_sample() -> None:
     request = json.loads((FIXTURES / "chat_turn2.request.json").read_text())
     first = json.loads((FIXTURES / "chat_inline_ids.response.json").read_text())
     assert request["messages"][2]["content"] == first["choices"][0]["message"]["content"]
+
+
+def test_floored_log_probs_are_not_trained_on() -> None:
+    """A generated token at the server's -9999.0 floor gets loss mask 0 (no importance ratio exists there)."""
+    floored = TokenBundle([1, 2], [5, 6, 7], [-0.1, -9999.0, -0.3], "vllm", floored_positions=(1,))
+    trajectory = Trajectory()
+    trajectory.add(floored)
+    trajectory.add(bundle([1, 2, 5, 6, 7, 3], [8]))
+    [segment] = trajectory.segments
+    assert segment.loss_mask == [0, 0, 1, 0, 1, 0, 1]
+    assert segment.log_probs[3] == -9999.0

@@ -64,7 +64,8 @@ TrajectoryDriftError.__module__ = "tokens"
 @dataclass
 class Segment:
     """A token sequence ready for a trainer: ids, a loss mask (1 = generated, trained on) and the
-    sampled log probabilities aligned with them (0.0 where the mask is 0)."""
+    sampled log probabilities aligned with them (0.0 on prompt tokens). A generated token whose log
+    probability is the server's -9999.0 floor keeps it but gets mask 0."""
 
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
@@ -77,6 +78,14 @@ class Segment:
         self.token_ids.extend(ids)
         self.loss_mask.extend([mask] * len(ids))
         self.log_probs.extend(log_probs if log_probs is not None else [0.0] * len(ids))
+
+    def _extend_generation(self, bundle: TokenBundle) -> None:
+        """The generated tokens, trained on (mask 1), except where the server gave no real log
+        probability (its -9999.0 floor): an importance ratio cannot be computed there (mask 0)."""
+        start = len(self.token_ids)
+        self._extend(bundle.generation_token_ids, 1, bundle.generation_log_probs)
+        for position in bundle.floored_positions:
+            self.loss_mask[start + position] = 0
 
     def _truncate(self, length: int) -> None:
         del self.token_ids[length:], self.loss_mask[length:], self.log_probs[length:]
@@ -124,7 +133,7 @@ class Trajectory:
     def add(self, turn: TokenCompletion | TokenBundle) -> Drift | None:
         """Add one turn; the drift found at it (already handled per the policy), or None."""
         bundle = turn.bundle if isinstance(turn, TokenCompletion) else turn
-        prompt, generation = bundle.prompt_token_ids, bundle.generation_token_ids
+        prompt = bundle.prompt_token_ids
         number = self._turns
         self._turns += 1
         if not self.segments:
@@ -149,14 +158,14 @@ class Trajectory:
                 segment.trainable = False
             segment._truncate(matched)
         segment._extend(prompt[matched:], 0)
-        segment._extend(generation, 1, bundle.generation_log_probs)
+        segment._extend_generation(bundle)
         segment.turns += 1
         return self.drifts[-1] if self.drifts and self.drifts[-1].turn == number else None
 
     def _start(self, prompt: list[int], bundle: TokenBundle) -> None:
         segment = Segment()
         segment._extend(prompt, 0)
-        segment._extend(bundle.generation_token_ids, 1, bundle.generation_log_probs)
+        segment._extend_generation(bundle)
         segment.turns = 1
         self.segments.append(segment)
 
