@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ._bundle import TokenBundle
@@ -65,11 +65,9 @@ class Exchange:
     allow_tokenize_fallback: bool = False
     """Whether a request that asked for inline ids may fall back to ``/tokenize`` when none came back."""
     found: TokenBundle | None = None
-    sources: list[str] = field(default_factory=list)
 
     def offer(self, bundle: TokenBundle) -> None:
         """Take ``bundle`` if nothing was found yet; otherwise require it to agree with what was."""
-        self.sources.append(bundle.source)
         found = self.found
         if found is None:
             self.found = bundle
