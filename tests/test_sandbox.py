@@ -14,6 +14,7 @@ from sandbox_middleware import (
     SandboxHandle,
     SandboxNotStartedError,
     SandboxSpec,
+    SandboxStatus,
 )
 
 from .providers import PlainProvider
@@ -43,6 +44,11 @@ async def test_lifecycle_with_local_provider(tmp_path: Path) -> None:
     local = LocalProvider(base_dir=tmp_path / "boxes")
     async with Sandbox(local, SandboxSpec(files={"in/task.txt": str(source)})) as sb:
         assert (await sb.exec("cat in/task.txt")).stdout == "task"
+        await sb.upload(source, "again.txt")
+        await sb.exec("cat again.txt in/task.txt > both.txt")
+        await sb.download("both.txt", tmp_path / "both.txt")
+        assert (tmp_path / "both.txt").read_text() == "tasktask"
+        assert await sb.status() == SandboxStatus.RUNNING
         root = Path(sb.handle.raw["root"])
     assert not root.exists()
     assert not sb.started
