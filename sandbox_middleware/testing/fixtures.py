@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-__all__ = ["TelemetryCapture", "telemetry"]
+__all__ = ["TelemetryCapture", "meter_provider", "metric_reader", "span_exporter", "telemetry", "tracer_provider"]
 
 
 class TelemetryCapture:
@@ -73,3 +73,27 @@ def telemetry() -> Iterator[TelemetryCapture]:
     capture = TelemetryCapture()
     yield capture
     capture.shutdown()
+
+
+@pytest.fixture
+def meter_provider(telemetry: TelemetryCapture) -> MeterProvider:
+    """The in-memory SDK meter provider (``telemetry.meter_provider``)."""
+    return telemetry.meter_provider
+
+
+@pytest.fixture
+def metric_reader(telemetry: TelemetryCapture) -> InMemoryMetricReader:
+    """The reader behind ``meter_provider``: ``metric_reader.get_metrics_data()``."""
+    return telemetry.metric_reader
+
+
+@pytest.fixture
+def tracer_provider(telemetry: TelemetryCapture) -> TracerProvider:
+    """The in-memory SDK tracer provider (``telemetry.tracer_provider``)."""
+    return telemetry.tracer_provider
+
+
+@pytest.fixture
+def span_exporter(telemetry: TelemetryCapture) -> InMemorySpanExporter:
+    """The exporter behind ``tracer_provider``: ``span_exporter.get_finished_spans()``."""
+    return telemetry.span_exporter
