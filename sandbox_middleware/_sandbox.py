@@ -7,6 +7,7 @@ from pathlib import Path
 from types import TracebackType
 
 import anyio
+import anyio.lowlevel
 
 from ._protocol import SandboxError, SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 
@@ -15,6 +16,7 @@ __all__ = ["Sandbox", "SandboxNotStartedError", "close_shielded"]
 logger = logging.getLogger("sandbox_middleware")
 
 DEFAULT_CLOSE_TIMEOUT_S = 60.0
+DEFAULT_CREATE_TIMEOUT_S = 600.0
 
 
 class SandboxNotStartedError(SandboxError):
@@ -34,6 +36,12 @@ class Sandbox:
     is cancelled, the sandbox is closed (shielded from cancellation, bounded by
     ``close_timeout_s``) and the original error propagates. ``stop()`` closes it; a close the
     provider rejected leaves the sandbox started, so a later ``stop()`` retries it.
+
+    A create cancelled half-way may leave a sandbox that nobody holds a handle to. With
+    ``shield_create`` (the default) the create call is shielded from cancellation, bounded by
+    ``create_timeout_s`` (default ``spec.ready_timeout_s``, else 600 s): a cancellation that
+    arrives meanwhile takes effect once the handle is back, and the sandbox is closed first. The
+    price is that cancelling a session waits for its in-flight create.
     """
 
     def __init__(
@@ -42,10 +50,17 @@ class Sandbox:
         spec: SandboxSpec | None = None,
         *,
         close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+        shield_create: bool = True,
+        create_timeout_s: float | None = None,
     ) -> None:
         self.provider = provider
         self.spec = spec if spec is not None else SandboxSpec()
         self.close_timeout_s = close_timeout_s
+        self.shield_create = shield_create
+        ready = self.spec.ready_timeout_s
+        self.create_timeout_s = (
+            create_timeout_s if create_timeout_s is not None else (ready or DEFAULT_CREATE_TIMEOUT_S)
+        )
         self._handle: SandboxHandle | None = None
 
     @property
@@ -61,9 +76,14 @@ class Sandbox:
     async def start(self) -> SandboxHandle:
         if self._handle is not None:
             raise SandboxError(f"sandbox {self._handle.sandbox_id!r} is already started")
-        handle = await self.provider.create(self.spec)
+        if self.shield_create:
+            with anyio.CancelScope(shield=True), anyio.fail_after(self.create_timeout_s):
+                handle = await self.provider.create(self.spec)
+        else:
+            handle = await self.provider.create(self.spec)
         self._handle = handle
         try:
+            await anyio.lowlevel.checkpoint()  # a cancellation that arrived during the shielded create lands here
             for target, source in self.spec.files.items():
                 await self.provider.upload_file(handle, Path(source), target)
         except BaseException:

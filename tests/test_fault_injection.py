@@ -42,8 +42,13 @@ async def test_cancellation_at_every_await_point(point: str, telemetry: Telemetr
     accounting = provider.inner.inner  # type: ignore[attr-defined]
     source = tmp_path / "in.txt"
     source.write_text("x")
-    sandbox = Sandbox(provider, SandboxSpec(files={"in.txt": str(source)}), close_timeout_s=0.2)
-    if point.startswith("close"):
+    sandbox = Sandbox(provider, SandboxSpec(files={"in.txt": str(source)}), close_timeout_s=0.2, create_timeout_s=0.2)
+    if point.startswith("create"):
+        # The create is shielded from cancellation and bounded in time: a hung create times out.
+        with anyio.move_on_after(0.05), pytest.raises(TimeoutError):
+            await sandbox.start()
+        assert not sandbox.started
+    elif point.startswith("close"):
         # Closing is shielded from cancellation and bounded in time: a hung close times out.
         with pytest.raises(TimeoutError):
             async with sandbox:
@@ -62,7 +67,28 @@ async def test_cancellation_at_every_await_point(point: str, telemetry: Telemetr
     assert telemetry.value("gym.sandbox.active") == len(held) == 0
     assert held == inner.alive - inner.orphaned
     if point == "create:after":
-        assert len(inner.orphaned) == 1  # created, but the handle never reached anyone: a provider-side leak
+        assert len(inner.orphaned) == 1  # created, then the provider hung: the handle never came back
+
+
+async def test_cancelled_slow_create_leaves_nothing_behind() -> None:
+    """A session cancelled while its create is in flight: the shielded create finishes, then is closed."""
+    inner = FaultInjectingProvider(latency={"create": 0.2})
+    accounting = ReleaseAccountingMiddleware(inner)
+    sandbox = Sandbox(accounting)
+    with anyio.move_on_after(0.05) as scope:
+        async with sandbox:
+            pytest.fail("the body must not run")
+    assert scope.cancelled_caught and not sandbox.started and accounting.held() == []
+    assert inner.alive == set() and inner.calls["create"] == inner.calls["close"] == 1
+
+
+async def test_unshielded_create_can_orphan_a_sandbox() -> None:
+    """With shield_create=False a cancellation after the provider made the sandbox loses its handle."""
+    inner = FaultInjectingProvider(hang_at={"create:after"})
+    sandbox = Sandbox(ReleaseAccountingMiddleware(inner), shield_create=False)
+    with anyio.move_on_after(0.05):
+        await sandbox.start()
+    assert not sandbox.started and inner.orphaned == inner.alive and len(inner.alive) == 1
 
 
 async def test_lost_response_and_close_failures() -> None:
