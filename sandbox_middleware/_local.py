@@ -136,6 +136,10 @@ class LocalProvider:
         if user is not None:
             raise SandboxError("LocalProvider runs commands as the current user; user= is not supported")
         workdir = self._inside(box.root, cwd) if cwd is not None else box.cwd
+        if not await anyio.to_thread.run_sync(workdir.is_dir):
+            raise SandboxError(
+                f"LocalProvider: cwd {cwd!r} is not a directory in sandbox {handle.sandbox_id!r}; create it first"
+            )
         child_env = {**os.environ, **box.env, **(env or {})}
         argv = ["bash", "-c", command]
         if self._bwrap is not None:
@@ -181,14 +185,25 @@ class LocalProvider:
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         box = self._box(handle)
         target = self._inside(box.root, target_path)
-        await anyio.to_thread.run_sync(_copy, Path(source_path), target)
+        try:
+            await anyio.to_thread.run_sync(_copy, Path(source_path), target)
+        except OSError as exc:
+            raise SandboxError(
+                f"LocalProvider: cannot upload {source_path} to {target_path!r} in sandbox {handle.sandbox_id!r}: {exc}"
+            ) from exc
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         box = self._box(handle)
         source = self._inside(box.root, source_path)
         if not source.is_file():
             raise SandboxError(f"LocalProvider: {source_path!r} is not a file in sandbox {handle.sandbox_id!r}")
-        await anyio.to_thread.run_sync(_copy, source, Path(target_path))
+        try:
+            await anyio.to_thread.run_sync(_copy, source, Path(target_path))
+        except OSError as exc:
+            raise SandboxError(
+                f"LocalProvider: cannot download {source_path!r} from sandbox {handle.sandbox_id!r} "
+                f"to {target_path}: {exc}"
+            ) from exc
 
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
         box = self._boxes.get(handle.sandbox_id)

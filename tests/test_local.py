@@ -13,6 +13,7 @@ import pytest
 from sandbox_middleware import (
     BwrapUnavailableError,
     LocalProvider,
+    SandboxError,
     SandboxHandle,
     SandboxNotFoundError,
     SandboxPathError,
@@ -51,6 +52,24 @@ async def test_exec_output_exit_code_env_cwd(local: LocalProvider) -> None:
     assert result.error_type is None
     (root / "sub").mkdir()
     assert (await local.exec(handle, "pwd", cwd="sub")).stdout == f"{root / 'sub'}\n"
+    await local.close(handle)
+
+
+async def test_missing_cwd_is_a_clear_error(local: LocalProvider) -> None:
+    """A cwd that does not exist in the sandbox is a SandboxError naming it, not an OSError."""
+    handle = await local.create(SandboxSpec())
+    with pytest.raises(SandboxError, match="cwd 'nowhere' is not a directory"):
+        await local.exec(handle, "true", cwd="nowhere")
+    await local.close(handle)
+
+
+async def test_missing_files_are_clear_errors(local: LocalProvider, tmp_path: Path) -> None:
+    """A missing local source or sandbox file is a SandboxError that names both ends."""
+    handle = await local.create(SandboxSpec())
+    with pytest.raises(SandboxError, match=r"cannot upload .*missing\.txt to 'in\.txt'"):
+        await local.upload_file(handle, tmp_path / "missing.txt", "in.txt")
+    with pytest.raises(SandboxError, match=r"'nothing\.txt' is not a file"):
+        await local.download_file(handle, "nothing.txt", tmp_path / "out.txt")
     await local.close(handle)
 
 
