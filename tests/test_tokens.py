@@ -454,3 +454,13 @@ async def test_chain_step_with_plain_inner_handler() -> None:
     with pytest.raises(MissingTokenMetadataError):
         await step(Exchange(REQUEST, decode_response(json.dumps(no_source))))
     assert seen[-1] is None
+
+
+async def test_api_key_is_sent_as_bearer_to_both_endpoints(server: respx.MockRouter) -> None:
+    """The API key reaches the completion and the /tokenize fallback as a bearer token."""
+    chat = server.post(CHAT).mock(return_value=httpx.Response(200, json=LOGPROBS_ONLY))
+    tokenize = server.post(TOKENIZE).mock(return_value=httpx.Response(200, json=TOKENIZED))
+    async with TokenClient(BASE, api_key="sk-test") as client:
+        await client.chat_completion(**USER_BODY)
+    assert chat.calls.last.request.headers["Authorization"] == "Bearer sk-test"
+    assert tokenize.calls.last.request.headers["Authorization"] == "Bearer sk-test"
