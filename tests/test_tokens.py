@@ -464,3 +464,19 @@ async def test_api_key_is_sent_as_bearer_to_both_endpoints(server: respx.MockRou
         await client.chat_completion(**USER_BODY)
     assert chat.calls.last.request.headers["Authorization"] == "Bearer sk-test"
     assert tokenize.calls.last.request.headers["Authorization"] == "Bearer sk-test"
+
+
+async def test_timeouts_of_own_and_injected_clients(server: respx.MockRouter) -> None:
+    """A client made here allows long generations; an injected client keeps its own timeout unless one is given."""
+    chat = server.post(CHAT).mock(return_value=httpx.Response(200, json=INLINE))
+    async with TokenClient(BASE, request_prompt_and_generation_token_ids=True) as client:
+        await client.chat_completion(**USER_BODY)
+    assert chat.calls.last.request.extensions["timeout"]["read"] == 600.0
+    async with httpx.AsyncClient(timeout=7.0) as http:
+        async with TokenClient(BASE, http_client=http, request_prompt_and_generation_token_ids=True) as client:
+            await client.chat_completion(**USER_BODY)
+        assert chat.calls.last.request.extensions["timeout"]["read"] == 7.0
+        async with TokenClient(BASE, http_client=http, timeout=30, request_prompt_and_generation_token_ids=True) as c:
+            await c.chat_completion(**USER_BODY)
+        assert chat.calls.last.request.extensions["timeout"]["read"] == 30
+        assert not http.is_closed

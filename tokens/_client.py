@@ -128,7 +128,9 @@ class TokenClient:
     on the message, vLLM inline ids, logprobs plus ``/tokenize``). ``/tokenize`` on the server
     root is the only other request, and only when no inline source gave the prompt ids.
 
-    Pass ``http_client`` to share a pool (it is not closed by this client). Transient failures
+    Pass ``http_client`` to share a pool (it is not closed by this client; its timeout applies
+    unless ``timeout`` is given). The default timeout allows long generations (600 s, 10 s to
+    connect). Transient failures
     are retried per ``retry`` (``None`` disables retries). When inline ids were requested but the
     server sent none, ``TokenIdsIgnoredError`` is raised unless ``allow_tokenize_fallback``.
 
@@ -146,7 +148,7 @@ class TokenClient:
         http_client: httpx.AsyncClient | None = None,
         request_prompt_and_generation_token_ids: bool = False,
         middleware: Sequence[ChainEntry] | None = None,
-        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        timeout: httpx.Timeout | float | None = None,
         retry: RetryPolicy | None = RetryPolicy(),
         allow_tokenize_fallback: bool = False,
         meter_provider: MeterProvider | None = None,
@@ -162,8 +164,9 @@ class TokenClient:
         self.retry = retry
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._owns_client = http_client is None
-        self._http = http_client if http_client is not None else httpx.AsyncClient(timeout=timeout)
-        self._timeout = timeout
+        # No timeout given: ours for a client we make, the injected client's own for one passed in.
+        self._http = http_client if http_client is not None else httpx.AsyncClient(timeout=timeout or DEFAULT_TIMEOUT)
+        self._timeout: Any = timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT
         self._chain = build_chain(DEFAULT_CHAIN if middleware is None else middleware)
         self.allow_tokenize_fallback = allow_tokenize_fallback
         self._instruments = Instruments(TokenInstruments.create, meter_provider, SCOPE)
