@@ -177,6 +177,7 @@ def extract_vllm_inline(response: DecodedResponse) -> TokenBundle | None:
         raise ConflictingTokenMetadataError(
             f"choices[0].token_ids and the ids in choices[0].logprobs.content disagree {where}"
         )
+    response.logprobs_verified = True
     return TokenBundle(prompt, generation, log_probs, "vllm", _routed_experts(response))
 
 
@@ -290,6 +291,9 @@ class LogprobsSource(TokenMiddleware):
     async def __call__(self, exchange: Exchange) -> TokenBundle:
         found = exchange.found
         if found is not None:
+            if exchange.response.logprobs_verified:
+                # Already compared with the generation of a source that agreed with ``found``: each list once.
+                return await self.inner(exchange)
             try:
                 from_logprobs = exchange.response.logprob_tokens()
             except MalformedTokenMetadataError:

@@ -74,7 +74,7 @@ class DecodedResponse:
     fields are read through ``token_ids``, ``log_probs`` and ``logprob_tokens``.
     """
 
-    __slots__ = ("_decoded", "_logprob_tokens", "_raw", "body", "choice", "message")
+    __slots__ = ("_decoded", "_logprob_tokens", "_raw", "body", "choice", "logprobs_verified", "message")
 
     def __init__(self, body: dict[str, Any], choice: dict[str, Any], message: dict[str, Any],
                  raw: dict[str, msgspec.Raw]) -> None:  # fmt: skip
@@ -83,6 +83,8 @@ class DecodedResponse:
         self.message = message
         self._raw = raw
         self._decoded: dict[str, Any] = {}
+        self.logprobs_verified = False
+        """Set once a source compared the logprob token ids with the generation it offered."""
         self._logprob_tokens: tuple[list[int], list[float]] | bool | None = False
 
     def _typed(self, field: str, decoder: msgspec.json.Decoder[Any]) -> Any:
