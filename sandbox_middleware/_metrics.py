@@ -19,7 +19,7 @@ from ._telemetry import (
     PROVIDER_ATTR,
     Instruments,
     error_type,
-    report_once,
+    safely,
 )
 
 __all__ = ["MetricsMiddleware"]
@@ -74,19 +74,11 @@ class MetricsMiddleware(ProviderMiddleware):
         instruments = self._instruments.get()
         if instruments is None:
             return
-        try:
-            instruments.failures.add(
-                1, {PROVIDER_ATTR: self._attributes[PROVIDER_ATTR], OPERATION_ATTR: operation,
-                    ERROR_TYPE_ATTR: error_type(exc)}
-            )  # fmt: skip
-        except Exception as telemetry_exc:
-            report_once("gym.sandbox.failure_total", telemetry_exc)
+        attributes = {PROVIDER_ATTR: self.name, OPERATION_ATTR: operation, ERROR_TYPE_ATTR: error_type(exc)}
+        safely("gym.sandbox.failure_total", instruments.failures.add, 1, attributes)
 
     def _duration(self, histogram: Histogram, started: float, what: str) -> None:
-        try:
-            histogram.record((time.perf_counter() - started) * 1000.0, self._attributes)
-        except Exception as exc:
-            report_once(what, exc)
+        safely(what, histogram.record, (time.perf_counter() - started) * 1000.0, self._attributes)
 
     async def _counting(self, operation: str, call: Awaitable[T]) -> T:
         """Await ``call``; if it raises, count the failure under ``operation`` and re-raise."""

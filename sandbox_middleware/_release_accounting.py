@@ -13,7 +13,7 @@ from opentelemetry.metrics import Meter, MeterProvider, UpDownCounter
 from ._core import ProviderMiddleware
 from ._protocol import SandboxHandle, SandboxProvider, SandboxSpec
 from ._sandbox import close_shielded
-from ._telemetry import PROVIDER_ATTR, Instruments, report_once
+from ._telemetry import PROVIDER_ATTR, Instruments, safely
 
 __all__ = ["HeldSandbox", "ReleaseAccountingMiddleware"]
 
@@ -80,12 +80,8 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
 
     def _add(self, delta: int) -> None:
         counter = self._counter.get()
-        if counter is None:
-            return
-        try:
-            counter.add(delta, self._attributes)
-        except Exception as exc:
-            report_once("gym.sandbox.active", exc)
+        if counter is not None:
+            safely("gym.sandbox.active", counter.add, delta, self._attributes)
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
         handle = await self.inner.create(spec)

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 from opentelemetry import metrics, trace
 from opentelemetry.environment_variables import OTEL_PYTHON_METER_PROVIDER, OTEL_PYTHON_TRACER_PROVIDER
 from opentelemetry.metrics import Meter, MeterProvider, NoOpMeterProvider
-from opentelemetry.trace import Tracer, TracerProvider
+from opentelemetry.trace import Span, StatusCode, Tracer, TracerProvider
 
 try:  # The API's placeholder before an SDK is installed; private, so its absence only costs speed.
     from opentelemetry.metrics._internal import _ProxyMeterProvider
@@ -71,6 +71,21 @@ def report_once(what: str, exc: BaseException) -> None:
     if what not in _reported:
         _reported.add(what)
         logger.warning("telemetry failure in %s, ignored (logged once): %r", what, exc, exc_info=exc)
+
+
+def safely(what: str, fn: Callable[..., object], *args: Any) -> None:
+    """Call a telemetry function; if it raises, report it once under ``what`` and go on."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        report_once(what, exc)
+
+
+def record_error(span: Span, exc: Exception) -> None:
+    """Mark ``span`` failed by ``exc``: error status, the exception recorded, ``error.type`` set."""
+    span.set_attribute(ERROR_TYPE_ATTR, error_type(exc))
+    span.record_exception(exc)
+    span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
 
 
 def error_type(exc: BaseException) -> str:

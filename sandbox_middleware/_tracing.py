@@ -10,11 +10,11 @@ from typing import Any, TypeVar
 
 from opentelemetry import context, trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, StatusCode, TracerProvider
+from opentelemetry.trace import Span, TracerProvider
 
 from ._core import ProviderMiddleware
 from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
-from ._telemetry import ERROR_TYPE_ATTR, PROVIDER_ATTR, SANDBOX_ID_ATTR, Tracing, error_type, report_once
+from ._telemetry import PROVIDER_ATTR, SANDBOX_ID_ATTR, Tracing, record_error, report_once, safely
 
 __all__ = ["TracingMiddleware"]
 
@@ -81,11 +81,11 @@ class TracingMiddleware(ProviderMiddleware):
         try:
             result = await call()
         except Exception as exc:
-            _safely(span_name, _record_error, span, exc)
+            safely(f"span {span_name}", record_error, span, exc)
             raise
         else:
             if on_result is not None:
-                _safely(span_name, on_result, span, result)
+                safely(f"span {span_name}", on_result, span, result)
             return result
         finally:
             try:
@@ -134,19 +134,6 @@ class TracingMiddleware(ProviderMiddleware):
 
     async def close(self, handle: SandboxHandle) -> None:
         await self._traced("gym.sandbox.stop", handle, partial(self.inner.close, handle))
-
-
-def _safely(span_name: str, fn: Callable[..., object], *args: Any) -> None:
-    try:
-        fn(*args)
-    except Exception as exc:
-        report_once(f"span {span_name}", exc)
-
-
-def _record_error(span: Span, exc: Exception) -> None:
-    span.set_attribute(ERROR_TYPE_ATTR, error_type(exc))
-    span.record_exception(exc)
-    span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
 
 
 def _set_id(span: Span, handle: SandboxHandle) -> None:

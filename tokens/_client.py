@@ -14,9 +14,16 @@ import httpx
 import msgspec
 import stamina
 from opentelemetry.metrics import MeterProvider
-from opentelemetry.trace import Span, StatusCode, TracerProvider
+from opentelemetry.trace import Span, TracerProvider
 
-from sandbox_middleware._telemetry import ERROR_TYPE_ATTR, Instruments, Tracing, error_type, report_once
+from sandbox_middleware._telemetry import (
+    ERROR_TYPE_ATTR,
+    Instruments,
+    Tracing,
+    error_type,
+    record_error,
+    safely,
+)
 
 from ._bundle import TokenBundle, TokenCompletion
 from ._chain import DEFAULT_CHAIN, ChainEntry, Exchange, build_chain
@@ -33,6 +40,7 @@ __all__ = ["RetryPolicy", "TokenClient", "prepare_request", "server_root"]
 
 # Long generations (32K tokens) take minutes; connecting should not.
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+SPAN_NAME = "tokens.chat_completion"
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _ids = msgspec.json.Decoder(list[int])
 
@@ -215,10 +223,8 @@ class TokenClient:
         data = await self._post(self.tokenize_url, body, "/tokenize")
         instruments = self._instruments.get()
         if instruments is not None:
-            try:
-                instruments.tokenize_ms.record((time.perf_counter() - started) * 1000.0)
-            except Exception as exc:
-                report_once("tokens.tokenize_fallback.duration_ms", exc)
+            elapsed_ms = (time.perf_counter() - started) * 1000.0
+            safely("tokens.tokenize_fallback.duration_ms", instruments.tokenize_ms.record, elapsed_ms)
         try:
             tokens = msgspec.json.decode(data, type=dict[str, msgspec.Raw]).get("tokens")
             if tokens is None:
@@ -234,15 +240,13 @@ class TokenClient:
         tracer = self._tracing.get()
         if tracer is None:
             return await self._complete(request)
-        with tracer.start_as_current_span(
-            "tokens.chat_completion", record_exception=False, set_status_on_exception=False
-        ) as span:
+        with tracer.start_as_current_span(SPAN_NAME, record_exception=False, set_status_on_exception=False) as span:
             try:
                 completion = await self._complete(request)
             except Exception as exc:
-                _safely(_mark_error, span, exc)
+                safely(SPAN_NAME, record_error, span, exc)
                 raise
-            _safely(_mark_bundle, span, completion.bundle)
+            safely(SPAN_NAME, _mark_bundle, span, completion.bundle)
             return completion
 
     async def _complete(self, request: dict[str, Any]) -> TokenCompletion:
@@ -262,12 +266,8 @@ class TokenClient:
 
     def _count(self, which: str, attributes: dict[str, str]) -> None:
         instruments = self._instruments.get()
-        if instruments is None:
-            return
-        try:
-            getattr(instruments, which).add(1, attributes)
-        except Exception as exc:
-            report_once(f"tokens counter {which}", exc)
+        if instruments is not None:
+            safely(f"tokens counter {which}", getattr(instruments, which).add, 1, attributes)
 
 
 def attach_bundle(body: dict[str, Any], bundle: TokenBundle) -> dict[str, Any]:
@@ -282,13 +282,6 @@ def attach_bundle(body: dict[str, Any], bundle: TokenBundle) -> dict[str, Any]:
     return body
 
 
-def _safely(fn: Any, *args: Any) -> None:
-    try:
-        fn(*args)
-    except Exception as exc:
-        report_once("tokens.chat_completion span", exc)
-
-
 def _mark_bundle(span: Span, bundle: TokenBundle) -> None:
     span.set_attribute(SOURCE_ATTR, bundle.source)
     span.set_attribute("tokens.exact", bundle.exact)
@@ -296,12 +289,6 @@ def _mark_bundle(span: Span, bundle: TokenBundle) -> None:
     span.set_attribute("tokens.generation_count", len(bundle.generation_token_ids))
     if bundle.floored_positions:
         span.set_attribute("tokens.floored_count", len(bundle.floored_positions))
-
-
-def _mark_error(span: Span, exc: Exception) -> None:
-    span.set_attribute(ERROR_TYPE_ATTR, error_type(exc))
-    span.record_exception(exc)
-    span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
 
 
 def _retryable(policy: RetryPolicy) -> Any:
