@@ -84,10 +84,18 @@ class Exchange:
 Handler = Callable[[Exchange], Awaitable[TokenBundle]]
 
 
+def first_difference(expected: Sequence[int], actual: Sequence[int]) -> int:
+    """The first index where they differ (the shorter length when one is a prefix of the other)."""
+    for index, (want, got) in enumerate(zip(expected, actual, strict=False)):
+        if want != got:
+            return index
+    return min(len(expected), len(actual))
+
+
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> str:
-    for index, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return f"at index {index} ({x} vs {y})"
+    index = first_difference(a, b)
+    if index < min(len(a), len(b)):
+        return f"at index {index} ({a[index]} vs {b[index]})"
     return f"in length ({len(a)} vs {len(b)})"
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ._bundle import TokenBundle, TokenCompletion
+from ._chain import first_difference
 from ._errors import TokensError
 
 __all__ = ["Drift", "DriftPolicy", "Segment", "Trajectory", "TrajectoryDriftError"]
@@ -145,7 +146,7 @@ class Trajectory:
         if prompt[:length] == expected:
             matched = length
         else:
-            matched = _first_difference(expected, prompt)
+            matched = first_difference(expected, prompt)
             boundary_end = matched == length - 1 and expected[-1] in self.boundary_token_ids and segment.loss_mask[-1]
             if not boundary_end:
                 drift = self._drift(number, matched, expected, prompt)
@@ -177,11 +178,3 @@ class Trajectory:
             turn, index, start, want, got,
             decode(want) if decode is not None else None, decode(got) if decode is not None else None,
         )  # fmt: skip
-
-
-def _first_difference(expected: list[int], actual: list[int]) -> int:
-    """The first index where they differ (``len(actual)`` when ``actual`` is a strict prefix)."""
-    for index, (want, got) in enumerate(zip(expected, actual, strict=False)):
-        if want != got:
-            return index
-    return min(len(expected), len(actual))
