@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from .vllm.server import free_port
 
 CLI = [sys.executable, "-m", "sandbox_middleware"]
 
@@ -71,16 +72,9 @@ def test_leak_exits_non_zero() -> None:
     assert held.startswith("3: local-")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def test_prometheus_exporter_serves_while_running() -> None:
     """With --export prometheus, /metrics serves the active counter and the duration histograms."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [*CLI, "run", "--sessions", "20", "--concurrency", "4", "--export", "prometheus",
          "--prometheus-port", str(port), "--linger", "20"],

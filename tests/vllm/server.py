@@ -27,7 +27,7 @@ def vllm_python() -> Path | None:
     return venv / "bin" / "python" if (venv / ".complete").exists() else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -39,7 +39,7 @@ def running_server(python: Path, workdir: Path) -> Iterator[str]:
     """Make the tiny model in ``workdir``, serve it, yield the ``/v1`` base URL, stop the server."""
     model = workdir / "tiny-model"
     subprocess.run([str(python), str(HERE / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
-    port = _free_port()
+    port = free_port()
     log = (workdir / "vllm.log").open("wb")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     process = subprocess.Popen(
