@@ -3,7 +3,14 @@
 from ._budget import RetryBudget
 from ._config import ConfigError, ResolvedStack, build_provider, load_config, resolve_config
 from ._core import Middleware, ProviderMiddleware, stack
-from ._local import BwrapUnavailableError, LocalProvider
+from ._local import (
+    BwrapUnavailableError,
+    LocalProvider,
+    SandboxArgumentError,
+    SandboxExpiredError,
+    SandboxLimitError,
+    SandboxTransferLimitError,
+)
 from ._metrics import MetricsMiddleware
 from ._protocol import (
     ConnectableProvider,
@@ -41,17 +48,21 @@ __all__ = [
     "RetryBudget",
     "RetryMiddleware",
     "Sandbox",
+    "SandboxArgumentError",
     "SandboxCreateError",
     "SandboxEndpoint",
     "SandboxError",
     "SandboxExecResult",
+    "SandboxExpiredError",
     "SandboxHandle",
+    "SandboxLimitError",
     "SandboxNotFoundError",
     "SandboxNotStartedError",
     "SandboxPathError",
     "SandboxProvider",
     "SandboxSpec",
     "SandboxStatus",
+    "SandboxTransferLimitError",
     "SupportsSandboxEndpoint",
     "SupportsSandboxPty",
     "TracingMiddleware",

@@ -1,21 +1,51 @@
-"""``LocalProvider``: real sandboxes on this machine, a directory and a process group each."""
+"""``LocalProvider``: real sandboxes on this machine, hardened against the commands they run."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
+import json
+import math
 import os
+import re
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
 
+from ._local_io import (
+    OutputCapture,
+    SandboxArgumentError,
+    SandboxTransferLimitError,
+    check_text,
+    download,
+    drain,
+    open_directory,
+    pump,
+    sandbox_parts,
+    upload,
+)
+from ._local_limits import (
+    CgroupBackend,
+    Limits,
+    SandboxLimitError,
+    Watchdog,
+    mount_tmpfs,
+    positive_number,
+    probe_tmpfs,
+    unmount,
+)
 from ._protocol import (
     SandboxCreateError,
     SandboxEndpoint,
@@ -23,48 +53,118 @@ from ._protocol import (
     SandboxExecResult,
     SandboxHandle,
     SandboxNotFoundError,
-    SandboxPathError,
     SandboxSpec,
     SandboxStatus,
 )
 
-__all__ = ["BwrapUnavailableError", "LocalProvider"]
+__all__ = [
+    "BwrapUnavailableError",
+    "LocalProvider",
+    "SandboxArgumentError",
+    "SandboxExpiredError",
+    "SandboxLimitError",
+    "SandboxTransferLimitError",
+]
 
 Isolation = Literal["none", "bwrap"]
+LimitBackend = Literal["auto", "cgroup", "rlimit"]
+
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_VIEW_ROOT = "/workspace"
+# What a command sees of the host under bwrap: system directories read-only, a few files of /etc.
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_ETC_FILES = (
+    "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime",
+    "/etc/nsswitch.conf", "/etc/os-release", "/etc/mime.types",
+)  # fmt: skip
+_OWN_ETC = {
+    "passwd": "root:x:0:0:root:/workspace:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+    "group": "root:x:0:\nnogroup:x:65534:\n",
+    "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
+    "hostname": "sandbox\n",
+}
+# Joins the sandbox's cgroups, then becomes the command: nothing it starts is ever outside them.
+_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+_SANDBOX_ID = re.compile(r"local-[0-9a-f]{12}")
+_MAX_ENV_NAME = 1024
+_CLOSE_KILL_ATTEMPTS = 3
 
 
 class BwrapUnavailableError(SandboxError):
     """``isolation="bwrap"`` was asked for where the ``bwrap`` executable is not installed."""
 
 
+class SandboxExpiredError(SandboxNotFoundError):
+    """The sandbox's ``ttl_s`` ran out: its processes were killed and it accepts no more commands."""
+
+
 @dataclass
 class _Box:
-    root: Path
-    control: Path
+    outer: Path  # the sandbox's own directory: a bounded tmpfs holding box/, tmp/ and etc/
+    view_root: PurePosixPath  # where commands see box/ (bwrap), or box/ itself (none)
     env: dict[str, str]
-    cwd: Path
+    cwd: tuple[str, ...]  # components below box/
     ports: tuple[int, ...]
+    cgroups: list[Path]
+    mounted: bool
+    deadline: float | None  # time.monotonic() at which the TTL runs out
+    limits: Limits
     groups: set[int] = field(default_factory=set)
+    expired: bool = False
+
+    @property
+    def root(self) -> Path:
+        return self.outer / "box"
+
+    @property
+    def roots(self) -> tuple[PurePosixPath, ...]:
+        host = PurePosixPath(self.root)
+        return (self.view_root,) if self.view_root == host else (self.view_root, host)
 
 
 class LocalProvider:
-    """Sandboxes on this machine: each one a fresh directory, each command ``bash -c`` in it.
+    """Sandboxes on this machine, each a fresh directory; see the README's "Security model".
 
-    Every command runs in its own process group; a timeout kills the whole group and returns a
-    result with ``error_type="timeout"``; ``close`` kills what still runs and removes the
-    directory. Paths given to ``upload_file`` / ``download_file`` resolve inside the sandbox
-    directory (relative ones against it) and may not leave it.
+    Commands run ``bash -c`` with stdin from ``/dev/null`` and a clean environment (``PATH``,
+    ``HOME`` at the sandbox root, ``LANG=C.UTF-8``, then ``pass_env`` names copied from the host,
+    then ``spec.env``, then the call's ``env``). Memory, process count and CPU are limited with
+    cgroups where the machine allows it (rlimits otherwise; see ``mechanisms``); the writable space
+    is a tmpfs of ``disk_gib`` where this process may mount one; ``ttl_s`` kills the sandbox's
+    processes when it runs out. Output keeps at most ``max_output_bytes`` per stream (head and tail);
+    downloads refuse files over ``max_transfer_bytes``. Transfers follow no symlink.
 
-    ``isolation="bwrap"`` runs each command under bubblewrap: no network, separate PID namespace,
-    read-only root, the sandbox directory bound read-write at its own path as the work directory.
-    ``spec.image`` is ignored (this machine is the image); ``spec.entrypoint`` is refused.
+    ``isolation="bwrap"`` (recommended for untrusted code) runs each command under bubblewrap with
+    no capabilities, its own user, PID, network, IPC, UTS and cgroup namespaces, and a minimal
+    read-only view of the host; the sandbox directory is seen at ``spec.workdir`` when that is
+    absolute, else at ``/workspace``. ``isolation="none"`` runs commands as this process's user
+    with the host's whole filesystem in view: limits and the clean environment still hold, but it
+    is no security boundary.
     """
 
     name = "local"
 
-    def __init__(self, *, isolation: Isolation = "none", base_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        isolation: Isolation = "none",
+        base_dir: str | Path | None = None,
+        pass_env: Sequence[str] = (),
+        memory_mib: float | None = 4096,
+        pids: int | None = 1024,
+        cpu: float | None = None,
+        disk_gib: float | None = 4,
+        max_output_bytes: int = 1 << 20,
+        max_transfer_bytes: int = 256 << 20,
+        ro_paths: Sequence[str] = (),
+        limit_backend: LimitBackend = "auto",
+        connect_key: bytes | None = None,
+    ) -> None:
         if isolation not in ("none", "bwrap"):
-            raise ValueError(f"LocalProvider: isolation must be 'none' or 'bwrap', not {isolation!r}")
+            raise SandboxArgumentError(f"LocalProvider: isolation must be 'none' or 'bwrap', not {isolation!r}")
+        if limit_backend not in ("auto", "cgroup", "rlimit"):
+            raise SandboxArgumentError(
+                f"LocalProvider: limit_backend must be 'auto', 'cgroup' or 'rlimit', not {limit_backend!r}"
+            )
         self._bwrap: str | None = None
         if isolation == "bwrap":
             self._bwrap = shutil.which("bwrap")
@@ -74,33 +174,139 @@ class LocalProvider:
                     "bubblewrap (apt-get install -y bubblewrap) or use isolation='none'"
                 )
         self.isolation: Isolation = isolation
-        self._base = Path(base_dir) if base_dir is not None else None
+        self._base = Path(base_dir).resolve() if base_dir is not None else Path(tempfile.gettempdir()).resolve()
+        for name in pass_env:
+            check_text(name, "pass_env entry")
+        self._pass_env = tuple(pass_env)
+        self._defaults: dict[str, float | None] = {
+            "memory_mib": positive_number(memory_mib, "memory_mib"),
+            "pids": positive_number(pids, "pids"),
+            "cpu": positive_number(cpu, "cpu"),
+            "disk_gib": positive_number(disk_gib, "disk_gib"),
+        }
+        self._max_output = int(positive_number(max_output_bytes, "max_output_bytes", allow_none=False) or 0)
+        self._max_transfer = int(positive_number(max_transfer_bytes, "max_transfer_bytes", allow_none=False) or 0)
+        self._ro_paths = tuple(check_text(path, "ro_paths entry") for path in ro_paths)
+        if self._bwrap is not None and any(
+            self._base == Path(d) or Path(d) in self._base.parents for d in (*_SYSTEM_DIRS, *self._ro_paths)
+        ):
+            raise SandboxArgumentError(
+                f"LocalProvider: base_dir {self._base} lies in a directory every sandbox sees read-only; "
+                "sandboxes could read each other's files: choose a base_dir elsewhere"
+            )
+        self._cgroups = CgroupBackend() if limit_backend != "rlimit" else None
+        if limit_backend == "cgroup" and (self._cgroups is None or not self._cgroups.resources):
+            raise SandboxLimitError("LocalProvider(limit_backend='cgroup'): no writable cgroup controllers here")
+        self._tmpfs = probe_tmpfs()
+        self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, _Box] = {}
+        self._watchdog = Watchdog(self._expire)
 
     def __repr__(self) -> str:
         return f"LocalProvider(isolation={self.isolation!r})"
 
+    @property
+    def mechanisms(self) -> dict[str, str]:
+        """How each limit is enforced on this machine (or ``"not enforced"``)."""
+        cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
+        version = f"cgroup {self._cgroups.version}" if self._cgroups is not None else ""
+        root = os.geteuid() == 0
+        return {
+            "memory": version if "memory" in cgroup else "rlimit RLIMIT_AS (per process)",
+            "pids": version if "pids" in cgroup else ("not enforced" if root else "rlimit RLIMIT_NPROC (per user)"),
+            "cpu": version if "cpu" in cgroup else "not enforced",
+            "disk": "tmpfs size" if self._tmpfs else "rlimit RLIMIT_FSIZE (per file)",
+            "ttl": "watchdog thread (SIGKILL)",
+            "output": f"pipes, {self._max_output} bytes kept per stream",
+            "isolation": "bubblewrap, no capabilities" if self._bwrap else "none (not a security boundary)",
+        }
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
         if spec.entrypoint:
             raise SandboxCreateError("LocalProvider does not run entrypoints; start the process with exec()")
+        env = _checked_env(spec.env, "spec.env")
+        ttl = positive_number(spec.ttl_s, "spec.ttl_s")
+        limits = Limits.resolve(self._defaults, spec.resources)
+        self._refuse_unenforceable(limits)
+        workdir = check_text(spec.workdir, "spec.workdir") if spec.workdir is not None else None
+        cwd: tuple[str, ...] = ()
+        if workdir is not None and PurePosixPath(workdir).is_absolute():
+            view_root = PurePosixPath(workdir)
+        else:
+            view_root = PurePosixPath(DEFAULT_VIEW_ROOT)
+            cwd = sandbox_parts(workdir, (), "spec.workdir") if workdir else ()
         sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
-        try:
-            root, control, cwd = await anyio.to_thread.run_sync(self._make_dirs, sandbox_id, spec.workdir)
-        except OSError as exc:
-            raise SandboxCreateError(f"LocalProvider: cannot create a sandbox directory: {exc}") from exc
-        self._boxes[sandbox_id] = _Box(root, control, dict(spec.env), cwd, tuple(spec.ports))
-        return SandboxHandle(sandbox_id, self.name, {"root": str(root)})
+        box = await anyio.to_thread.run_sync(self._make_box, sandbox_id, limits, view_root, env, cwd, spec.ports, ttl)
+        self._boxes[sandbox_id] = box
+        if box.deadline is not None:
+            self._watchdog.add(box.deadline, sandbox_id)
+        return SandboxHandle(sandbox_id, self.name, {"root": str(box.root)})
 
-    def _make_dirs(self, sandbox_id: str, workdir: str | None) -> tuple[Path, Path, Path]:
-        if self._base is not None:
+    def _refuse_unenforceable(self, limits: Limits) -> None:
+        cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
+        refused = []
+        if limits.cpu is not None and "cpu" not in cgroup:
+            refused.append("cpu (needs the cgroup cpu controller)")
+        if limits.pids is not None and "pids" not in cgroup and os.geteuid() == 0 and "pids" in limits.explicit:
+            refused.append("pids (needs the cgroup pids controller when running as root)")
+        if limits.disk_bytes is not None and not self._tmpfs and "disk_gib" in limits.explicit:
+            refused.append("disk_gib (needs permission to mount a tmpfs)")
+        if refused:
+            raise SandboxLimitError(
+                f"LocalProvider cannot enforce {', '.join(refused)} on this machine; drop the limit or run where "
+                f"it can be enforced (in force here: {self.mechanisms})"
+            )
+
+    def _make_box(
+        self,
+        sandbox_id: str,
+        limits: Limits,
+        view_root: PurePosixPath,
+        env: dict[str, str],
+        cwd: tuple[str, ...],
+        ports: Iterable[int],
+        ttl: float | None,
+    ) -> _Box:
+        cgroups: list[Path] = []
+        outer: Path | None = None
+        mounted = False
+        try:
             self._base.mkdir(parents=True, exist_ok=True)
-        outer = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=self._base)).resolve()
-        root, control = outer / "box", outer / "control"
-        root.mkdir()
-        control.mkdir()
-        cwd = self._inside(root, workdir) if workdir else root
-        cwd.mkdir(parents=True, exist_ok=True)
-        return root, control, cwd
+            outer = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=self._base))
+            if self._tmpfs and limits.disk_bytes is not None:
+                mount_tmpfs(outer, limits.disk_bytes)
+                mounted = True
+            for name in ("box", "tmp", "etc"):
+                (outer / name).mkdir()
+            (outer / "tmp").chmod(0o1777)
+            for name, text in _OWN_ETC.items():
+                (outer / "etc" / name).write_text(text)
+            if self._cgroups is not None:
+                cgroups = self._cgroups.create(sandbox_id, limits)
+            box = _Box(
+                outer=outer,
+                view_root=view_root if self._bwrap else PurePosixPath(outer / "box"),
+                env=env,
+                cwd=cwd,
+                ports=tuple(ports),
+                cgroups=cgroups,
+                mounted=mounted,
+                deadline=None if ttl is None else time.monotonic() + ttl,
+                limits=limits,
+            )
+            with open_directory(box.root, cwd, "spec.workdir", create=True):
+                pass
+            return box
+        except BaseException as exc:
+            leftovers = _remove_box(outer, mounted, cgroups) if outer is not None else []
+            suffix = f"; could not remove {leftovers}" if leftovers else ""
+            if isinstance(exc, SandboxError):
+                raise
+            if isinstance(exc, OSError):
+                raise SandboxCreateError(f"LocalProvider: cannot create a sandbox: {exc}{suffix}") from exc
+            raise
 
     def _box(self, handle: SandboxHandle) -> _Box:
         box = self._boxes.get(handle.sandbox_id)
@@ -108,19 +314,64 @@ class LocalProvider:
             raise SandboxNotFoundError(
                 f"LocalProvider: no live sandbox {handle.sandbox_id!r} (never created here, or closed)"
             )
+        if box.expired or (box.deadline is not None and time.monotonic() >= box.deadline):
+            self._expire(handle.sandbox_id)
+            raise SandboxExpiredError(
+                f"LocalProvider: sandbox {handle.sandbox_id!r} expired (its ttl_s ran out) and its processes "
+                "were killed; create a new one (close() still removes it)"
+            )
         return box
 
+    def _expire(self, sandbox_id: str) -> None:
+        box = self._boxes.get(sandbox_id)
+        if box is not None and not box.expired:
+            box.expired = True
+            self._kill(box)
+
     @staticmethod
-    def _inside(root: Path, path: str) -> Path:
-        """``path`` resolved inside ``root`` (symlinks followed), or ``SandboxPathError``."""
-        candidate = Path(path)
-        resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
-        if not resolved.is_relative_to(root):
-            raise SandboxPathError(
-                f"path {path!r} resolves to {resolved}, outside the sandbox directory {root}; "
-                "use a path inside the sandbox"
+    def _kill(box: _Box) -> None:
+        for group in box.groups:
+            _kill_group(group)
+        if box.cgroups:
+            CgroupBackend.kill(box.cgroups)
+
+    async def status(self, handle: SandboxHandle) -> SandboxStatus:
+        box = self._boxes.get(handle.sandbox_id)
+        if box is None:
+            return SandboxStatus.STOPPED if handle.provider_name == self.name else SandboxStatus.UNKNOWN
+        if box.expired or (box.deadline is not None and time.monotonic() >= box.deadline):
+            await anyio.to_thread.run_sync(self._expire, handle.sandbox_id)
+            return SandboxStatus.STOPPED
+        return SandboxStatus.RUNNING if await anyio.to_thread.run_sync(box.root.is_dir) else SandboxStatus.ERROR
+
+    async def close(self, handle: SandboxHandle) -> None:
+        box = self._boxes.get(handle.sandbox_id)
+        if box is None:
+            return
+        box.expired = True
+        leftovers = await anyio.to_thread.run_sync(self._teardown, box)
+        if leftovers:
+            raise SandboxError(
+                f"LocalProvider: sandbox {handle.sandbox_id!r} closed, but these could not be removed: "
+                f"{', '.join(leftovers[:10])}{' ...' if len(leftovers) > 10 else ''}; remove them by hand"
             )
-        return resolved
+        del self._boxes[handle.sandbox_id]
+
+    def _teardown(self, box: _Box) -> list[str]:
+        for group in box.groups:
+            _kill_group(group)
+        # Only ever inside base_dir: the box's directory was made there by this provider, or
+        # connect() checked that it lies there.
+        if not box.outer.is_relative_to(self._base):
+            return [f"{box.outer} (outside base_dir {self._base}; not touched)"]
+        return _remove_box(box.outer, box.mounted, box.cgroups)
+
+    async def aclose(self) -> None:
+        for sandbox_id in list(self._boxes):
+            with contextlib.suppress(SandboxError):
+                await self.close(SandboxHandle(sandbox_id, self.name))
+
+    # --- commands ----------------------------------------------------------------------------------
 
     async def exec(
         self,
@@ -132,61 +383,151 @@ class LocalProvider:
         timeout_s: int | float | None = None,
         user: str | int | None = None,
     ) -> SandboxExecResult:
+        check_text(command, "command")
+        call_env = _checked_env(env or {}, "env")
+        if timeout_s is not None:
+            if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or math.isnan(timeout_s):
+                raise SandboxArgumentError(f"timeout_s must be a number of seconds or None, not {timeout_s!r}")
+            if timeout_s < 0:
+                raise SandboxArgumentError(f"timeout_s must not be negative, not {timeout_s!r}")
         box = self._box(handle)
         if user is not None:
             raise SandboxError("LocalProvider runs commands as the current user; user= is not supported")
-        workdir = self._inside(box.root, cwd) if cwd is not None else box.cwd
-        if not await anyio.to_thread.run_sync(workdir.is_dir):
-            raise SandboxError(
-                f"LocalProvider: cwd {cwd!r} is not a directory in sandbox {handle.sandbox_id!r}; create it first"
-            )
-        child_env = {**os.environ, **box.env, **(env or {})}
-        argv = ["bash", "-c", command]
-        if self._bwrap is not None:
-            argv = [
-                self._bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-                "--tmpfs", "/tmp", "--bind", str(box.root), str(box.root),
-                "--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent",
-                "--chdir", str(workdir), *argv,
-            ]  # fmt: skip
-        # Output goes to files, not pipes: a background child that keeps the pipe open would
-        # otherwise hold the call until it exits.
-        token = uuid.uuid4().hex
-        out_path, err_path = box.control / f"{token}.out", box.control / f"{token}.err"
-        with out_path.open("wb") as out, err_path.open("wb") as err:
-            process = await anyio.open_process(
-                argv, stdin=None, stdout=out, stderr=err, cwd=workdir, env=child_env, start_new_session=True
-            )
-        box.groups.add(process.pid)
-        timed_out = False
+        parts = sandbox_parts(cwd, box.roots, "cwd") if cwd is not None else box.cwd
         try:
-            with anyio.move_on_after(timeout_s) as scope:
-                await process.wait()
-            if scope.cancelled_caught:
-                timed_out = True
-                _kill_group(process.pid)
+            await anyio.to_thread.run_sync(_check_directory, box.root, parts, cwd)
+        except SandboxError as exc:
+            raise SandboxError(
+                f"LocalProvider: cwd {cwd!r} is not a directory in sandbox {handle.sandbox_id!r}; create it first "
+                f"({exc})"
+            ) from exc
+        child_env = {**self._base_env(box), **box.env, **call_env}
+        argv, workdir = self._argv(box, parts, command)
+        deadline = timeout_s
+        if box.deadline is not None:
+            remaining = max(0.0, box.deadline - time.monotonic())
+            deadline = remaining if deadline is None else min(deadline, remaining)
+        return await self._run(handle, box, argv, workdir, child_env, deadline, timeout_s)
+
+    def _base_env(self, box: _Box) -> dict[str, str]:
+        home = str(box.view_root)
+        env = {"PATH": BASE_PATH, "HOME": home, "LANG": "C.UTF-8"}
+        if self._bwrap is None:
+            env["TMPDIR"] = str(box.outer / "tmp")
+        env.update({name: os.environ[name] for name in self._pass_env if name in os.environ})
+        return env
+
+    def _argv(self, box: _Box, parts: tuple[str, ...], command: str) -> tuple[list[str], Path]:
+        argv = ["bash", "-c", command]
+        host_cwd = box.root.joinpath(*parts)
+        argv = self._rlimit_prefix(box.limits) + argv
+        if self._bwrap is not None:
+            argv = [*self._bwrap_argv(box, box.view_root.joinpath(*parts)), *argv]
+            host_cwd = Path("/")
+        if box.cgroups:
+            argv = ["/bin/sh", "-c", _JOIN, "sh", *(str(group / "cgroup.procs") for group in box.cgroups), "--", *argv]
+        return argv, host_cwd
+
+    def _rlimit_prefix(self, limits: Limits) -> list[str]:
+        cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
+        options = []
+        if limits.memory_bytes is not None and "memory" not in cgroup:
+            options.append(f"--as={limits.memory_bytes}")
+        if limits.pids is not None and "pids" not in cgroup and os.geteuid() != 0:
+            options.append(f"--nproc={limits.pids}")
+        if limits.disk_bytes is not None and not self._tmpfs:
+            options.append(f"--fsize={limits.disk_bytes}")
+        return ["prlimit", *options, "--"] if options else []
+
+    def _bwrap_argv(self, box: _Box, view_cwd: PurePosixPath) -> list[str]:
+        assert self._bwrap is not None
+        argv = [
+            self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
+            "--new-session", "--die-with-parent", "--hostname", "sandbox",
+        ]  # fmt: skip
+        for directory in _SYSTEM_DIRS:
+            if os.path.islink(directory):
+                argv += ["--symlink", os.readlink(directory), directory]
+            elif os.path.isdir(directory):
+                argv += ["--ro-bind", directory, directory]
+        for path in (*_ETC_FILES, *self._ro_paths):
+            argv += ["--ro-bind-try", path, path]
+        for name in _OWN_ETC:
+            argv += ["--ro-bind", str(box.outer / "etc" / name), f"/etc/{name}"]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--bind", str(box.outer / "tmp"), "/tmp"]
+        argv += ["--bind", str(box.root), str(box.view_root), "--chdir", str(view_cwd), "--"]
+        return argv
+
+    async def _run(
+        self,
+        handle: SandboxHandle,
+        box: _Box,
+        argv: list[str],
+        workdir: Path,
+        env: dict[str, str],
+        deadline: float | None,
+        timeout_s: float | None,
+    ) -> SandboxExecResult:
+        out, err = OutputCapture(self._max_output), OutputCapture(self._max_output)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            os.set_blocking(out_w, True)
+            os.set_blocking(err_w, True)
+            try:
+                process = await anyio.open_process(
+                    argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=workdir, env=env,
+                    start_new_session=True,
+                )  # fmt: skip
+            except OSError as exc:
+                raise SandboxError(f"LocalProvider: cannot start a command in {handle.sandbox_id!r}: {exc}") from exc
+            finally:
+                os.close(out_w)
+                os.close(err_w)
+            box.groups.add(process.pid)
+            timed_out = False
+            try:
+                async with anyio.create_task_group() as readers:
+                    readers.start_soon(pump, out_r, out)
+                    readers.start_soon(pump, err_r, err)
+                    with anyio.move_on_after(deadline) as scope:
+                        await process.wait()
+                    if scope.cancelled_caught:
+                        timed_out = True
+                        _kill_group(process.pid)  # under bwrap, the namespace's init dies with it
+                        with anyio.CancelScope(shield=True):
+                            await process.wait()
+                    # Whatever the command wrote before it ended is in the pipes now; a background
+                    # child that still holds them must not hold this call.
+                    readers.cancel_scope.cancel()
+            except BaseException:
+                _kill_group(process.pid)  # under bwrap, the namespace's init dies with it
                 with anyio.CancelScope(shield=True):
                     await process.wait()
-        except BaseException:
-            _kill_group(process.pid)
-            with anyio.CancelScope(shield=True):
-                await process.wait()
-            raise
+                raise
+            drain(out_r, out, budget=64)
+            drain(err_r, err, budget=64)
         finally:
-            stdout = _read_and_remove(out_path)
-            stderr = _read_and_remove(err_path)
+            os.close(out_r)
+            os.close(err_r)
         if not _group_alive(process.pid):
             box.groups.discard(process.pid)
+        code = process.returncode if process.returncode is not None else -signal.SIGKILL
+        if box.expired or (box.deadline is not None and timed_out and time.monotonic() >= box.deadline):
+            self._expire(handle.sandbox_id)
+            return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="expired")
         if timed_out:
-            return SandboxExecResult(stdout, stderr, process.returncode or -signal.SIGKILL, error_type="timeout")
-        assert process.returncode is not None
-        return SandboxExecResult(stdout, stderr, process.returncode)
+            return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="timeout")
+        return SandboxExecResult(out.text(), err.text(), code)
+
+    # --- files -----------------------------------------------------------------------------------
 
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         box = self._box(handle)
-        target = self._inside(box.root, target_path)
+        parts = sandbox_parts(target_path, box.roots, "target_path")
+        source = Path(check_text(os.fspath(source_path), "source_path"))
         try:
-            await anyio.to_thread.run_sync(_copy, Path(source_path), target)
+            await anyio.to_thread.run_sync(upload, box.root, parts, target_path, source)
         except OSError as exc:
             raise SandboxError(
                 f"LocalProvider: cannot upload {source_path} to {target_path!r} in sandbox {handle.sandbox_id!r}: {exc}"
@@ -194,34 +535,21 @@ class LocalProvider:
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         box = self._box(handle)
-        source = self._inside(box.root, source_path)
-        if not source.is_file():
-            raise SandboxError(f"LocalProvider: {source_path!r} is not a file in sandbox {handle.sandbox_id!r}")
+        parts = sandbox_parts(source_path, box.roots, "source_path")
+        target = Path(check_text(os.fspath(target_path), "target_path"))
         try:
-            await anyio.to_thread.run_sync(_copy, source, Path(target_path))
+            await anyio.to_thread.run_sync(download, box.root, parts, source_path, target, self._max_transfer)
+        except SandboxError as exc:
+            if type(exc) is SandboxError:
+                raise SandboxError(f"LocalProvider: sandbox {handle.sandbox_id!r}: {exc}") from exc
+            raise
         except OSError as exc:
             raise SandboxError(
                 f"LocalProvider: cannot download {source_path!r} from sandbox {handle.sandbox_id!r} "
                 f"to {target_path}: {exc}"
             ) from exc
 
-    async def status(self, handle: SandboxHandle) -> SandboxStatus:
-        box = self._boxes.get(handle.sandbox_id)
-        if box is None:
-            return SandboxStatus.STOPPED if handle.provider_name == self.name else SandboxStatus.UNKNOWN
-        return SandboxStatus.RUNNING if box.root.is_dir() else SandboxStatus.ERROR
-
-    async def close(self, handle: SandboxHandle) -> None:
-        box = self._boxes.pop(handle.sandbox_id, None)
-        if box is None:
-            return
-        for group in box.groups:
-            _kill_group(group)
-        await anyio.to_thread.run_sync(shutil.rmtree, box.root.parent, True)
-
-    async def aclose(self) -> None:
-        for sandbox_id in list(self._boxes):
-            await self.close(SandboxHandle(sandbox_id, self.name))
+    # --- capabilities ------------------------------------------------------------------------------
 
     async def endpoint(self, handle: SandboxHandle, port: int) -> SandboxEndpoint:
         box = self._box(handle)
@@ -236,30 +564,111 @@ class LocalProvider:
 
     async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]:
         box = self._box(handle)
-        return {
+        body = {
             "provider": self.name,
             "sandbox_id": handle.sandbox_id,
             "root": str(box.root),
+            "view_root": str(box.view_root),
             "env": box.env,
-            "cwd": str(box.cwd),
+            "cwd": list(box.cwd),
             "ports": list(box.ports),
+            "cgroups": [str(group) for group in box.cgroups],
+            "mounted": box.mounted,
+            "deadline": box.deadline,
+            "limits": [box.limits.memory_bytes, box.limits.pids, box.limits.cpu, box.limits.disk_bytes],
         }
+        return {**body, "mac": self._mac(body)}
+
+    def _mac(self, body: Mapping[str, Any]) -> str:
+        return hmac.new(self._key, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
 
     async def connect(self, descriptor: Mapping[str, Any]) -> SandboxHandle:
+        """Rebuild a handle from ``serialize_handle()`` of this provider or one sharing its ``connect_key``.
+
+        The descriptor is authenticated (HMAC-SHA256 with the provider's key) and must name a sandbox
+        directory inside ``base_dir``; anything else is refused and nothing is touched.
+        """
+        if not isinstance(descriptor, Mapping) or "mac" not in descriptor:
+            raise SandboxError("LocalProvider.connect: not a descriptor from serialize_handle() (no 'mac')")
+        body = {key: value for key, value in descriptor.items() if key != "mac"}
         try:
-            sandbox_id, root = str(descriptor["sandbox_id"]), Path(descriptor["root"])
-        except (KeyError, TypeError) as exc:
+            expected = self._mac(body)
+        except (TypeError, ValueError) as exc:
+            raise SandboxError(f"LocalProvider.connect: descriptor is not JSON-serializable: {exc}") from exc
+        if not isinstance(descriptor["mac"], str) or not hmac.compare_digest(expected, descriptor["mac"]):
             raise SandboxError(
-                f"LocalProvider.connect: descriptor lacks {exc}; pass serialize_handle()'s output"
-            ) from exc
-        if not await anyio.to_thread.run_sync(root.is_dir):
+                "LocalProvider.connect: the descriptor's signature does not match; it was not issued by this "
+                "provider (or one sharing its connect_key), or it was altered"
+            )
+        sandbox_id, root = str(body["sandbox_id"]), Path(body["root"])
+        outer = root.parent
+        if not _SANDBOX_ID.fullmatch(sandbox_id) or not outer.name.startswith(f"{sandbox_id}-"):
+            raise SandboxError(f"LocalProvider.connect: {sandbox_id!r} at {root} is not a LocalProvider sandbox")
+        if outer.parent != self._base:
+            raise SandboxError(
+                f"LocalProvider.connect: sandbox {sandbox_id!r} lies in {outer.parent}, not in this provider's "
+                f"base_dir {self._base}; connect with a provider of the same base_dir"
+            )
+        if not await anyio.to_thread.run_sync(_is_real_directory, root):
             raise SandboxNotFoundError(f"LocalProvider.connect: sandbox {sandbox_id!r} no longer exists at {root}")
-        control = root.parent / "control"
-        cwd = Path(descriptor.get("cwd") or root)
+        deadline = body.get("deadline")
         self._boxes[sandbox_id] = _Box(
-            root, control, dict(descriptor.get("env") or {}), cwd, tuple(descriptor.get("ports") or ())
+            outer=outer,
+            view_root=PurePosixPath(body["view_root"]),
+            env=dict(body.get("env") or {}),
+            cwd=tuple(body.get("cwd") or ()),
+            ports=tuple(body.get("ports") or ()),
+            cgroups=[Path(group) for group in body.get("cgroups") or ()],
+            mounted=bool(body.get("mounted")),
+            deadline=deadline,
+            limits=Limits(*body.get("limits") or (None, None, None, None)),
         )
+        if deadline is not None:
+            self._watchdog.add(deadline, sandbox_id)
         return SandboxHandle(sandbox_id, self.name, {"root": str(root)})
+
+
+def _checked_env(env: Mapping[str, str], what: str) -> dict[str, str]:
+    if not isinstance(env, Mapping):
+        raise SandboxArgumentError(f"{what} must be a mapping of names to strings, not {type(env).__name__}")
+    checked = {}
+    for name, value in env.items():
+        check_text(name, f"{what} name")
+        if not name or "=" in name or len(name) > _MAX_ENV_NAME:
+            raise SandboxArgumentError(f"{what} name {name!r:.80} is not a valid variable name")
+        checked[name] = check_text(value, f"{what}[{name!r}]")
+    return checked
+
+
+def _check_directory(root: Path, parts: Sequence[str], path: str | None) -> None:
+    with open_directory(root, parts, path or "."):
+        pass
+
+
+def _is_real_directory(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _remove_box(outer: Path, mounted: bool, cgroups: list[Path]) -> list[str]:
+    """Kill, unmount and delete a sandbox's directory and cgroups; returns what could not be removed."""
+    failed = CgroupBackend.remove(cgroups) if cgroups else []
+    if mounted:
+        try:
+            unmount(outer)
+        except OSError as exc:
+            failed.append(f"{outer} (unmount: {exc.strerror})")
+
+    def note(_function: Any, path: str, exc: BaseException) -> None:
+        failed.append(f"{path} ({exc})")
+
+    # rmtree walks by descriptor and never follows a symlink out of the directory.
+    if not outer.exists():
+        pass
+    elif sys.version_info >= (3, 12):
+        shutil.rmtree(outer, onexc=note)
+    else:
+        shutil.rmtree(outer, onerror=lambda function, path, info: note(function, path, info[1]))
+    return failed
 
 
 def _kill_group(pgid: int) -> None:
@@ -277,19 +686,6 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _read_and_remove(path: Path) -> str:
-    try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-        path.unlink()
-    except FileNotFoundError:
-        return ""
-    return text
-
-
-def _copy(source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, target)
-
-
 # Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.
 BwrapUnavailableError.__module__ = "sandbox_middleware"
+SandboxExpiredError.__module__ = "sandbox_middleware"

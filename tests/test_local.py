@@ -151,11 +151,12 @@ async def test_closed_or_unknown_handle_is_a_clear_error(local: LocalProvider) -
     assert await local.status(SandboxHandle("x", "other")) == SandboxStatus.UNKNOWN
 
 
-async def test_connect_rebuilds_a_handle(local: LocalProvider, tmp_path: Path) -> None:
-    """A serialized handle connects in another provider instance and reaches the same directory."""
+async def test_connect_rebuilds_a_handle(tmp_path: Path) -> None:
+    """A serialized handle connects in another provider instance sharing the key and reaches the same directory."""
+    local = LocalProvider(base_dir=tmp_path / "boxes", connect_key=b"k" * 32)
     handle = await local.create(SandboxSpec(env={"K": "v"}))
     await local.exec(handle, "echo hi > f")
-    other = LocalProvider(base_dir=tmp_path / "boxes")
+    other = LocalProvider(base_dir=tmp_path / "boxes", connect_key=b"k" * 32)
     again = await other.connect(await local.serialize_handle(handle))
     assert (await other.exec(again, "cat f; echo $K")).stdout == "hi\nv\n"
     await local.close(handle)

@@ -1,0 +1,331 @@
+"""LocalProvider's resource limits: cgroups (v1 or v2) or rlimits, a bounded tmpfs, and TTL expiry.
+
+Each mechanism is chosen once per provider from what the machine allows, and reported. A limit the
+chosen mechanism cannot enforce is refused with ``SandboxLimitError`` when asked for explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import heapq
+import math
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._local_io import SandboxArgumentError
+from ._protocol import SandboxCreateError
+
+__all__ = ["CgroupBackend", "Limits", "SandboxLimitError", "Watchdog", "mount_tmpfs", "probe_tmpfs", "unmount"]
+
+_MiB = 1 << 20
+_GiB = 1 << 30
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PARENT = "sandbox-middleware"
+
+
+class SandboxLimitError(SandboxCreateError):
+    """A resource limit was asked for that this machine cannot enforce (it is refused, never ignored)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits of one sandbox; None means unlimited."""
+
+    memory_bytes: int | None
+    pids: int | None
+    cpu: float | None
+    disk_bytes: int | None
+    explicit: frozenset[str] = frozenset()
+
+    @classmethod
+    def resolve(cls, defaults: Mapping[str, float | None], resources: Any) -> Limits:
+        """Provider defaults overridden by ``spec.resources`` (a mapping or an object with NeMo Gym's fields)."""
+        values = dict(defaults)
+        explicit = set()
+        for name in ("cpu", "memory_mib", "disk_gib", "pids"):
+            given = resources.get(name) if isinstance(resources, Mapping) else getattr(resources, name, None)
+            if given is not None:
+                values[name] = given
+                explicit.add(name)
+        for name, value in values.items():
+            positive_number(value, f"resources.{name}" if name in explicit else name)
+        memory, disk, pids, cpu = values["memory_mib"], values["disk_gib"], values["pids"], values["cpu"]
+        return cls(
+            memory_bytes=None if memory is None else int(memory * _MiB),
+            pids=None if pids is None else int(pids),
+            cpu=None if cpu is None else float(cpu),
+            disk_bytes=None if disk is None else int(disk * _GiB),
+            explicit=frozenset(explicit),
+        )
+
+
+def positive_number(value: object, what: str, *, allow_none: bool = True) -> float | None:
+    """``value`` if it is a finite positive number (or None where allowed), else ``SandboxArgumentError``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SandboxArgumentError(f"{what} must be a number, not {type(value).__name__} ({value!r:.80})")
+    if not math.isfinite(value) or value <= 0:
+        raise SandboxArgumentError(f"{what} must be a finite number above 0, not {value!r}")
+    return float(value)
+
+
+# --- cgroups -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Controller:
+    """Where one resource's limit is written, per cgroup version."""
+
+    resource: str  # memory | pids | cpu
+    v1_hierarchy: str
+    write: Callable[[Path, Limits], None]
+
+
+def _write(path: Path, value: str) -> None:
+    path.write_text(value)
+
+
+def _memory_v1(group: Path, limits: Limits) -> None:
+    assert limits.memory_bytes is not None
+    _write(group / "memory.limit_in_bytes", str(limits.memory_bytes))
+    if (group / "memory.memsw.limit_in_bytes").exists():  # no escape into swap
+        _write(group / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
+
+
+def _memory_v2(group: Path, limits: Limits) -> None:
+    _write(group / "memory.max", str(limits.memory_bytes))
+    with contextlib.suppress(FileNotFoundError):
+        _write(group / "memory.swap.max", "0")
+
+
+def _pids(group: Path, limits: Limits) -> None:
+    _write(group / "pids.max", str(limits.pids))
+
+
+def _cpu_v1(group: Path, limits: Limits) -> None:
+    assert limits.cpu is not None
+    _write(group / "cpu.cfs_period_us", "100000")
+    _write(group / "cpu.cfs_quota_us", str(max(1000, int(limits.cpu * 100_000))))
+
+
+def _cpu_v2(group: Path, limits: Limits) -> None:
+    assert limits.cpu is not None
+    _write(group / "cpu.max", f"{max(1000, int(limits.cpu * 100_000))} 100000")
+
+
+_V1 = (
+    _Controller("memory", "memory", _memory_v1),
+    _Controller("pids", "pids", _pids),
+    _Controller("cpu", "cpu", _cpu_v1),
+)
+_V2 = (
+    _Controller("memory", "", _memory_v2),
+    _Controller("pids", "", _pids),
+    _Controller("cpu", "", _cpu_v2),
+)
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup path per v1 hierarchy (``""`` for the v2 unified one)."""
+    own: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, names, path = line.split(":", 2)
+            for name in names.split(",") if names else [""]:
+                own[name] = path
+    return own
+
+
+class CgroupBackend:
+    """Per-sandbox cgroups below this process's own, in whichever version the machine offers.
+
+    ``resources`` lists what it can limit. Processes join by writing their pid to ``procs_files``
+    before they exec the command, so nothing the command starts is ever outside the group.
+    """
+
+    def __init__(self, root: Path = _CGROUP_ROOT) -> None:
+        self.version: str | None = None
+        self.resources: frozenset[str] = frozenset()
+        self._parents: dict[str, Path] = {}
+        own = _own_cgroups()
+        if (root / "cgroup.controllers").exists():  # pure v2
+            self._init_v2(root, own.get("", "/"))
+        else:
+            self._init_v1(root, own)
+
+    def _init_v1(self, root: Path, own: dict[str, str]) -> None:
+        for controller in _V1:
+            base = root / controller.v1_hierarchy
+            parent = base / own.get(controller.v1_hierarchy, "/").lstrip("/") / _PARENT
+            try:
+                parent.mkdir(exist_ok=True)
+                probe = parent / f"probe-{os.getpid()}-{time.monotonic_ns()}"
+                probe.mkdir()
+                probe.rmdir()
+            except OSError:
+                continue
+            self._parents[controller.resource] = parent
+        self.resources = frozenset(self._parents)
+        self.version = "v1" if self._parents else None
+
+    def _init_v2(self, root: Path, own: str) -> None:
+        parent = root / own.lstrip("/") / _PARENT
+        try:
+            parent.mkdir(exist_ok=True)
+            available = set((parent / "cgroup.controllers").read_text().split())
+            wanted = {"memory", "pids", "cpu"} & available
+            (parent / "cgroup.subtree_control").write_text(" ".join(f"+{name}" for name in sorted(wanted)))
+        except OSError:
+            return
+        self._parents = dict.fromkeys(wanted, parent)
+        self.resources = frozenset(wanted)
+        self.version = "v2" if wanted else None
+
+    def create(self, sandbox_id: str, limits: Limits) -> list[Path]:
+        """Make the sandbox's groups with its limits; returns their directories."""
+        controllers = _V2 if self.version == "v2" else _V1
+        groups: dict[Path, None] = {}
+        try:
+            for controller in controllers:
+                parent = self._parents.get(controller.resource)
+                if parent is None:
+                    continue
+                group = parent / sandbox_id
+                if group not in groups:
+                    group.mkdir()
+                    groups[group] = None
+                if _limit_of(controller.resource, limits) is not None:
+                    controller.write(group, limits)
+        except OSError as exc:
+            self.remove(list(groups))
+            raise SandboxLimitError(f"cannot set up the cgroups of sandbox {sandbox_id!r}: {exc}") from exc
+        return list(groups)
+
+    @staticmethod
+    def kill(groups: list[Path]) -> None:
+        """SIGKILL every process in ``groups``, repeating until none is left (forks race the reads)."""
+        for group in groups:
+            with contextlib.suppress(OSError):
+                (group / "cgroup.kill").write_text("1")
+        for _ in range(100):
+            pids = {int(pid) for group in groups for pid in _read_procs(group)}
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.005)
+
+    @staticmethod
+    def remove(groups: list[Path]) -> list[str]:
+        """Remove ``groups`` (killing first); returns the ones that could not be removed."""
+        CgroupBackend.kill(groups)
+        failed = []
+        for group in groups:
+            for _ in range(50):
+                try:
+                    group.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)  # exiting processes leave the group a moment after SIGKILL
+            else:
+                failed.append(str(group))
+        return failed
+
+
+def _read_procs(group: Path) -> list[str]:
+    try:
+        return (group / "cgroup.procs").read_text().split()
+    except OSError:
+        return []
+
+
+def _limit_of(resource: str, limits: Limits) -> float | None:
+    return {"memory": limits.memory_bytes, "pids": limits.pids, "cpu": limits.cpu}[resource]
+
+
+# --- the bounded tmpfs ---------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+
+
+def mount_tmpfs(target: Path, size: int) -> None:
+    """Mount a tmpfs of ``size`` bytes at ``target``: the sandbox's whole writable space."""
+    inodes = max(65_536, size // 16_384)
+    options = f"size={size},nr_inodes={inodes},mode=0755".encode()
+    if _libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(target))
+
+
+def unmount(target: Path) -> None:
+    """Detach the tmpfs at ``target`` (lazily, so a straggling open file cannot keep it)."""
+    if _libc.umount2(os.fsencode(target), _MNT_DETACH) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(target))
+
+
+def probe_tmpfs() -> bool:
+    """Whether this process may mount a tmpfs (root, or CAP_SYS_ADMIN)."""
+    with tempfile.TemporaryDirectory(prefix="sandbox-middleware-probe-") as where:
+        try:
+            mount_tmpfs(Path(where), _MiB)
+        except OSError:
+            return False
+        unmount(Path(where))
+        return True
+
+
+# --- TTL expiry ----------------------------------------------------------------------------------
+
+
+class Watchdog:
+    """One daemon thread per provider that calls ``expire(sandbox_id)`` when a sandbox's TTL runs out.
+
+    It runs only while some sandbox has a deadline and needs no event loop, so a TTL holds even when
+    nothing calls the provider.
+    """
+
+    def __init__(self, expire: Callable[[str], None]) -> None:
+        self._expire = expire
+        self._heap: list[tuple[float, str]] = []
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, deadline: float, sandbox_id: str) -> None:
+        with self._wake:
+            heapq.heappush(self._heap, (deadline, sandbox_id))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="sandbox-ttl", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                if not self._heap:
+                    self._thread = None
+                    return
+                deadline, sandbox_id = self._heap[0]
+                wait = deadline - time.monotonic()
+                if wait > 0:
+                    self._wake.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+            with contextlib.suppress(Exception):  # a failed kill must not end the watchdog
+                self._expire(sandbox_id)
+
+
+SandboxLimitError.__module__ = "sandbox_middleware"
