@@ -111,6 +111,7 @@ class _Box:
     limits: Limits
     groups: set[int] = field(default_factory=set)
     expired: bool = False
+    broken: bool = False  # a close could not remove everything
 
     @property
     def root(self) -> Path:
@@ -339,6 +340,8 @@ class LocalProvider:
         box = self._boxes.get(handle.sandbox_id)
         if box is None:
             return SandboxStatus.STOPPED if handle.provider_name == self.name else SandboxStatus.UNKNOWN
+        if box.broken:
+            return SandboxStatus.ERROR
         if box.expired or (box.deadline is not None and time.monotonic() >= box.deadline):
             await anyio.to_thread.run_sync(self._expire, handle.sandbox_id)
             return SandboxStatus.STOPPED
@@ -351,6 +354,7 @@ class LocalProvider:
         box.expired = True
         leftovers = await anyio.to_thread.run_sync(self._teardown, box)
         if leftovers:
+            box.broken = True
             raise SandboxError(
                 f"LocalProvider: sandbox {handle.sandbox_id!r} closed, but these could not be removed: "
                 f"{', '.join(leftovers[:10])}{' ...' if len(leftovers) > 10 else ''}; remove them by hand"
@@ -450,11 +454,13 @@ class LocalProvider:
                 argv += ["--symlink", os.readlink(directory), directory]
             elif os.path.isdir(directory):
                 argv += ["--ro-bind", directory, directory]
-        for path in (*_ETC_FILES, *self._ro_paths):
+        for path in _ETC_FILES:
             argv += ["--ro-bind-try", path, path]
         for name in _OWN_ETC:
             argv += ["--ro-bind", str(box.outer / "etc" / name), f"/etc/{name}"]
         argv += ["--proc", "/proc", "--dev", "/dev", "--bind", str(box.outer / "tmp"), "/tmp"]
+        for path in self._ro_paths:  # after /tmp, which would hide one below it
+            argv += ["--ro-bind", path, path]
         argv += ["--bind", str(box.root), str(box.view_root), "--chdir", str(view_cwd), "--"]
         return argv
 
