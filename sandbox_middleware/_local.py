@@ -134,7 +134,7 @@ class LocalProvider:
     processes when it runs out. Output keeps at most ``max_output_bytes`` per stream (head and tail);
     downloads refuse files over ``max_transfer_bytes``. Transfers follow no symlink.
 
-    ``isolation="bwrap"`` (recommended for untrusted code) runs each command under bubblewrap with
+    ``isolation="bwrap"`` (the default; the one for untrusted code) runs each command under bubblewrap with
     no capabilities, its own user, PID, network, IPC, UTS and cgroup namespaces, and a minimal
     read-only view of the host; the sandbox directory is seen at ``spec.workdir`` when that is
     absolute, else at ``/workspace``. ``isolation="none"`` runs commands as this process's user
@@ -147,7 +147,7 @@ class LocalProvider:
     def __init__(
         self,
         *,
-        isolation: Isolation = "none",
+        isolation: Isolation = "bwrap",
         base_dir: str | Path | None = None,
         pass_env: Sequence[str] = (),
         memory_mib: float | None = 4096,
@@ -397,14 +397,16 @@ class LocalProvider:
         box = self._box(handle)
         if user is not None:
             raise SandboxError("LocalProvider runs commands as the current user; user= is not supported")
-        parts = sandbox_parts(cwd, box.roots, "cwd") if cwd is not None else box.cwd
-        try:
-            await anyio.to_thread.run_sync(_check_directory, box.root, parts, cwd)
-        except SandboxError as exc:
-            raise SandboxError(
-                f"LocalProvider: cwd {cwd!r} is not a directory in sandbox {handle.sandbox_id!r}; create it first "
-                f"({exc})"
-            ) from exc
+        parts = box.cwd
+        if cwd is not None:  # the default was made at create; under bwrap a swapped one resolves inside anyway
+            parts = sandbox_parts(cwd, box.roots, "cwd")
+            try:
+                await anyio.to_thread.run_sync(_check_directory, box.root, parts, cwd)
+            except SandboxError as exc:
+                raise SandboxError(
+                    f"LocalProvider: cwd {cwd!r} is not a directory in sandbox {handle.sandbox_id!r}; "
+                    f"create it first ({exc})"
+                ) from exc
         child_env = {**self._base_env(box), **box.env, **call_env}
         argv, workdir = self._argv(box, parts, command)
         deadline = timeout_s

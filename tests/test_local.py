@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -27,8 +28,11 @@ needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap is
 
 
 @pytest.fixture
-async def local(tmp_path: Path) -> LocalProvider:
-    return LocalProvider(base_dir=tmp_path / "boxes")
+async def local(tmp_path: Path) -> AsyncIterator[LocalProvider]:
+    """Without isolation, so tests can look at host pids and paths (bwrap: tests/test_containment.py)."""
+    provider = LocalProvider(isolation="none", base_dir=tmp_path / "boxes")
+    yield provider
+    await provider.aclose()
 
 
 def _alive(pid: int) -> bool:
@@ -153,10 +157,10 @@ async def test_closed_or_unknown_handle_is_a_clear_error(local: LocalProvider) -
 
 async def test_connect_rebuilds_a_handle(tmp_path: Path) -> None:
     """A serialized handle connects in another provider instance sharing the key and reaches the same directory."""
-    local = LocalProvider(base_dir=tmp_path / "boxes", connect_key=b"k" * 32)
+    local = LocalProvider(isolation="none", base_dir=tmp_path / "boxes", connect_key=b"k" * 32)
     handle = await local.create(SandboxSpec(env={"K": "v"}))
     await local.exec(handle, "echo hi > f")
-    other = LocalProvider(base_dir=tmp_path / "boxes", connect_key=b"k" * 32)
+    other = LocalProvider(isolation="none", base_dir=tmp_path / "boxes", connect_key=b"k" * 32)
     again = await other.connect(await local.serialize_handle(handle))
     assert (await other.exec(again, "cat f; echo $K")).stdout == "hi\nv\n"
     await local.close(handle)
