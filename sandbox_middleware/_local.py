@@ -101,7 +101,8 @@ class SandboxExpiredError(SandboxNotFoundError):
 @dataclass
 class _Box:
     outer: Path  # the sandbox's own directory: a bounded tmpfs holding box/, tmp/ and etc/
-    view_root: PurePosixPath  # where commands see box/ (bwrap), or box/ itself (none)
+    view_root: PurePosixPath  # the absolute workdir, or /workspace: where bwrap shows box/
+    isolated: bool
     env: dict[str, str]
     cwd: tuple[str, ...]  # components below box/
     ports: tuple[int, ...]
@@ -119,8 +120,13 @@ class _Box:
 
     @property
     def roots(self) -> tuple[PurePosixPath, ...]:
-        host = PurePosixPath(self.root)
-        return (self.view_root,) if self.view_root == host else (self.view_root, host)
+        """The absolute paths that name the sandbox root: its view path, and (without isolation) its real one."""
+        return (self.view_root,) if self.isolated else (self.view_root, PurePosixPath(self.root))
+
+    @property
+    def home(self) -> PurePosixPath:
+        """Where commands find the sandbox root."""
+        return self.view_root if self.isolated else PurePosixPath(self.root)
 
 
 class LocalProvider:
@@ -288,7 +294,8 @@ class LocalProvider:
                 cgroups = self._cgroups.create(sandbox_id, limits)
             box = _Box(
                 outer=outer,
-                view_root=view_root if self._bwrap else PurePosixPath(outer / "box"),
+                view_root=view_root,
+                isolated=self._bwrap is not None,
                 env=env,
                 cwd=cwd,
                 ports=tuple(ports),
@@ -416,7 +423,7 @@ class LocalProvider:
         return await self._run(handle, box, argv, workdir, child_env, deadline, timeout_s)
 
     def _base_env(self, box: _Box) -> dict[str, str]:
-        home = str(box.view_root)
+        home = str(box.home)
         env = {"PATH": BASE_PATH, "HOME": home, "LANG": "C.UTF-8"}
         if self._bwrap is None:
             env["TMPDIR"] = str(box.outer / "tmp")
@@ -623,6 +630,7 @@ class LocalProvider:
         self._boxes[sandbox_id] = _Box(
             outer=outer,
             view_root=PurePosixPath(body["view_root"]),
+            isolated=self._bwrap is not None,
             env=dict(body.get("env") or {}),
             cwd=tuple(body.get("cwd") or ()),
             ports=tuple(body.get("ports") or ()),

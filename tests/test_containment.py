@@ -600,3 +600,23 @@ async def _then_set(call: Callable[[], Awaitable[None]], done: anyio.Event) -> N
 
 def _quote(text: str) -> str:
     return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+async def test_absolute_workdir(provider: LocalProvider, tmp_path: Path) -> None:
+    """An absolute workdir: under bwrap the sandbox is seen there; without isolation it maps onto the sandbox."""
+    handle = await provider.create(SandboxSpec(workdir="/workspace/project"))
+    source = tmp_path / "in.txt"
+    source.write_text("data")
+    await provider.upload_file(handle, source, "/workspace/project/in.txt")
+    result = await provider.exec(handle, 'cat in.txt; echo; echo "$HOME"; pwd')
+    lines = result.stdout.splitlines()
+    assert lines[0] == "data"
+    if provider.isolation == "bwrap":
+        assert lines[1:] == ["/workspace/project", "/workspace/project"]
+    else:
+        assert lines[1:] == [handle.raw["root"], handle.raw["root"]]
+    assert (Path(handle.raw["root"]) / "in.txt").read_text() == "data"
+    await provider.download_file(handle, "/workspace/project/in.txt", tmp_path / "back.txt")
+    assert (tmp_path / "back.txt").read_text() == "data"
+    with pytest.raises(SandboxPathError, match="outside the sandbox"):
+        await provider.upload_file(handle, source, "/etc/in.txt")
