@@ -381,6 +381,8 @@ class LocalProvider:
         for sandbox_id in list(self._boxes):
             with contextlib.suppress(SandboxError):
                 await self.close(SandboxHandle(sandbox_id, self.name))
+        if self._cgroups is not None and not self._boxes:
+            await anyio.to_thread.run_sync(self._cgroups.release)
 
     # --- commands ----------------------------------------------------------------------------------
 

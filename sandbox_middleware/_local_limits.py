@@ -210,6 +210,12 @@ class CgroupBackend:
             raise SandboxLimitError(f"cannot set up the cgroups of sandbox {sandbox_id!r}: {exc}") from exc
         return list(groups)
 
+    def release(self) -> None:
+        """Remove the shared parent groups if no sandbox of any provider uses them any more."""
+        for parent in set(self._parents.values()):
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+
     @staticmethod
     def kill(groups: list[Path]) -> None:
         """SIGKILL every process in ``groups``, repeating until none is left (forks race the reads)."""
