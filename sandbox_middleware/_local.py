@@ -114,6 +114,9 @@ class _Box:
     expired: bool = False
     broken: bool = False  # a close could not remove everything
 
+    def is_expired(self) -> bool:
+        return self.expired or (self.deadline is not None and time.monotonic() >= self.deadline)
+
     @property
     def root(self) -> Path:
         return self.outer / "box"
@@ -282,6 +285,8 @@ class LocalProvider:
         try:
             self._base.mkdir(parents=True, exist_ok=True)
             outer = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=self._base))
+            if self._cgroups is not None:
+                cgroups = self._cgroups.create(sandbox_id, limits)
             if self._tmpfs and limits.disk_bytes is not None:
                 mount_tmpfs(outer, limits.disk_bytes)
                 mounted = True
@@ -290,8 +295,6 @@ class LocalProvider:
             (outer / "tmp").chmod(0o1777)
             for name, text in _OWN_ETC.items():
                 (outer / "etc" / name).write_text(text)
-            if self._cgroups is not None:
-                cgroups = self._cgroups.create(sandbox_id, limits)
             box = _Box(
                 outer=outer,
                 view_root=view_root,
@@ -322,8 +325,7 @@ class LocalProvider:
             raise SandboxNotFoundError(
                 f"LocalProvider: no live sandbox {handle.sandbox_id!r} (never created here, or closed)"
             )
-        if box.expired or (box.deadline is not None and time.monotonic() >= box.deadline):
-            self._expire(handle.sandbox_id)
+        if box.is_expired():  # the watchdog thread kills its processes
             raise SandboxExpiredError(
                 f"LocalProvider: sandbox {handle.sandbox_id!r} expired (its ttl_s ran out) and its processes "
                 "were killed; create a new one (close() still removes it)"
@@ -349,8 +351,7 @@ class LocalProvider:
             return SandboxStatus.STOPPED if handle.provider_name == self.name else SandboxStatus.UNKNOWN
         if box.broken:
             return SandboxStatus.ERROR
-        if box.expired or (box.deadline is not None and time.monotonic() >= box.deadline):
-            await anyio.to_thread.run_sync(self._expire, handle.sandbox_id)
+        if box.is_expired():
             return SandboxStatus.STOPPED
         return SandboxStatus.RUNNING if await anyio.to_thread.run_sync(box.root.is_dir) else SandboxStatus.ERROR
 
@@ -530,8 +531,7 @@ class LocalProvider:
         if not _group_alive(process.pid):
             box.groups.discard(process.pid)
         code = process.returncode if process.returncode is not None else -signal.SIGKILL
-        if box.expired or (box.deadline is not None and timed_out and time.monotonic() >= box.deadline):
-            self._expire(handle.sandbox_id)
+        if box.is_expired():
             return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="expired")
         if timed_out:
             return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="timeout")

@@ -390,7 +390,7 @@ async def test_ttl_ends_a_sandbox(make: Callable[..., LocalProvider], isolation:
 
 async def test_ttl_kills_background_processes_without_calls(make: Callable[..., LocalProvider], tmp_path: Path) -> None:
     """Without isolation a background process outlives its command; the TTL still kills it, unasked."""
-    local = make(base_dir=tmp_path / "boxes")
+    local = make(isolation="none", base_dir=tmp_path / "boxes")
     handle = await local.create(SandboxSpec(ttl_s=1))
     started = await local.exec(handle, "setsid sleep 60 > /dev/null 2>&1 & echo $!")
     pid = int(started.stdout)
@@ -411,7 +411,7 @@ def _alive(pid: int) -> bool:
 @as_root
 async def test_close_kills_escaped_sessions(make: Callable[..., LocalProvider], tmp_path: Path) -> None:
     """A command that leaves its process group (setsid) still dies at close: the cgroup holds it."""
-    local = make(base_dir=tmp_path / "boxes")
+    local = make(isolation="none", base_dir=tmp_path / "boxes")
     handle = await local.create(SandboxSpec())
     pid = int((await local.exec(handle, "setsid sleep 60 > /dev/null 2>&1 & echo $!")).stdout)
     assert _alive(pid)
@@ -559,14 +559,17 @@ async def test_bad_specs_are_typed_errors_and_leave_nothing(
 
 
 @as_root
-async def test_failed_create_leaves_nothing_behind(provider: LocalProvider, tmp_path: Path) -> None:
+async def test_failed_create_leaves_nothing_behind(
+    provider: LocalProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A create that fails half-way (its disk too small for its own files) removes what it made."""
+    known = uuid.UUID(int=0xDEAD)
+    monkeypatch.setattr("sandbox_middleware._local.uuid.uuid4", lambda: known)
     with pytest.raises(SandboxError, match="cannot create a sandbox"):
         await provider.create(SandboxSpec(resources={"disk_gib": 1e-9}))
     assert list((tmp_path / "boxes").iterdir()) == []
-    parents = [Path(p) for p in ("/sys/fs/cgroup/pids/sandbox-middleware",) if Path(p).is_dir()]
-    for parent in parents:
-        assert not [child for child in parent.iterdir() if child.is_dir() and child.name.startswith("local-")]
+    leftovers = list(Path("/sys/fs/cgroup").glob(f"**/sandbox-middleware/local-{known.hex[:12]}"))
+    assert leftovers == []
 
 
 # --- the event loop ------------------------------------------------------------------------------------
