@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import hmac
@@ -24,6 +25,7 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 
+from ._listing import SandboxListing
 from ._local_io import (
     OutputCapture,
     SandboxArgumentError,
@@ -86,6 +88,7 @@ _OWN_ETC = {
 # Joins the sandbox's cgroups, then becomes the command: nothing it starts is ever outside them.
 _JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 _SANDBOX_ID = re.compile(r"local-[0-9a-f]{12}")
+_RECORD = "meta.json"  # beside box/, out of the sandbox's view
 _MAX_ENV_NAME = 1024
 _CLOSE_KILL_ATTEMPTS = 3
 
@@ -110,6 +113,8 @@ class _Box:
     mounted: bool
     deadline: float | None  # time.monotonic() at which the TTL runs out
     limits: Limits
+    metadata: dict[str, str]
+    created: float  # time.time() at create
     groups: set[int] = field(default_factory=set)
     expired: bool = False
     broken: bool = False  # a close could not remove everything
@@ -130,6 +135,24 @@ class _Box:
     def home(self) -> PurePosixPath:
         """Where commands find the sandbox root."""
         return self.view_root if self.isolated else PurePosixPath(self.root)
+
+    def record(self) -> dict[str, Any]:
+        """What another process needs to use this sandbox (kept in ``meta.json`` and in descriptors).
+
+        Its cgroups and mount are not part of it: they are derived from the sandbox's id and
+        directory, so a forged record can never point them at anything else.
+        """
+        remaining = None if self.deadline is None else self.deadline - time.monotonic()
+        return {
+            "view_root": str(self.view_root),
+            "env": self.env,
+            "cwd": list(self.cwd),
+            "ports": list(self.ports),
+            "expires_at": None if remaining is None else time.time() + remaining,
+            "limits": self.limits.record(),
+            "metadata": self.metadata,
+            "created": self.created,
+        }
 
 
 class LocalProvider:
@@ -248,7 +271,12 @@ class LocalProvider:
             view_root = PurePosixPath(DEFAULT_VIEW_ROOT)
             cwd = sandbox_parts(workdir, (), "spec.workdir") if workdir else ()
         sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
-        box = await anyio.to_thread.run_sync(self._make_box, sandbox_id, limits, view_root, env, cwd, spec.ports, ttl)
+        metadata = {
+            check_text(k, "spec.metadata key"): check_text(v, f"spec.metadata[{k!r}]") for k, v in spec.metadata.items()
+        }
+        box = await anyio.to_thread.run_sync(
+            self._make_box, sandbox_id, limits, view_root, env, cwd, spec.ports, ttl, metadata
+        )
         self._boxes[sandbox_id] = box
         if box.deadline is not None:
             self._watchdog.add(box.deadline, sandbox_id)
@@ -278,6 +306,7 @@ class LocalProvider:
         cwd: tuple[str, ...],
         ports: Iterable[int],
         ttl: float | None,
+        metadata: dict[str, str],
     ) -> _Box:
         cgroups: list[Path] = []
         outer: Path | None = None
@@ -306,7 +335,10 @@ class LocalProvider:
                 mounted=mounted,
                 deadline=None if ttl is None else time.monotonic() + ttl,
                 limits=limits,
+                metadata=metadata,
+                created=time.time(),
             )
+            (outer / _RECORD).write_text(json.dumps(box.record()))
             with open_directory(box.root, cwd, "spec.workdir", create=True):
                 pass
             return box
@@ -581,19 +613,7 @@ class LocalProvider:
 
     async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]:
         box = self._box(handle)
-        body = {
-            "provider": self.name,
-            "sandbox_id": handle.sandbox_id,
-            "root": str(box.root),
-            "view_root": str(box.view_root),
-            "env": box.env,
-            "cwd": list(box.cwd),
-            "ports": list(box.ports),
-            "cgroups": [str(group) for group in box.cgroups],
-            "mounted": box.mounted,
-            "deadline": box.deadline,
-            "limits": [box.limits.memory_bytes, box.limits.pids, box.limits.cpu, box.limits.disk_bytes],
-        }
+        body = {"provider": self.name, "sandbox_id": handle.sandbox_id, "root": str(box.root), **box.record()}
         return {**body, "mac": self._mac(body)}
 
     def _mac(self, body: Mapping[str, Any]) -> str:
@@ -628,22 +648,73 @@ class LocalProvider:
             )
         if not await anyio.to_thread.run_sync(_is_real_directory, root):
             raise SandboxNotFoundError(f"LocalProvider.connect: sandbox {sandbox_id!r} no longer exists at {root}")
-        deadline = body.get("deadline")
-        self._boxes[sandbox_id] = _Box(
-            outer=outer,
-            view_root=PurePosixPath(body["view_root"]),
-            isolated=self._bwrap is not None,
-            env=dict(body.get("env") or {}),
-            cwd=tuple(body.get("cwd") or ()),
-            ports=tuple(body.get("ports") or ()),
-            cgroups=[Path(group) for group in body.get("cgroups") or ()],
-            mounted=bool(body.get("mounted")),
-            deadline=deadline,
-            limits=Limits(*body.get("limits") or (None, None, None, None)),
-        )
-        if deadline is not None:
-            self._watchdog.add(deadline, sandbox_id)
+        await anyio.to_thread.run_sync(self._adopt, sandbox_id, outer, body)
         return SandboxHandle(sandbox_id, self.name, {"root": str(root)})
+
+    def _adopt(self, sandbox_id: str, outer: Path, record: Mapping[str, Any]) -> _Box:
+        """Register a sandbox made by another provider instance (or process) from its record."""
+        box = self._boxes.get(sandbox_id)
+        if box is not None:
+            return box
+        expires_at = record.get("expires_at")
+        limits = record.get("limits") or [None, None, None, None]
+        box = _Box(
+            outer=outer,
+            view_root=PurePosixPath(check_text(record.get("view_root", DEFAULT_VIEW_ROOT), "view_root")),
+            isolated=self._bwrap is not None,
+            env=_checked_env(record.get("env") or {}, "env"),
+            cwd=sandbox_parts("/".join(record.get("cwd") or ()), (), "cwd") if record.get("cwd") else (),
+            ports=tuple(int(port) for port in record.get("ports") or ()),
+            cgroups=self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else [],
+            mounted=os.path.ismount(outer),
+            deadline=None if expires_at is None else time.monotonic() + float(expires_at) - time.time(),
+            limits=Limits.from_record(limits),
+            metadata={str(key): str(value) for key, value in (record.get("metadata") or {}).items()},
+            created=float(record.get("created") or 0.0),
+        )
+        self._boxes[sandbox_id] = box
+        if box.deadline is not None:
+            self._watchdog.add(box.deadline, sandbox_id)
+        return box
+
+    async def list(self, *, metadata: Mapping[str, str] | None = None) -> builtins.list[SandboxListing]:
+        """Every sandbox in ``base_dir`` (made by any process) whose metadata has all of ``metadata``.
+
+        Found sandboxes are adopted, so ``close`` works on their handles here; each listing carries
+        the sandbox's metadata and creation time.
+        """
+        wanted = dict(metadata or {})
+        found = await anyio.to_thread.run_sync(self._scan)
+        listings = []
+        for sandbox_id, outer, record in found:
+            box_metadata = {str(k): str(v) for k, v in (record.get("metadata") or {}).items()}
+            if any(box_metadata.get(key) != value for key, value in wanted.items()):
+                continue
+            try:
+                box = self._adopt(sandbox_id, outer, record)
+            except (SandboxError, ValueError, TypeError):
+                continue  # a record this provider did not write
+            handle = SandboxHandle(sandbox_id, self.name, {"root": str(box.root)})
+            listings.append(SandboxListing(handle, box_metadata, box.created))
+        return listings
+
+    def _scan(self) -> builtins.list[tuple[str, Path, dict[str, Any]]]:
+        found = []
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self._base):
+                sandbox_id = entry.name[:18]
+                if not (_SANDBOX_ID.fullmatch(sandbox_id) and entry.is_dir(follow_symlinks=False)):
+                    continue
+                try:
+                    with open_directory(Path(entry.path), (), entry.name) as dir_fd:
+                        fd = os.open(_RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                    with os.fdopen(fd, "rb") as file:
+                        record = json.loads(file.read(1 << 20))
+                except (OSError, SandboxError, ValueError):
+                    continue  # being created or removed, or not ours
+                if isinstance(record, dict):
+                    found.append((sandbox_id, Path(entry.path), record))
+        return found
 
 
 def _checked_env(env: Mapping[str, str], what: str) -> dict[str, str]:
@@ -670,7 +741,7 @@ def _is_real_directory(path: Path) -> bool:
 def _remove_box(outer: Path, mounted: bool, cgroups: list[Path]) -> list[str]:
     """Kill, unmount and delete a sandbox's directory and cgroups; returns what could not be removed."""
     failed = CgroupBackend.remove(cgroups) if cgroups else []
-    if mounted:
+    if mounted and os.path.ismount(outer):  # another process may have closed it already
         try:
             unmount(outer)
         except OSError as exc:

@@ -66,6 +66,20 @@ class Limits:
             explicit=frozenset(explicit),
         )
 
+    def record(self) -> list[float | None]:
+        return [self.memory_bytes, self.pids, self.cpu, self.disk_bytes]
+
+    @classmethod
+    def from_record(cls, values: Any) -> Limits:
+        """The limits from ``record()``, each checked again (a record is read from disk)."""
+        memory, pids, cpu, disk = (positive_number(value, "recorded limit") for value in list(values)[:4])
+        return cls(
+            memory_bytes=None if memory is None else int(memory),
+            pids=None if pids is None else int(pids),
+            cpu=cpu,
+            disk_bytes=None if disk is None else int(disk),
+        )
+
 
 def positive_number(value: object, what: str, *, allow_none: bool = True) -> float | None:
     """``value`` if it is a finite positive number (or None where allowed), else ``SandboxArgumentError``."""
@@ -209,6 +223,10 @@ class CgroupBackend:
             self.remove(list(groups))
             raise SandboxLimitError(f"cannot set up the cgroups of sandbox {sandbox_id!r}: {exc}") from exc
         return list(groups)
+
+    def groups_of(self, sandbox_id: str) -> list[Path]:
+        """The existing groups of sandbox ``sandbox_id`` (derived from its id, never taken from a record)."""
+        return [group for group in dict.fromkeys(p / sandbox_id for p in self._parents.values()) if group.is_dir()]
 
     def release(self) -> None:
         """Remove the shared parent groups if no sandbox of any provider uses them any more."""

@@ -190,3 +190,24 @@ async def test_bwrap_isolation(tmp_path: Path) -> None:
     pid1 = await local.exec(handle, "ps -o pid= -p 1 >/dev/null 2>&1; ls /proc | grep -c '^[0-9]'")
     assert int(pid1.stdout.strip()) < 10
     await local.close(handle)
+
+
+async def test_list_finds_sandboxes_of_other_instances_by_metadata(tmp_path: Path) -> None:
+    """list() finds every sandbox in base_dir by metadata, made by any instance, and adopts it for close."""
+    maker = LocalProvider(isolation="none", base_dir=tmp_path / "boxes")
+    run_a = await maker.create(SandboxSpec(metadata={"run": "a", "k": "1"}, ttl_s=600))
+    run_b = await maker.create(SandboxSpec(metadata={"run": "b"}))
+    await maker.exec(run_a, "echo kept > f")
+    finder = LocalProvider(isolation="none", base_dir=tmp_path / "boxes")
+    everything = await finder.list()
+    assert {listing.handle.sandbox_id for listing in everything} == {run_a.sandbox_id, run_b.sandbox_id}
+    (found,) = await finder.list(metadata={"run": "a"})
+    assert found.handle.sandbox_id == run_a.sandbox_id
+    assert found.metadata == {"run": "a", "k": "1"}
+    assert found.created_at is not None and found.created_at <= time.time()
+    assert (await finder.exec(found.handle, "cat f")).stdout == "kept\n"
+    await finder.close(found.handle)
+    assert not Path(run_a.raw["root"]).exists()
+    assert [listing.handle.sandbox_id for listing in await maker.list()] == [run_b.sandbox_id]
+    await maker.aclose()
+    await finder.aclose()
