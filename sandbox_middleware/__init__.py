@@ -3,6 +3,7 @@
 from ._budget import RetryBudget
 from ._config import ConfigError, ResolvedStack, build_provider, load_config, resolve_config
 from ._core import Middleware, ProviderMiddleware, stack
+from ._listing import SandboxListing, SupportsSandboxList
 from ._local import (
     BwrapUnavailableError,
     LocalProvider,
@@ -12,6 +13,7 @@ from ._local import (
     SandboxTransferLimitError,
 )
 from ._metrics import MetricsMiddleware
+from ._ownership import OwnershipMiddleware
 from ._protocol import (
     ConnectableProvider,
     SandboxCreateError,
@@ -27,6 +29,7 @@ from ._protocol import (
     SupportsSandboxEndpoint,
     SupportsSandboxPty,
 )
+from ._reaper import ReapedSandbox, reap
 from ._registry import RegistryError, register_middleware, register_provider
 from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
 from ._retry import RetryMiddleware
@@ -41,7 +44,9 @@ __all__ = [
     "LocalProvider",
     "MetricsMiddleware",
     "Middleware",
+    "OwnershipMiddleware",
     "ProviderMiddleware",
+    "ReapedSandbox",
     "RegistryError",
     "ReleaseAccountingMiddleware",
     "ResolvedStack",
@@ -56,6 +61,7 @@ __all__ = [
     "SandboxExpiredError",
     "SandboxHandle",
     "SandboxLimitError",
+    "SandboxListing",
     "SandboxNotFoundError",
     "SandboxNotStartedError",
     "SandboxPathError",
@@ -64,10 +70,12 @@ __all__ = [
     "SandboxStatus",
     "SandboxTransferLimitError",
     "SupportsSandboxEndpoint",
+    "SupportsSandboxList",
     "SupportsSandboxPty",
     "TracingMiddleware",
     "build_provider",
     "load_config",
+    "reap",
     "register_middleware",
     "register_provider",
     "resolve_config",

@@ -1,0 +1,97 @@
+"""``OwnershipMiddleware``: every sandbox names its run and its owner process, and carries a TTL.
+
+A sandbox whose create response was lost, or whose process was killed, is held by nobody; no
+ledger inside a process can see it. Stamped with a run id and an owner that can be checked for
+life, it can be found later (``SupportsSandboxList``) and reaped (``reap``) by any process, and the
+TTL makes the provider end it even if nobody does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._core import ProviderMiddleware
+from ._protocol import SandboxHandle, SandboxProvider, SandboxSpec
+
+__all__ = ["OWNER_KEYS", "RUN_KEY", "Owner", "OwnershipMiddleware"]
+
+RUN_KEY = "sandbox_middleware.run_id"
+_HOST_KEY = "sandbox_middleware.owner.host"
+_PID_KEY = "sandbox_middleware.owner.pid"
+_STARTED_KEY = "sandbox_middleware.owner.started"
+OWNER_KEYS = (_HOST_KEY, _PID_KEY, _STARTED_KEY)
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown-boot"
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (``/proc/PID/stat`` field 22), or None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[19] if fields[0] != "Z" else None  # zombies are dead
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A process, identified across pid reuse: host, pid, and its start time on this boot."""
+
+    host: str
+    pid: int
+    started: str  # "<boot id>:<start ticks>"
+
+    @classmethod
+    def current(cls) -> Owner:
+        pid = os.getpid()
+        return cls(socket.gethostname(), pid, f"{_boot_id()}:{_start_ticks(pid)}")
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, str]) -> Owner | None:
+        try:
+            return cls(metadata[_HOST_KEY], int(metadata[_PID_KEY]), metadata[_STARTED_KEY])
+        except (KeyError, ValueError):
+            return None
+
+    def metadata(self) -> dict[str, str]:
+        return {_HOST_KEY: self.host, _PID_KEY: str(self.pid), _STARTED_KEY: self.started}
+
+    def alive(self) -> bool | None:
+        """True or False on this host; None where it cannot be told (another host)."""
+        if self.host != socket.gethostname():
+            return None
+        return f"{_boot_id()}:{_start_ticks(self.pid)}" == self.started
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.pid}"
+
+
+class OwnershipMiddleware(ProviderMiddleware):
+    """Stamps each created sandbox's metadata with ``run_id`` and this process as its owner, and
+    gives it ``ttl_s`` when the spec has none, so the provider ends it even if this process dies.
+
+    ``run_id`` defaults to a fresh random id (``self.run_id``); give every worker of one run the
+    same id. Keys: ``sandbox_middleware.run_id`` and ``sandbox_middleware.owner.{host,pid,started}``.
+    """
+
+    def __init__(self, inner: SandboxProvider, *, run_id: str | None = None, ttl_s: float | None = 3600.0) -> None:
+        super().__init__(inner)
+        self.run_id = run_id if run_id is not None else uuid.uuid4().hex[:16]
+        self.ttl_s = ttl_s
+        self._stamp = {RUN_KEY: self.run_id, **Owner.current().metadata()}
+
+    async def create(self, spec: SandboxSpec) -> SandboxHandle:
+        ttl = spec.ttl_s if spec.ttl_s is not None else self.ttl_s
+        return await self.inner.create(dataclasses.replace(spec, metadata={**spec.metadata, **self._stamp}, ttl_s=ttl))

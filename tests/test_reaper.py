@@ -1,0 +1,137 @@
+"""Ownership and reaping: sandboxes of crashed owners and finished runs are found and closed, nothing else."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from sandbox_middleware import (
+    LocalProvider,
+    Middleware,
+    OwnershipMiddleware,
+    SandboxError,
+    SandboxSpec,
+    reap,
+    stack,
+)
+from sandbox_middleware.testing import FaultInjectingProvider
+
+pytestmark = pytest.mark.anyio
+
+_WORKER = """
+import anyio, sys
+from sandbox_middleware import LocalProvider, Middleware, OwnershipMiddleware, SandboxSpec, stack
+
+async def main():
+    provider = stack(LocalProvider(isolation="none", base_dir=sys.argv[1]),
+                     [Middleware(OwnershipMiddleware, run_id=sys.argv[2])])
+    for _ in range(3):
+        handle = await provider.create(SandboxSpec())
+        await provider.exec(handle, "sleep 300 > /dev/null 2>&1 &")
+        print(handle.sandbox_id, flush=True)
+    await anyio.sleep(600)
+
+anyio.run(main)
+"""
+
+
+@pytest.fixture
+async def local(tmp_path: Path) -> AsyncIterator[LocalProvider]:
+    provider = LocalProvider(isolation="none", base_dir=tmp_path / "boxes")
+    yield provider
+    await provider.aclose()
+
+
+async def _crashed_worker(base: Path, run_id: str) -> set[str]:
+    """Start a worker that creates three sandboxes, then SIGKILL it: its sandboxes are held by nobody."""
+    async with await anyio.open_process([sys.executable, "-c", _WORKER, str(base), run_id]) as worker:
+        assert worker.stdout is not None
+        lines = b""
+        with anyio.fail_after(60):
+            async for chunk in worker.stdout:
+                lines += chunk
+                if lines.count(b"\n") == 3:
+                    break
+        worker.send_signal(signal.SIGKILL)
+        await worker.wait()
+    return set(lines.decode().split())
+
+
+async def test_reap_closes_exactly_what_a_killed_worker_held(local: LocalProvider, tmp_path: Path) -> None:
+    """After SIGKILL, reap closes the dead worker's sandboxes and none of a live run's."""
+    crashed = await _crashed_worker(tmp_path / "boxes", "crashed-run")
+    live = stack(local, [Middleware(OwnershipMiddleware, run_id="live-run")])
+    mine = await live.create(SandboxSpec())
+    unowned = await local.create(SandboxSpec())
+    truth = {
+        listing.handle.sandbox_id for listing in await local.list(metadata={"sandbox_middleware.run_id": "crashed-run"})
+    }
+    assert truth == crashed
+
+    preview = await reap(local, dry_run=True)
+    assert {entry.sandbox_id for entry in preview} == crashed
+    assert not any(entry.closed for entry in preview)
+    assert all("no longer alive" in entry.reason for entry in preview)
+
+    reaped = await reap(local)
+    assert {entry.sandbox_id for entry in reaped} == crashed
+    assert all(entry.closed and entry.error is None for entry in reaped)
+    remaining = {listing.handle.sandbox_id for listing in await local.list()}
+    assert remaining == {mine.sandbox_id, unowned.sandbox_id}
+    assert not [path for path in (tmp_path / "boxes").iterdir() if path.name[:18] in crashed]
+
+
+async def test_reap_by_run_spares_live_owners_unless_forced(local: LocalProvider) -> None:
+    """reap(run_id=...) leaves a live owner's sandboxes alone; force=True takes them; other runs never."""
+    run = stack(local, [Middleware(OwnershipMiddleware, run_id="run-1")])
+    other = stack(local, [Middleware(OwnershipMiddleware, run_id="run-2")])
+    first, second = await run.create(SandboxSpec()), await other.create(SandboxSpec())
+    assert await reap(local, run_id="run-1") == []
+    forced = await reap(local, run_id="run-1", force=True)
+    assert [entry.sandbox_id for entry in forced] == [first.sandbox_id]
+    assert [listing.handle.sandbox_id for listing in await local.list()] == [second.sandbox_id]
+
+
+async def test_ownership_stamps_metadata_and_ttl(local: LocalProvider) -> None:
+    """The stamp names the run and this process; the spec's own metadata and TTL are kept."""
+    layer = OwnershipMiddleware(local, run_id="r", ttl_s=900)
+    await layer.create(SandboxSpec(metadata={"task": "t1"}))
+    await layer.create(SandboxSpec(ttl_s=5))
+    listings = sorted(
+        await local.list(metadata={"sandbox_middleware.run_id": "r"}), key=lambda item: item.created_at or 0
+    )
+    first, _second = listings
+    assert first.metadata["task"] == "t1"
+    assert first.metadata["sandbox_middleware.owner.pid"] == str(os.getpid())
+    ttls = [local._boxes[item.handle.sandbox_id].deadline for item in listings]
+    assert ttls[0] is not None and ttls[1] is not None and ttls[0] > ttls[1]
+    assert OwnershipMiddleware(local).run_id != OwnershipMiddleware(local).run_id
+
+
+async def test_lost_create_responses_are_reaped_with_the_run(local: LocalProvider) -> None:
+    """Sandboxes whose create response was lost are held by no ledger; the run's reap finds and closes them."""
+    faulty = FaultInjectingProvider(local, lost_create_rate=0.5, seed=3)
+    provider = stack(faulty, [Middleware(OwnershipMiddleware, run_id="lossy")])
+    held = []
+    for _ in range(20):
+        with contextlib.suppress(SandboxError):
+            held.append(await provider.create(SandboxSpec()))
+    assert faulty.orphaned, "the seed should lose some responses"
+    for handle in held:
+        await provider.close(handle)
+    reaped = await reap(local, run_id="lossy", force=True)
+    assert {entry.sandbox_id for entry in reaped} == set(faulty.orphaned)
+    assert await local.list() == []
+
+
+async def test_reap_needs_a_listing_provider() -> None:
+    """A provider that cannot list is a clear error, not a silent no-op."""
+    with pytest.raises(SandboxError, match="cannot list its sandboxes"):
+        await reap(FaultInjectingProvider())
