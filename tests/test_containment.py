@@ -623,3 +623,34 @@ async def test_absolute_workdir(provider: LocalProvider, tmp_path: Path) -> None
     assert (tmp_path / "back.txt").read_text() == "data"
     with pytest.raises(SandboxPathError, match="outside the sandbox"):
         await provider.upload_file(handle, source, "/etc/in.txt")
+
+
+def test_cgroup_v2_layout(tmp_path: Path) -> None:
+    """On a cgroup v2 machine the same limits land in v2's files (checked on a v2-shaped directory:
+    this machine's controllers are all on v1, so the real v2 path cannot run here)."""
+    from sandbox_middleware._local_limits import CgroupBackend, Limits
+
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids io\n")
+    own = next(
+        (
+            line.split(":", 2)[2]
+            for line in Path("/proc/self/cgroup").read_text().splitlines()
+            if line.startswith("0::")
+        ),
+        "/",
+    )
+    parent = tmp_path / own.lstrip("/") / "sandbox-middleware"
+    parent.mkdir(parents=True)
+    (parent / "cgroup.controllers").write_text("cpu memory pids\n")
+    backend = CgroupBackend(root=tmp_path)
+    assert backend.version == "v2"
+    assert backend.resources == {"cpu", "memory", "pids"}
+    assert (parent / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
+    limits = Limits(memory_bytes=64 << 20, pids=32, cpu=0.5, disk_bytes=None)
+    (group,) = backend.create("local-000000000001", limits)
+    assert group == parent / "local-000000000001"
+    assert (group / "memory.max").read_text() == str(64 << 20)
+    assert (group / "memory.swap.max").read_text() == "0"
+    assert (group / "pids.max").read_text() == "32"
+    assert (group / "cpu.max").read_text() == "50000 100000"
+    assert backend.groups_of("local-000000000001") == [group]
