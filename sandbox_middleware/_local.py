@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
@@ -26,6 +27,7 @@ import anyio
 import anyio.to_thread
 
 from ._listing import SandboxListing
+from ._local_bwrap import BASE_PATH, HOST_ENV, OWN_ETC, SYSTEM_DIRS, BwrapCommand, BwrapUnavailableError
 from ._local_io import (
     OutputCapture,
     SandboxArgumentError,
@@ -71,30 +73,17 @@ __all__ = [
 Isolation = Literal["none", "bwrap"]
 LimitBackend = Literal["auto", "cgroup", "rlimit"]
 
-BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_VIEW_ROOT = "/workspace"
-# What a command sees of the host under bwrap: system directories read-only, a few files of /etc.
-_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-_ETC_FILES = (
-    "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime",
-    "/etc/nsswitch.conf", "/etc/os-release", "/etc/mime.types",
-)  # fmt: skip
-_OWN_ETC = {
-    "passwd": "root:x:0:0:root:/workspace:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
-    "group": "root:x:0:\nnogroup:x:65534:\n",
-    "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
-    "hostname": "sandbox\n",
-}
+# Absolute workdirs that would hide what commands need, or show the host's own.
+_RESERVED_VIEWS = ("/", "/proc", "/dev", "/sys", "/etc", "/tmp", *SYSTEM_DIRS)
+_MAX_TTL_S = 30 * 24 * 3600.0
 # Joins the sandbox's cgroups, then becomes the command: nothing it starts is ever outside them.
 _JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 _SANDBOX_ID = re.compile(r"local-[0-9a-f]{12}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 _RECORD = "meta.json"  # beside box/, out of the sandbox's view
 _MAX_ENV_NAME = 1024
 _CLOSE_KILL_ATTEMPTS = 3
-
-
-class BwrapUnavailableError(SandboxError):
-    """``isolation="bwrap"`` was asked for where the ``bwrap`` executable is not installed."""
 
 
 class SandboxExpiredError(SandboxNotFoundError):
@@ -117,6 +106,7 @@ class _Box:
     created: float  # time.time() at create
     groups: set[int] = field(default_factory=set)
     expired: bool = False
+    closed: bool = False  # close() has begun
     broken: bool = False  # a close could not remove everything
 
     def is_expired(self) -> bool:
@@ -191,6 +181,7 @@ class LocalProvider:
         ro_paths: Sequence[str] = (),
         limit_backend: LimitBackend = "auto",
         connect_key: bytes | None = None,
+        sandbox_uid: int = 65534,
     ) -> None:
         if isolation not in ("none", "bwrap"):
             raise SandboxArgumentError(f"LocalProvider: isolation must be 'none' or 'bwrap', not {isolation!r}")
@@ -198,16 +189,9 @@ class LocalProvider:
             raise SandboxArgumentError(
                 f"LocalProvider: limit_backend must be 'auto', 'cgroup' or 'rlimit', not {limit_backend!r}"
             )
-        self._bwrap: str | None = None
-        if isolation == "bwrap":
-            self._bwrap = shutil.which("bwrap")
-            if self._bwrap is None:
-                raise BwrapUnavailableError(
-                    "LocalProvider(isolation='bwrap'): no 'bwrap' executable on PATH; install "
-                    "bubblewrap (apt-get install -y bubblewrap) or use isolation='none'"
-                )
         self.isolation: Isolation = isolation
-        self._base = Path(base_dir).resolve() if base_dir is not None else Path(tempfile.gettempdir()).resolve()
+        base = check_text(os.fspath(base_dir), "base_dir") if base_dir is not None else tempfile.gettempdir()
+        self._base = Path(base).resolve()
         for name in pass_env:
             check_text(name, "pass_env entry")
         self._pass_env = tuple(pass_env)
@@ -219,18 +203,26 @@ class LocalProvider:
         }
         self._max_output = int(positive_number(max_output_bytes, "max_output_bytes", allow_none=False) or 0)
         self._max_transfer = int(positive_number(max_transfer_bytes, "max_transfer_bytes", allow_none=False) or 0)
-        self._ro_paths = tuple(check_text(path, "ro_paths entry") for path in ro_paths)
-        if self._bwrap is not None and any(
-            self._base == Path(d) or Path(d) in self._base.parents for d in (*_SYSTEM_DIRS, *self._ro_paths)
-        ):
-            raise SandboxArgumentError(
-                f"LocalProvider: base_dir {self._base} lies in a directory every sandbox sees read-only; "
-                "sandboxes could read each other's files: choose a base_dir elsewhere"
-            )
+        self._ro_paths = tuple(_checked_ro_path(path) for path in ro_paths)
+        self._bwrap: BwrapCommand | None = None
+        if isolation == "bwrap":
+            if any(self._base == Path(d) or Path(d) in self._base.parents for d in (*SYSTEM_DIRS, *self._ro_paths)):
+                raise SandboxArgumentError(
+                    f"LocalProvider: base_dir {self._base} lies in a directory every sandbox sees read-only; "
+                    "sandboxes could read each other's files: choose a base_dir elsewhere"
+                )
+            if isinstance(sandbox_uid, bool) or not isinstance(sandbox_uid, int) or not 0 < sandbox_uid < 2**32 - 1:
+                raise SandboxArgumentError(f"LocalProvider: sandbox_uid must be a non-root uid, not {sandbox_uid!r}")
+            self._bwrap = BwrapCommand(sandbox_uid=sandbox_uid, ro_paths=self._ro_paths)
+            if self._bwrap.uid is not None:
+                for path in (self._base, *map(Path, self._ro_paths)):
+                    _check_reachable(path, self._bwrap.uid)
         self._cgroups = CgroupBackend() if limit_backend != "rlimit" else None
         if limit_backend == "cgroup" and (self._cgroups is None or not self._cgroups.resources):
             raise SandboxLimitError("LocalProvider(limit_backend='cgroup'): no writable cgroup controllers here")
         self._tmpfs = probe_tmpfs()
+        if self._bwrap is not None:
+            self._probe()
         self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, _Box] = {}
         self._watchdog = Watchdog(self._expire)
@@ -239,20 +231,48 @@ class LocalProvider:
         return f"LocalProvider(isolation={self.isolation!r})"
 
     @property
+    def _commands_run_as_root(self) -> bool:
+        """Whether commands run as host root (RLIMIT_NPROC does not bind root)."""
+        return os.geteuid() == 0 and self._owner is None
+
+    @property
+    def _owner(self) -> int | None:
+        """The host uid that commands run as and the sandbox's files belong to, where it is not ours."""
+        return self._bwrap.uid if self._bwrap is not None else None
+
+    def _probe(self) -> None:
+        """Start one command under bwrap in a scratch sandbox, so a machine where it cannot fails now."""
+        assert self._bwrap is not None
+        self._base.mkdir(parents=True, exist_ok=True)
+        outer = Path(tempfile.mkdtemp(prefix="local-probe-", dir=self._base))
+        try:
+            _lay_out(outer, self._owner)
+            self._bwrap.probe(outer)
+        finally:
+            shutil.rmtree(outer, ignore_errors=True)
+
+    @property
     def mechanisms(self) -> dict[str, str]:
         """How each limit is enforced on this machine (or ``"not enforced"``)."""
         cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
         version = f"cgroup {self._cgroups.version}" if self._cgroups is not None else ""
-        root = os.geteuid() == 0
+        root = self._commands_run_as_root
         return {
             "memory": version if "memory" in cgroup else "rlimit RLIMIT_AS (per process)",
-            "pids": version if "pids" in cgroup else ("not enforced" if root else "rlimit RLIMIT_NPROC (per user)"),
+            "pids": version if "pids" in cgroup else ("not enforced" if root else "rlimit RLIMIT_NPROC (per uid)"),
             "cpu": version if "cpu" in cgroup else "not enforced",
             "disk": "tmpfs size" if self._tmpfs else "rlimit RLIMIT_FSIZE (per file)",
             "ttl": "watchdog thread (SIGKILL)",
             "output": f"pipes, {self._max_output} bytes kept per stream",
-            "isolation": "bubblewrap, no capabilities" if self._bwrap else "none (not a security boundary)",
+            "isolation": self._isolation_report(),
         }
+
+    def _isolation_report(self) -> str:
+        if self._bwrap is None:
+            return "none (not a security boundary)"
+        who = f"host uid {self._bwrap.uid}" if self._bwrap.uid is not None else "this process's uid"
+        seccomp = "seccomp filter" if self._bwrap.seccomp else "no seccomp filter (unknown architecture)"
+        return f"bubblewrap as {who}, no capabilities, {seccomp}"
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -260,13 +280,19 @@ class LocalProvider:
         if spec.entrypoint:
             raise SandboxCreateError("LocalProvider does not run entrypoints; start the process with exec()")
         env = _checked_env(spec.env, "spec.env")
-        ttl = positive_number(spec.ttl_s, "spec.ttl_s")
+        ttl = positive_number(spec.ttl_s, "spec.ttl_s", maximum=_MAX_TTL_S)
         limits = Limits.resolve(self._defaults, spec.resources)
         self._refuse_unenforceable(limits)
         workdir = check_text(spec.workdir, "spec.workdir") if spec.workdir is not None else None
         cwd: tuple[str, ...] = ()
         if workdir is not None and PurePosixPath(workdir).is_absolute():
             view_root = PurePosixPath(workdir)
+            sandbox_parts(workdir, (view_root,), "spec.workdir")  # NUL, '..', over-long names
+            if any(view_root == PurePosixPath(r) or (r != "/" and PurePosixPath(r) in view_root.parents)
+                   for r in _RESERVED_VIEWS):  # fmt: skip
+                raise SandboxArgumentError(
+                    f"spec.workdir {workdir!r} would cover a system directory commands need; use e.g. /workspace"
+                )
         else:
             view_root = PurePosixPath(DEFAULT_VIEW_ROOT)
             cwd = sandbox_parts(workdir, (), "spec.workdir") if workdir else ()
@@ -287,8 +313,8 @@ class LocalProvider:
         refused = []
         if limits.cpu is not None and "cpu" not in cgroup:
             refused.append("cpu (needs the cgroup cpu controller)")
-        if limits.pids is not None and "pids" not in cgroup and os.geteuid() == 0 and "pids" in limits.explicit:
-            refused.append("pids (needs the cgroup pids controller when running as root)")
+        if limits.pids is not None and "pids" not in cgroup and self._commands_run_as_root:
+            refused.append("pids (needs the cgroup pids controller when running as root; or pass pids=None)")
         if limits.disk_bytes is not None and not self._tmpfs and "disk_gib" in limits.explicit:
             refused.append("disk_gib (needs permission to mount a tmpfs)")
         if refused:
@@ -317,13 +343,9 @@ class LocalProvider:
             if self._cgroups is not None:
                 cgroups = self._cgroups.create(sandbox_id, limits)
             if self._tmpfs and limits.disk_bytes is not None:
-                mount_tmpfs(outer, limits.disk_bytes)
+                mount_tmpfs(outer, limits.disk_bytes, self._owner)
                 mounted = True
-            for name in ("box", "tmp", "etc"):
-                (outer / name).mkdir()
-            (outer / "tmp").chmod(0o1777)
-            for name, text in _OWN_ETC.items():
-                (outer / "etc" / name).write_text(text)
+            _lay_out(outer, self._owner)
             box = _Box(
                 outer=outer,
                 view_root=view_root,
@@ -339,7 +361,7 @@ class LocalProvider:
                 created=time.time(),
             )
             (outer / _RECORD).write_text(json.dumps(box.record()))
-            with open_directory(box.root, cwd, "spec.workdir", create=True):
+            with open_directory(box.root, cwd, "spec.workdir", create=True, owner=self._owner):
                 pass
             return box
         except BaseException as exc:
@@ -372,10 +394,13 @@ class LocalProvider:
 
     @staticmethod
     def _kill(box: _Box) -> None:
-        for group in box.groups:
-            _kill_group(group)
+        """Kill every process of the sandbox: through its cgroups where it has them (no pid is ever
+        signalled by a number that could have been reused), else its still-running process groups."""
         if box.cgroups:
             CgroupBackend.kill(box.cgroups)
+        else:
+            for group in list(box.groups):
+                _kill_group(group)
 
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
         box = self._boxes.get(handle.sandbox_id)
@@ -391,7 +416,7 @@ class LocalProvider:
         box = self._boxes.get(handle.sandbox_id)
         if box is None:
             return
-        box.expired = True
+        box.closed = True
         leftovers = await anyio.to_thread.run_sync(self._teardown, box)
         if leftovers:
             box.broken = True
@@ -402,8 +427,7 @@ class LocalProvider:
         del self._boxes[handle.sandbox_id]
 
     def _teardown(self, box: _Box) -> list[str]:
-        for group in box.groups:
-            _kill_group(group)
+        self._kill(box)
         # Only ever inside base_dir: the box's directory was made there by this provider, or
         # connect() checked that it lies there.
         if not box.outer.is_relative_to(self._base):
@@ -411,11 +435,19 @@ class LocalProvider:
         return _remove_box(box.outer, box.mounted, box.cgroups)
 
     async def aclose(self) -> None:
+        """Close every sandbox still open here, then raise one error naming those that failed."""
+        failures = []
         for sandbox_id in list(self._boxes):
-            with contextlib.suppress(SandboxError):
+            try:
                 await self.close(SandboxHandle(sandbox_id, self.name))
+            except SandboxError as exc:
+                failures.append(str(exc))
         if self._cgroups is not None and not self._boxes:
             await anyio.to_thread.run_sync(self._cgroups.release)
+        if failures:
+            raise SandboxError(
+                f"LocalProvider.aclose: {len(failures)} sandboxes not fully removed: {'; '.join(failures)}"
+            )
 
     # --- commands ----------------------------------------------------------------------------------
 
@@ -431,11 +463,7 @@ class LocalProvider:
     ) -> SandboxExecResult:
         check_text(command, "command")
         call_env = _checked_env(env or {}, "env")
-        if timeout_s is not None:
-            if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or math.isnan(timeout_s):
-                raise SandboxArgumentError(f"timeout_s must be a number of seconds or None, not {timeout_s!r}")
-            if timeout_s < 0:
-                raise SandboxArgumentError(f"timeout_s must not be negative, not {timeout_s!r}")
+        timeout_s = _checked_timeout(timeout_s)
         box = self._box(handle)
         if user is not None:
             raise SandboxError("LocalProvider runs commands as the current user; user= is not supported")
@@ -450,12 +478,16 @@ class LocalProvider:
                     f"create it first ({exc})"
                 ) from exc
         child_env = {**self._base_env(box), **box.env, **call_env}
-        argv, workdir = self._argv(box, parts, command)
         deadline = timeout_s
         if box.deadline is not None:
             remaining = max(0.0, box.deadline - time.monotonic())
             deadline = remaining if deadline is None else min(deadline, remaining)
-        return await self._run(handle, box, argv, workdir, child_env, deadline, timeout_s)
+        argv, env, workdir, fds = self._argv(box, parts, command, child_env)
+        try:
+            return await self._run(handle, box, argv, workdir, env, deadline, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _base_env(self, box: _Box) -> dict[str, str]:
         home = str(box.home)
@@ -465,48 +497,32 @@ class LocalProvider:
         env.update({name: os.environ[name] for name in self._pass_env if name in os.environ})
         return env
 
-    def _argv(self, box: _Box, parts: tuple[str, ...], command: str) -> tuple[list[str], Path]:
-        argv = ["bash", "-c", command]
-        host_cwd = box.root.joinpath(*parts)
-        argv = self._rlimit_prefix(box.limits) + argv
+    def _argv(
+        self, box: _Box, parts: tuple[str, ...], command: str, env: dict[str, str]
+    ) -> tuple[list[str], dict[str, str], Path, list[int]]:
+        """argv, the environment of the process started, its cwd, and descriptors it must get."""
+        argv = [*self._rlimit_prefix(box.limits), "bash", "-c", command]
+        fds: list[int] = []
+        workdir = box.root.joinpath(*parts)
         if self._bwrap is not None:
-            argv = [*self._bwrap_argv(box, box.view_root.joinpath(*parts)), *argv]
-            host_cwd = Path("/")
+            # The command's environment travels inside bwrap's options: the host-side helpers
+            # (sh, setpriv, bwrap) run with HOST_ENV only, so no LD_PRELOAD or the like reaches them.
+            argv, fds = self._bwrap.argv(box.outer, box.view_root, box.view_root.joinpath(*parts), env, argv)
+            env, workdir = HOST_ENV, Path("/")
         if box.cgroups:
             argv = ["/bin/sh", "-c", _JOIN, "sh", *(str(group / "cgroup.procs") for group in box.cgroups), "--", *argv]
-        return argv, host_cwd
+        return argv, env, workdir, fds
 
     def _rlimit_prefix(self, limits: Limits) -> list[str]:
         cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
         options = []
         if limits.memory_bytes is not None and "memory" not in cgroup:
             options.append(f"--as={limits.memory_bytes}")
-        if limits.pids is not None and "pids" not in cgroup and os.geteuid() != 0:
+        if limits.pids is not None and "pids" not in cgroup and not self._commands_run_as_root:
             options.append(f"--nproc={limits.pids}")
         if limits.disk_bytes is not None and not self._tmpfs:
             options.append(f"--fsize={limits.disk_bytes}")
         return ["prlimit", *options, "--"] if options else []
-
-    def _bwrap_argv(self, box: _Box, view_cwd: PurePosixPath) -> list[str]:
-        assert self._bwrap is not None
-        argv = [
-            self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
-            "--new-session", "--die-with-parent", "--hostname", "sandbox",
-        ]  # fmt: skip
-        for directory in _SYSTEM_DIRS:
-            if os.path.islink(directory):
-                argv += ["--symlink", os.readlink(directory), directory]
-            elif os.path.isdir(directory):
-                argv += ["--ro-bind", directory, directory]
-        for path in _ETC_FILES:
-            argv += ["--ro-bind-try", path, path]
-        for name in _OWN_ETC:
-            argv += ["--ro-bind", str(box.outer / "etc" / name), f"/etc/{name}"]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--bind", str(box.outer / "tmp"), "/tmp"]
-        for path in self._ro_paths:  # after /tmp, which would hide one below it
-            argv += ["--ro-bind", path, path]
-        argv += ["--bind", str(box.root), str(box.view_root), "--chdir", str(view_cwd), "--"]
-        return argv
 
     async def _run(
         self,
@@ -516,25 +532,28 @@ class LocalProvider:
         workdir: Path,
         env: dict[str, str],
         deadline: float | None,
-        timeout_s: float | None,
+        fds: list[int],
     ) -> SandboxExecResult:
         out, err = OutputCapture(self._max_output), OutputCapture(self._max_output)
         out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         try:
-            os.set_blocking(out_w, True)
-            os.set_blocking(err_w, True)
+            for fd in (out_w, err_w):
+                os.set_blocking(fd, True)
+                with contextlib.suppress(OSError):  # fewer wake-ups per byte when a command floods
+                    fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
             try:
                 process = await anyio.open_process(
                     argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=workdir, env=env,
-                    start_new_session=True,
+                    start_new_session=True, pass_fds=fds,
                 )  # fmt: skip
             except OSError as exc:
                 raise SandboxError(f"LocalProvider: cannot start a command in {handle.sandbox_id!r}: {exc}") from exc
             finally:
                 os.close(out_w)
                 os.close(err_w)
-            box.groups.add(process.pid)
+            if not box.cgroups:
+                box.groups.add(process.pid)
             timed_out = False
             try:
                 async with anyio.create_task_group() as readers:
@@ -560,9 +579,11 @@ class LocalProvider:
         finally:
             os.close(out_r)
             os.close(err_r)
-        if not _group_alive(process.pid):
+        if box.cgroups or not _group_alive(process.pid):
             box.groups.discard(process.pid)
         code = process.returncode if process.returncode is not None else -signal.SIGKILL
+        if box.closed:
+            return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="closed")
         if box.is_expired():
             return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="expired")
         if timed_out:
@@ -574,9 +595,9 @@ class LocalProvider:
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         box = self._box(handle)
         parts = sandbox_parts(target_path, box.roots, "target_path")
-        source = Path(check_text(os.fspath(source_path), "source_path"))
+        source = Path(check_text(_fspath(source_path, "source_path"), "source_path"))
         try:
-            await anyio.to_thread.run_sync(upload, box.root, parts, target_path, source)
+            await anyio.to_thread.run_sync(upload, box.root, parts, target_path, source, self._owner)
         except OSError as exc:
             raise SandboxError(
                 f"LocalProvider: cannot upload {source_path} to {target_path!r} in sandbox {handle.sandbox_id!r}: {exc}"
@@ -585,7 +606,7 @@ class LocalProvider:
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         box = self._box(handle)
         parts = sandbox_parts(source_path, box.roots, "source_path")
-        target = Path(check_text(os.fspath(target_path), "target_path"))
+        target = Path(check_text(_fspath(target_path, "target_path"), "target_path"))
         try:
             await anyio.to_thread.run_sync(download, box.root, parts, source_path, target, self._max_transfer)
         except SandboxError as exc:
@@ -627,12 +648,13 @@ class LocalProvider:
         """
         if not isinstance(descriptor, Mapping) or "mac" not in descriptor:
             raise SandboxError("LocalProvider.connect: not a descriptor from serialize_handle() (no 'mac')")
-        body = {key: value for key, value in descriptor.items() if key != "mac"}
         try:
+            body = {key: value for key, value in descriptor.items() if key != "mac"}
             expected = self._mac(body)
-        except (TypeError, ValueError) as exc:
-            raise SandboxError(f"LocalProvider.connect: descriptor is not JSON-serializable: {exc}") from exc
-        if not isinstance(descriptor["mac"], str) or not hmac.compare_digest(expected, descriptor["mac"]):
+        except Exception as exc:  # a hostile mapping: raising items(), cycles, deep nesting
+            raise SandboxError(f"LocalProvider.connect: descriptor is not plain JSON data: {exc!r:.200}") from exc
+        mac = descriptor["mac"]
+        if not isinstance(mac, str) or not _HEX64.fullmatch(mac) or not hmac.compare_digest(expected, mac):
             raise SandboxError(
                 "LocalProvider.connect: the descriptor's signature does not match; it was not issued by this "
                 "provider (or one sharing its connect_key), or it was altered"
@@ -717,6 +739,66 @@ class LocalProvider:
         return found
 
 
+def _lay_out(outer: Path, owner: int | None) -> None:
+    """The sandbox's directory: box/ (its files), tmp/ and shm/ (its /tmp, /dev/shm), etc/ (read-only)."""
+    if owner is not None:
+        os.chmod(outer, 0o711)  # reachable, not listable, by the sandbox's uid
+    for name in ("box", "tmp", "shm", "etc"):
+        (outer / name).mkdir()
+    for name in ("tmp", "shm"):
+        (outer / name).chmod(0o1777)
+    for name, text in OWN_ETC.items():
+        (outer / "etc" / name).write_text(text)
+    if owner is not None:
+        for name in ("box", "tmp", "shm"):
+            os.chown(outer / name, owner, owner)
+
+
+def _check_reachable(base: Path, uid: int) -> None:
+    """bwrap runs as ``uid`` and must reach ``base``: every existing parent needs search permission."""
+    for directory in reversed(base.parents):
+        try:
+            info = directory.stat()
+        except FileNotFoundError:
+            return
+        if info.st_uid != uid and not info.st_mode & 0o001:
+            raise SandboxArgumentError(
+                f"LocalProvider: {base} (base_dir or ro_paths) is out of reach of the sandbox user (uid {uid}): "
+                f"{directory} has mode {oct(info.st_mode & 0o777)} without search permission for others; choose "
+                "a path whose parents all have o+x (the temp directory's do), or chmod o+x them"
+            )
+
+
+def _checked_ro_path(path: str) -> str:
+    check_text(path, "ro_paths entry")
+    if not os.path.isabs(path) or not os.path.exists(path):
+        raise SandboxArgumentError(f"ro_paths entry {path!r} must be an absolute path that exists")
+    return path
+
+
+def _fspath(value: object, what: str) -> str:
+    if not isinstance(value, str | os.PathLike):
+        raise SandboxArgumentError(f"{what} must be a path (str or os.PathLike), not {type(value).__name__}")
+    path = os.fspath(value)
+    if not isinstance(path, str):
+        raise SandboxArgumentError(f"{what} must be a text path, not bytes")
+    return path
+
+
+def _checked_timeout(timeout_s: object) -> float | None:
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+        raise SandboxArgumentError(f"timeout_s must be a number of seconds or None, not {timeout_s!r:.80}")
+    try:
+        value = float(timeout_s)
+    except OverflowError:
+        return None  # larger than any deadline: no timeout
+    if math.isnan(value) or value < 0:
+        raise SandboxArgumentError(f"timeout_s must be a number of seconds >= 0, not {timeout_s!r:.80}")
+    return None if math.isinf(value) else value
+
+
 def _checked_env(env: Mapping[str, str], what: str) -> dict[str, str]:
     if not isinstance(env, Mapping):
         raise SandboxArgumentError(f"{what} must be a mapping of names to strings, not {type(env).__name__}")
@@ -753,10 +835,14 @@ def _remove_box(outer: Path, mounted: bool, cgroups: list[Path]) -> list[str]:
     # rmtree walks by descriptor and never follows a symlink out of the directory.
     if not outer.exists():
         pass
-    elif sys.version_info >= (3, 12):
-        shutil.rmtree(outer, onexc=note)
     else:
-        shutil.rmtree(outer, onerror=lambda function, path, info: note(function, path, info[1]))
+        try:
+            if sys.version_info >= (3, 12):
+                shutil.rmtree(outer, onexc=note)
+            else:
+                shutil.rmtree(outer, onerror=lambda function, path, info: note(function, path, info[1]))
+        except Exception as exc:  # e.g. RecursionError on a very deep tree before Python 3.13
+            failed.append(f"{outer} ({type(exc).__name__}: {exc})")
     return failed
 
 
@@ -776,5 +862,4 @@ def _group_alive(pgid: int) -> bool:
 
 
 # Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.
-BwrapUnavailableError.__module__ = "sandbox_middleware"
 SandboxExpiredError.__module__ = "sandbox_middleware"

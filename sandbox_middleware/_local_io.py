@@ -55,6 +55,10 @@ def check_text(value: object, what: str) -> str:
         raise SandboxArgumentError(f"{what} must be a string, not {type(value).__name__} ({value!r:.80})")
     if "\0" in value:
         raise SandboxArgumentError(f"{what} contains a NUL byte, which no command, path or variable can hold")
+    try:
+        os.fsencode(value)
+    except UnicodeEncodeError as exc:
+        raise SandboxArgumentError(f"{what} cannot be encoded for the OS (a lone surrogate?): {exc}") from exc
     return value
 
 
@@ -90,14 +94,24 @@ def sandbox_parts(path: str, roots: Sequence[PurePosixPath], what: str) -> tuple
 
 
 @contextlib.contextmanager
-def open_directory(root: Path, parts: Sequence[str], path: str, *, create: bool = False) -> Iterator[int]:
-    """A descriptor of directory ``root/parts``, each component opened without following symlinks."""
+def open_directory(
+    root: Path, parts: Sequence[str], path: str, *, create: bool = False, owner: int | None = None
+) -> Iterator[int]:
+    """A descriptor of directory ``root/parts``, each component opened without following symlinks.
+
+    With ``create``, missing directories are made, belonging to ``owner`` where given.
+    """
     fd = os.open(root, _DIR_FLAGS)
     try:
         for name in parts:
             if create:
-                with contextlib.suppress(FileExistsError):
+                try:
                     os.mkdir(name, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                else:
+                    if owner is not None:
+                        os.chown(name, owner, owner, dir_fd=fd, follow_symlinks=False)
             try:
                 child = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except OSError as exc:
@@ -165,17 +179,22 @@ def _copy(source_fd: int, target_fd: int, limit: int | None) -> int:
         copied += len(data)
 
 
-def upload(root: Path, parts: Sequence[str], path: str, source: Path) -> None:
-    """Copy host file ``source`` to ``root/parts`` (directories made as needed), following no symlink."""
+def upload(root: Path, parts: Sequence[str], path: str, source: Path, owner: int | None) -> None:
+    """Copy host file ``source`` to ``root/parts`` (directories made as needed), following no symlink.
+
+    What it makes belongs to ``owner`` where given (the sandbox's uid), so commands can change it.
+    """
     if not parts:
         raise SandboxError(f"target {path!r} names the sandbox root, not a file")
     source_fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(source_fd).st_mode):
             raise SandboxError(f"source {source} is not a regular file")
-        with open_directory(root, parts[:-1], path, create=True) as dir_fd:
+        with open_directory(root, parts[:-1], path, create=True, owner=owner) as dir_fd:
             target_fd = _open_file(dir_fd, parts[-1], path, os.O_WRONLY | os.O_CREAT)
             try:
+                if owner is not None:
+                    os.fchown(target_fd, owner, owner)
                 os.ftruncate(target_fd, 0)
                 _copy(source_fd, target_fd, None)
             finally:
@@ -254,7 +273,7 @@ def drain(fd: int, capture: OutputCapture, *, budget: int) -> bool:
     """Read what ``fd`` holds now (at most ``budget`` chunks); False at end of file."""
     for _ in range(budget):
         try:
-            data = os.read(fd, 1 << 16)
+            data = os.read(fd, 1 << 20)
         except BlockingIOError:
             return True
         if not data:

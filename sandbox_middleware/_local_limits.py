@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import heapq
+import logging
 import math
 import os
 import signal
@@ -24,6 +25,8 @@ from ._local_io import SandboxArgumentError
 from ._protocol import SandboxCreateError
 
 __all__ = ["CgroupBackend", "Limits", "SandboxLimitError", "Watchdog", "mount_tmpfs", "probe_tmpfs", "unmount"]
+
+logger = logging.getLogger("sandbox_middleware")
 
 _MiB = 1 << 20
 _GiB = 1 << 30
@@ -48,15 +51,24 @@ class Limits:
     @classmethod
     def resolve(cls, defaults: Mapping[str, float | None], resources: Any) -> Limits:
         """Provider defaults overridden by ``spec.resources`` (a mapping or an object with NeMo Gym's fields)."""
+        if (
+            resources is not None
+            and not isinstance(resources, Mapping)
+            and not any(hasattr(resources, name) for name in _MAXIMA)
+        ):
+            raise SandboxArgumentError(
+                f"spec.resources must be a mapping or an object with {', '.join(_MAXIMA)}, not "
+                f"{type(resources).__name__}"
+            )
         values = dict(defaults)
         explicit = set()
-        for name in ("cpu", "memory_mib", "disk_gib", "pids"):
+        for name in _MAXIMA:
             given = resources.get(name) if isinstance(resources, Mapping) else getattr(resources, name, None)
             if given is not None:
                 values[name] = given
                 explicit.add(name)
         for name, value in values.items():
-            positive_number(value, f"resources.{name}" if name in explicit else name)
+            checked_limit(name, value, f"resources.{name}" if name in explicit else name)
         memory, disk, pids, cpu = values["memory_mib"], values["disk_gib"], values["pids"], values["cpu"]
         return cls(
             memory_bytes=None if memory is None else int(memory * _MiB),
@@ -73,6 +85,8 @@ class Limits:
     def from_record(cls, values: Any) -> Limits:
         """The limits from ``record()``, each checked again (a record is read from disk)."""
         memory, pids, cpu, disk = (positive_number(value, "recorded limit") for value in list(values)[:4])
+        if len(list(values)) != 4:
+            raise SandboxArgumentError("a recorded sandbox's limits must be four values")
         return cls(
             memory_bytes=None if memory is None else int(memory),
             pids=None if pids is None else int(pids),
@@ -81,15 +95,31 @@ class Limits:
         )
 
 
-def positive_number(value: object, what: str, *, allow_none: bool = True) -> float | None:
-    """``value`` if it is a finite positive number (or None where allowed), else ``SandboxArgumentError``."""
+# The largest value each limit takes: far above any machine, far below where the kernel would wrap.
+_MAXIMA: dict[str, float] = {"cpu": 4096, "memory_mib": 2**24, "disk_gib": 2**14, "pids": 2**22}
+
+
+def checked_limit(name: str, value: object, what: str) -> float | None:
+    """A limit's value checked against its range (``pids`` must be a whole number)."""
+    number = positive_number(value, what, maximum=_MAXIMA[name])
+    if name == "pids" and number is not None and not number.is_integer():
+        raise SandboxArgumentError(f"{what} must be a whole number of processes, not {value!r}")
+    return number
+
+
+def positive_number(value: object, what: str, *, allow_none: bool = True, maximum: float = 2.0**53) -> float | None:
+    """``value`` if it is a finite number in (0, maximum] (or None where allowed), else ``SandboxArgumentError``."""
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SandboxArgumentError(f"{what} must be a number, not {type(value).__name__} ({value!r:.80})")
-    if not math.isfinite(value) or value <= 0:
-        raise SandboxArgumentError(f"{what} must be a finite number above 0, not {value!r}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or not 0 < number <= maximum:
+        raise SandboxArgumentError(f"{what} must be a finite number above 0 and at most {maximum:g}, not {value!r:.80}")
+    return number
 
 
 # --- cgroups -------------------------------------------------------------------------------------
@@ -285,10 +315,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
 
 
-def mount_tmpfs(target: Path, size: int) -> None:
+def mount_tmpfs(target: Path, size: int, owner: int | None) -> None:
     """Mount a tmpfs of ``size`` bytes at ``target``: the sandbox's whole writable space."""
     inodes = max(65_536, size // 16_384)
-    options = f"size={size},nr_inodes={inodes},mode=0755".encode()
+    ids = f",uid={owner},gid={owner}" if owner is not None else ""
+    options = f"size={size},nr_inodes={inodes},mode=0711{ids}".encode()
     if _libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), str(target))
@@ -305,7 +336,7 @@ def probe_tmpfs() -> bool:
     """Whether this process may mount a tmpfs (root, or CAP_SYS_ADMIN)."""
     with tempfile.TemporaryDirectory(prefix="sandbox-middleware-probe-") as where:
         try:
-            mount_tmpfs(Path(where), _MiB)
+            mount_tmpfs(Path(where), _MiB, None)
         except OSError:
             return False
         unmount(Path(where))
@@ -337,19 +368,27 @@ class Watchdog:
             self._wake.notify()
 
     def _run(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._wake:
+                    if not self._heap:
+                        return
+                    deadline, sandbox_id = self._heap[0]
+                    wait = deadline - time.monotonic()
+                    if wait > 0:
+                        self._wake.wait(min(wait, 3600.0))
+                        continue
+                    heapq.heappop(self._heap)
+                try:
+                    self._expire(sandbox_id)
+                except Exception:  # a failed kill must not end the watchdog
+                    logger.exception("sandbox TTL: could not end %s", sandbox_id)
+        finally:
             with self._wake:
-                if not self._heap:
-                    self._thread = None
-                    return
-                deadline, sandbox_id = self._heap[0]
-                wait = deadline - time.monotonic()
-                if wait > 0:
-                    self._wake.wait(wait)
-                    continue
-                heapq.heappop(self._heap)
-            with contextlib.suppress(Exception):  # a failed kill must not end the watchdog
-                self._expire(sandbox_id)
+                self._thread = None
+                if self._heap:  # something raced in after the last check: keep watching
+                    self._thread = threading.Thread(target=self._run, name="sandbox-ttl", daemon=True)
+                    self._thread.start()
 
 
 SandboxLimitError.__module__ = "sandbox_middleware"

@@ -63,8 +63,8 @@ async def make() -> AsyncIterator[Callable[..., LocalProvider]]:
 
 
 @pytest.fixture
-def provider(make: Callable[..., LocalProvider], isolation: str, tmp_path: Path) -> LocalProvider:
-    return make(isolation=isolation, base_dir=tmp_path / "boxes")
+def provider(make: Callable[..., LocalProvider], isolation: str, tmp_path: Path, sandbox_base: Path) -> LocalProvider:
+    return make(isolation=isolation, base_dir=sandbox_base)
 
 
 @pytest.fixture
@@ -79,13 +79,15 @@ def outside_tmp() -> Iterator[Path]:
 
 
 @bwrap_only
-async def test_no_capabilities_and_remount_fails(make: Callable[..., LocalProvider], tmp_path: Path) -> None:
+async def test_no_capabilities_and_remount_fails(
+    make: Callable[..., LocalProvider], tmp_path: Path, sandbox_base: Path
+) -> None:
     """No capability inside; remounting a read-only host directory read-write fails; the canary is unchanged."""
-    shared = tmp_path / "shared"
+    shared = sandbox_base.parent / "shared"
     shared.mkdir()
     canary = shared / "canary.txt"
     canary.write_text("host")
-    local = make(isolation="bwrap", base_dir=tmp_path / "boxes", ro_paths=[str(shared)])
+    local = make(isolation="bwrap", base_dir=sandbox_base, ro_paths=[str(shared)])
     handle = await local.create(SandboxSpec())
     caps = await local.exec(handle, "grep -E '^Cap(Eff|Prm|Bnd|Amb):' /proc/self/status")
     assert {line.split()[1] for line in caps.stdout.splitlines()} == {"0000000000000000"}
@@ -103,9 +105,11 @@ async def test_no_capabilities_and_remount_fails(make: Callable[..., LocalProvid
 
 
 @bwrap_only
-async def test_host_files_are_out_of_view(make: Callable[..., LocalProvider], tmp_path: Path) -> None:
+async def test_host_files_are_out_of_view(
+    make: Callable[..., LocalProvider], tmp_path: Path, sandbox_base: Path
+) -> None:
     """/etc/shadow, /root, /home, /run and the host's base_dir do not exist for a command."""
-    local = make(isolation="bwrap", base_dir=tmp_path / "boxes")
+    local = make(isolation="bwrap", base_dir=sandbox_base)
     handle = await local.create(SandboxSpec())
     for path in ("/etc/shadow", "/root", "/home", "/run", "/var", "/sys", str(tmp_path)):
         result = await local.exec(handle, f"ls -d {path} || cat {path}")
@@ -132,7 +136,9 @@ async def test_other_sandboxes_are_out_of_reach(make: Callable[..., LocalProvide
 
 
 @bwrap_only
-async def test_host_unix_sockets_are_out_of_reach(make: Callable[..., LocalProvider], tmp_path: Path) -> None:
+async def test_host_unix_sockets_are_out_of_reach(
+    make: Callable[..., LocalProvider], tmp_path: Path, sandbox_base: Path
+) -> None:
     """Neither a filesystem socket in /run nor an abstract one on the host can be reached."""
     path = Path("/run") / f"containment-{uuid.uuid4().hex[:8]}.sock"
     abstract = f"\0containment-{uuid.uuid4().hex[:8]}"
@@ -142,7 +148,7 @@ async def test_host_unix_sockets_are_out_of_reach(make: Callable[..., LocalProvi
         listener.bind(address)
         listener.listen()
         listeners.append(listener)
-    local = make(isolation="bwrap", base_dir=tmp_path / "boxes")
+    local = make(isolation="bwrap", base_dir=sandbox_base)
     try:
         handle = await local.create(SandboxSpec())
         probe = (
@@ -185,12 +191,16 @@ async def test_clean_environment(provider: LocalProvider, monkeypatch: pytest.Mo
 
 
 async def test_pass_env_is_an_allow_list(
-    make: Callable[..., LocalProvider], isolation: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make: Callable[..., LocalProvider],
+    isolation: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sandbox_base: Path,
 ) -> None:
     """Only host variables named in pass_env reach a command."""
     monkeypatch.setenv("WANTED", "yes")
     monkeypatch.setenv("UNWANTED", "no")
-    local = make(isolation=isolation, base_dir=tmp_path / "boxes", pass_env=["WANTED"])
+    local = make(isolation=isolation, base_dir=sandbox_base, pass_env=["WANTED"])
     handle = await local.create(SandboxSpec())
     assert (await local.exec(handle, 'echo "$WANTED/$UNWANTED"')).stdout == "yes/\n"
     await local.aclose()
@@ -300,9 +310,9 @@ anyio.run(main)
 """
 
 
-async def test_huge_output_is_bounded(isolation: str, tmp_path: Path) -> None:
+async def test_huge_output_is_bounded(isolation: str, tmp_path: Path, sandbox_base: Path) -> None:
     """300 MB of output costs the host process under 50 MB and the result says it was truncated."""
-    run = await anyio.run_process([sys.executable, "-c", _MEASURE, isolation, str(tmp_path / "boxes")], check=False)
+    run = await anyio.run_process([sys.executable, "-c", _MEASURE, isolation, str(sandbox_base)], check=False)
     assert run.returncode == 0, run.stderr.decode()
     report = json.loads(run.stdout)
     assert report["growth_kib"] < 50 * 1024, report
@@ -311,9 +321,11 @@ async def test_huge_output_is_bounded(isolation: str, tmp_path: Path) -> None:
     assert report["length"] < 3 * (1 << 20)  # 1 MiB per stream, replacement characters at most tripling it
 
 
-async def test_output_keeps_head_and_tail(make: Callable[..., LocalProvider], isolation: str, tmp_path: Path) -> None:
+async def test_output_keeps_head_and_tail(
+    make: Callable[..., LocalProvider], isolation: str, tmp_path: Path, sandbox_base: Path
+) -> None:
     """Truncated output keeps its first and last bytes and states how many were dropped."""
-    local = make(isolation=isolation, base_dir=tmp_path / "boxes", max_output_bytes=1000)
+    local = make(isolation=isolation, base_dir=sandbox_base, max_output_bytes=1000)
     handle = await local.create(SandboxSpec())
     result = await local.exec(handle, "seq 1 100000; seq 1 10 >&2")
     assert result.stdout.startswith("1\n2\n3\n")
@@ -334,9 +346,11 @@ async def test_sparse_file_download_is_refused(provider: LocalProvider, tmp_path
 
 
 @as_root
-async def test_memory_limit(make: Callable[..., LocalProvider], isolation: str, tmp_path: Path) -> None:
+async def test_memory_limit(
+    make: Callable[..., LocalProvider], isolation: str, tmp_path: Path, sandbox_base: Path
+) -> None:
     """A 512 MiB allocation fails under memory_mib=64."""
-    local = make(isolation=isolation, base_dir=tmp_path / "boxes")
+    local = make(isolation=isolation, base_dir=sandbox_base)
     handle = await local.create(SandboxSpec(resources={"memory_mib": 64}))
     result = await local.exec(handle, "python3 -c 'x = bytearray(512 << 20); print(\"allocated\")'")
     assert "allocated" not in result.stdout
@@ -347,9 +361,11 @@ async def test_memory_limit(make: Callable[..., LocalProvider], isolation: str, 
 
 
 @as_root
-async def test_fork_bomb_is_contained(make: Callable[..., LocalProvider], isolation: str, tmp_path: Path) -> None:
+async def test_fork_bomb_is_contained(
+    make: Callable[..., LocalProvider], isolation: str, tmp_path: Path, sandbox_base: Path
+) -> None:
     """A fork bomb hits the process limit; the host still starts processes; close leaves none running."""
-    local = make(isolation=isolation, base_dir=tmp_path / "boxes", pids=64)
+    local = make(isolation=isolation, base_dir=sandbox_base, pids=64)
     handle = await local.create(SandboxSpec())
     result = await local.exec(handle, "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", timeout_s=4)
     host = await anyio.run_process(["true"])
@@ -361,9 +377,11 @@ async def test_fork_bomb_is_contained(make: Callable[..., LocalProvider], isolat
 
 
 @as_root
-async def test_disk_bound(make: Callable[..., LocalProvider], isolation: str, tmp_path: Path) -> None:
+async def test_disk_bound(
+    make: Callable[..., LocalProvider], isolation: str, tmp_path: Path, sandbox_base: Path
+) -> None:
     """Writes beyond disk_gib fail inside the sandbox, in its directory and in its /tmp alike."""
-    local = make(isolation=isolation, base_dir=tmp_path / "boxes")
+    local = make(isolation=isolation, base_dir=sandbox_base)
     handle = await local.create(SandboxSpec(resources={"disk_gib": 16 / 1024}))
     result = await local.exec(
         handle, 'head -c 32M /dev/zero > big; echo "rc=$?"; head -c 32M /dev/zero > "${TMPDIR:-/tmp}/big"'
@@ -374,9 +392,11 @@ async def test_disk_bound(make: Callable[..., LocalProvider], isolation: str, tm
     await local.aclose()
 
 
-async def test_ttl_ends_a_sandbox(make: Callable[..., LocalProvider], isolation: str, tmp_path: Path) -> None:
+async def test_ttl_ends_a_sandbox(
+    make: Callable[..., LocalProvider], isolation: str, tmp_path: Path, sandbox_base: Path
+) -> None:
     """After ttl_s the sandbox's processes are killed, status says stopped and commands are refused."""
-    local = make(isolation=isolation, base_dir=tmp_path / "boxes")
+    local = make(isolation=isolation, base_dir=sandbox_base)
     handle = await local.create(SandboxSpec(ttl_s=1))
     with anyio.fail_after(30):
         result = await local.exec(handle, "sleep 30")
@@ -388,9 +408,11 @@ async def test_ttl_ends_a_sandbox(make: Callable[..., LocalProvider], isolation:
     assert not Path(handle.raw["root"]).exists()
 
 
-async def test_ttl_kills_background_processes_without_calls(make: Callable[..., LocalProvider], tmp_path: Path) -> None:
+async def test_ttl_kills_background_processes_without_calls(
+    make: Callable[..., LocalProvider], tmp_path: Path, sandbox_base: Path
+) -> None:
     """Without isolation a background process outlives its command; the TTL still kills it, unasked."""
-    local = make(isolation="none", base_dir=tmp_path / "boxes")
+    local = make(isolation="none", base_dir=sandbox_base)
     handle = await local.create(SandboxSpec(ttl_s=1))
     started = await local.exec(handle, "setsid sleep 60 > /dev/null 2>&1 & echo $!")
     pid = int(started.stdout)
@@ -409,9 +431,11 @@ def _alive(pid: int) -> bool:
 
 
 @as_root
-async def test_close_kills_escaped_sessions(make: Callable[..., LocalProvider], tmp_path: Path) -> None:
+async def test_close_kills_escaped_sessions(
+    make: Callable[..., LocalProvider], tmp_path: Path, sandbox_base: Path
+) -> None:
     """A command that leaves its process group (setsid) still dies at close: the cgroup holds it."""
-    local = make(isolation="none", base_dir=tmp_path / "boxes")
+    local = make(isolation="none", base_dir=sandbox_base)
     handle = await local.create(SandboxSpec())
     pid = int((await local.exec(handle, "setsid sleep 60 > /dev/null 2>&1 & echo $!")).stdout)
     assert _alive(pid)
@@ -423,21 +447,23 @@ async def test_close_kills_escaped_sessions(make: Callable[..., LocalProvider], 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="as root every limit here is enforceable")
 async def test_unenforceable_limit_is_refused(
-    make: Callable[..., LocalProvider], tmp_path: Path
+    make: Callable[..., LocalProvider], tmp_path: Path, sandbox_base: Path
 ) -> None:  # pragma: no cover - root machines
-    local = make(base_dir=tmp_path / "boxes", limit_backend="rlimit")
+    local = make(base_dir=sandbox_base, limit_backend="rlimit")
     with pytest.raises(SandboxLimitError, match="cannot enforce cpu"):
         await local.create(SandboxSpec(resources={"cpu": 1}))
 
 
-async def test_rlimit_backend_reports_and_refuses(make: Callable[..., LocalProvider], tmp_path: Path) -> None:
+async def test_rlimit_backend_reports_and_refuses(
+    make: Callable[..., LocalProvider], tmp_path: Path, sandbox_base: Path
+) -> None:
     """Without cgroups, memory falls back to RLIMIT_AS (reported) and a CPU limit is refused at create."""
-    local = make(base_dir=tmp_path / "boxes", limit_backend="rlimit")
+    local = make(base_dir=sandbox_base, limit_backend="rlimit")
     assert local.mechanisms["memory"] == "rlimit RLIMIT_AS (per process)"
     assert local.mechanisms["cpu"] == "not enforced"
     with pytest.raises(SandboxLimitError, match=r"cannot enforce cpu"):
         await local.create(SandboxSpec(resources={"cpu": 1}))
-    assert list((tmp_path / "boxes").glob("local-*")) == []
+    assert list(sandbox_base.glob("local-*")) == []
     handle = await local.create(SandboxSpec(resources={"memory_mib": 64}))
     result = await local.exec(handle, "python3 -c 'x = bytearray(512 << 20); print(\"allocated\")'")
     assert "allocated" not in result.stdout
@@ -448,7 +474,7 @@ async def test_rlimit_backend_reports_and_refuses(make: Callable[..., LocalProvi
 
 
 async def test_forged_descriptor_is_refused_and_deletes_nothing(
-    make: Callable[..., LocalProvider], provider: LocalProvider, tmp_path: Path
+    make: Callable[..., LocalProvider], provider: LocalProvider, tmp_path: Path, sandbox_base: Path
 ) -> None:
     """A descriptor pointing at a host directory, or altered, or signed with another key, is refused."""
     victim = tmp_path / "victim"
@@ -460,7 +486,7 @@ async def test_forged_descriptor_is_refused_and_deletes_nothing(
     for descriptor in (forged, {k: v for k, v in genuine.items() if k != "mac"}, {**genuine, "mac": "0" * 64}):
         with pytest.raises(SandboxError, match=r"signature|serialize_handle"):
             await provider.connect(descriptor)
-    other = make(isolation=provider.isolation, base_dir=tmp_path / "boxes")
+    other = make(isolation=provider.isolation, base_dir=sandbox_base)
     with pytest.raises(SandboxError, match="signature does not match"):
         await other.connect(genuine)
     assert (victim / "keep.txt").read_text() == "keep"
@@ -468,11 +494,13 @@ async def test_forged_descriptor_is_refused_and_deletes_nothing(
     assert (await provider.exec(again, "echo ok")).stdout == "ok\n"
 
 
-async def test_descriptor_outside_base_dir_is_refused(make: Callable[..., LocalProvider], tmp_path: Path) -> None:
+async def test_descriptor_outside_base_dir_is_refused(
+    make: Callable[..., LocalProvider], tmp_path: Path, sandbox_base: Path
+) -> None:
     """A validly signed descriptor is still refused by a provider of another base_dir."""
     key = b"k" * 32
-    first = make(base_dir=tmp_path / "a", connect_key=key)
-    second = make(base_dir=tmp_path / "b", connect_key=key)
+    first = make(base_dir=sandbox_base / "a", connect_key=key)
+    second = make(base_dir=sandbox_base / "b", connect_key=key)
     handle = await first.create(SandboxSpec())
     with pytest.raises(SandboxError, match="not in this provider's base_dir"):
         await second.connect(await first.serialize_handle(handle))
@@ -480,9 +508,11 @@ async def test_descriptor_outside_base_dir_is_refused(make: Callable[..., LocalP
     await first.aclose()
 
 
-async def test_close_reports_what_it_could_not_delete(make: Callable[..., LocalProvider], tmp_path: Path) -> None:
+async def test_close_reports_what_it_could_not_delete(
+    make: Callable[..., LocalProvider], tmp_path: Path, sandbox_base: Path
+) -> None:
     """Files close cannot remove are reported, not ignored; a later close retries."""
-    local = make(base_dir=tmp_path / "boxes", disk_gib=None)
+    local = make(base_dir=sandbox_base, disk_gib=None)
     handle = await local.create(SandboxSpec())
     locked = Path(handle.raw["root"]) / "locked"
     locked.mkdir()
@@ -550,24 +580,24 @@ async def test_bad_arguments_are_typed_errors(
     ],
 )
 async def test_bad_specs_are_typed_errors_and_leave_nothing(
-    provider: LocalProvider, tmp_path: Path, spec: SandboxSpec, argument: str
+    provider: LocalProvider, tmp_path: Path, spec: SandboxSpec, argument: str, sandbox_base: Path
 ) -> None:
     """A bad spec is refused before anything is made: no directory, no cgroup."""
     with pytest.raises(SandboxArgumentError, match=argument):
         await provider.create(spec)
-    assert not (tmp_path / "boxes").exists() or list((tmp_path / "boxes").iterdir()) == []
+    assert not sandbox_base.exists() or list(sandbox_base.iterdir()) == []
 
 
 @as_root
 async def test_failed_create_leaves_nothing_behind(
-    provider: LocalProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    provider: LocalProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sandbox_base: Path
 ) -> None:
     """A create that fails half-way (its disk too small for its own files) removes what it made."""
     known = uuid.UUID(int=0xDEAD)
     monkeypatch.setattr("sandbox_middleware._local.uuid.uuid4", lambda: known)
     with pytest.raises(SandboxError, match="cannot create a sandbox"):
         await provider.create(SandboxSpec(resources={"disk_gib": 1e-9}))
-    assert list((tmp_path / "boxes").iterdir()) == []
+    assert list(sandbox_base.iterdir()) == []
     leftovers = list(Path("/sys/fs/cgroup").glob(f"**/sandbox-middleware/local-{known.hex[:12]}"))
     assert leftovers == []
 

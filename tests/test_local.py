@@ -28,9 +28,9 @@ needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap is
 
 
 @pytest.fixture
-async def local(tmp_path: Path) -> AsyncIterator[LocalProvider]:
+async def local(tmp_path: Path, sandbox_base: Path) -> AsyncIterator[LocalProvider]:
     """Without isolation, so tests can look at host pids and paths (bwrap: tests/test_containment.py)."""
-    provider = LocalProvider(isolation="none", base_dir=tmp_path / "boxes")
+    provider = LocalProvider(isolation="none", base_dir=sandbox_base)
     yield provider
     await provider.aclose()
 
@@ -155,12 +155,12 @@ async def test_closed_or_unknown_handle_is_a_clear_error(local: LocalProvider) -
     assert await local.status(SandboxHandle("x", "other")) == SandboxStatus.UNKNOWN
 
 
-async def test_connect_rebuilds_a_handle(tmp_path: Path) -> None:
+async def test_connect_rebuilds_a_handle(tmp_path: Path, sandbox_base: Path) -> None:
     """A serialized handle connects in another provider instance sharing the key and reaches the same directory."""
-    local = LocalProvider(isolation="none", base_dir=tmp_path / "boxes", connect_key=b"k" * 32)
+    local = LocalProvider(isolation="none", base_dir=sandbox_base, connect_key=b"k" * 32)
     handle = await local.create(SandboxSpec(env={"K": "v"}))
     await local.exec(handle, "echo hi > f")
-    other = LocalProvider(isolation="none", base_dir=tmp_path / "boxes", connect_key=b"k" * 32)
+    other = LocalProvider(isolation="none", base_dir=sandbox_base, connect_key=b"k" * 32)
     again = await other.connect(await local.serialize_handle(handle))
     assert (await other.exec(again, "cat f; echo $K")).stdout == "hi\nv\n"
     await local.close(handle)
@@ -174,9 +174,9 @@ def test_bwrap_missing_is_a_construction_error(monkeypatch: pytest.MonkeyPatch) 
 
 
 @needs_bwrap
-async def test_bwrap_isolation(tmp_path: Path) -> None:
+async def test_bwrap_isolation(tmp_path: Path, sandbox_base: Path) -> None:
     """Under bwrap there is no network, the root is read-only, and the sandbox is writable."""
-    local = LocalProvider(isolation="bwrap", base_dir=tmp_path / "boxes")
+    local = LocalProvider(isolation="bwrap", base_dir=sandbox_base)
     handle = await local.create(SandboxSpec())
     net = await local.exec(handle, "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
     assert net.stdout.split() == ["lo"]
@@ -192,13 +192,13 @@ async def test_bwrap_isolation(tmp_path: Path) -> None:
     await local.close(handle)
 
 
-async def test_list_finds_sandboxes_of_other_instances_by_metadata(tmp_path: Path) -> None:
+async def test_list_finds_sandboxes_of_other_instances_by_metadata(tmp_path: Path, sandbox_base: Path) -> None:
     """list() finds every sandbox in base_dir by metadata, made by any instance, and adopts it for close."""
-    maker = LocalProvider(isolation="none", base_dir=tmp_path / "boxes")
+    maker = LocalProvider(isolation="none", base_dir=sandbox_base)
     run_a = await maker.create(SandboxSpec(metadata={"run": "a", "k": "1"}, ttl_s=600))
     run_b = await maker.create(SandboxSpec(metadata={"run": "b"}))
     await maker.exec(run_a, "echo kept > f")
-    finder = LocalProvider(isolation="none", base_dir=tmp_path / "boxes")
+    finder = LocalProvider(isolation="none", base_dir=sandbox_base)
     everything = await finder.list()
     assert {listing.handle.sandbox_id for listing in everything} == {run_a.sandbox_id, run_b.sandbox_id}
     (found,) = await finder.list(metadata={"run": "a"})

@@ -43,8 +43,8 @@ anyio.run(main)
 
 
 @pytest.fixture
-async def local(tmp_path: Path) -> AsyncIterator[LocalProvider]:
-    provider = LocalProvider(isolation="none", base_dir=tmp_path / "boxes")
+async def local(tmp_path: Path, sandbox_base: Path) -> AsyncIterator[LocalProvider]:
+    provider = LocalProvider(isolation="none", base_dir=sandbox_base)
     yield provider
     await provider.aclose()
 
@@ -64,9 +64,11 @@ async def _crashed_worker(base: Path, run_id: str) -> set[str]:
     return set(lines.decode().split())
 
 
-async def test_reap_closes_exactly_what_a_killed_worker_held(local: LocalProvider, tmp_path: Path) -> None:
+async def test_reap_closes_exactly_what_a_killed_worker_held(
+    local: LocalProvider, tmp_path: Path, sandbox_base: Path
+) -> None:
     """After SIGKILL, reap closes the dead worker's sandboxes and none of a live run's."""
-    crashed = await _crashed_worker(tmp_path / "boxes", "crashed-run")
+    crashed = await _crashed_worker(sandbox_base, "crashed-run")
     live = stack(local, [Middleware(OwnershipMiddleware, run_id="live-run")])
     mine = await live.create(SandboxSpec())
     unowned = await local.create(SandboxSpec())
@@ -85,7 +87,7 @@ async def test_reap_closes_exactly_what_a_killed_worker_held(local: LocalProvide
     assert all(entry.closed and entry.error is None for entry in reaped)
     remaining = {listing.handle.sandbox_id for listing in await local.list()}
     assert remaining == {mine.sandbox_id, unowned.sandbox_id}
-    assert not [path for path in (tmp_path / "boxes").iterdir() if path.name[:18] in crashed]
+    assert not [path for path in sandbox_base.iterdir() if path.name[:18] in crashed]
 
 
 async def test_reap_by_run_spares_live_owners_unless_forced(local: LocalProvider) -> None:
