@@ -112,13 +112,11 @@ def _forwarder(protocol: type, name: str) -> Callable[..., Any]:
     return forward
 
 
-for _protocol, _names in _CAPABILITY_METHODS:
-    for _name in _names:
-        setattr(ProviderMiddleware, _name, _forwarder(_protocol, _name))
-del _protocol, _names, _name
-
-# (class the user wrote, absent capability methods) -> that class with those methods set to None.
-_hiding_classes: dict[tuple[type, tuple[str, ...]], type] = {}
+_FORWARDERS: dict[str, Callable[..., Any]] = {
+    name: _forwarder(protocol, name) for protocol, names in _CAPABILITY_METHODS for name in names
+}
+# (class the user wrote, which capabilities its inner provider has) -> the class a layer is made of.
+_layer_classes: dict[tuple[type, tuple[bool, ...]], type] = {}
 _written: dict[type, type] = {}
 
 
@@ -127,23 +125,34 @@ def _written_class(cls: type) -> type:
 
 
 def _layer_class(cls: type, inner: object) -> type:
-    """``cls``, or a subclass of it hiding the capabilities ``inner`` lacks.
+    """``cls`` with the capabilities of ``inner``: forwarded if present, hidden if absent.
 
-    A hidden method is None on the class: the idiom both the 3.11 and the 3.12+ ``isinstance``
-    checks of runtime-checkable protocols read as "not implemented" (3.11 asks the class first,
-    so an instance attribute would not do). The subclass keeps ``cls``'s name and signature.
+    Present ones the class does not define itself get a forwarder. Absent ones that it defines
+    (a subclass observing ``connect``) are set to None on the class, the idiom both the 3.11 and
+    the 3.12+ ``isinstance`` checks of runtime-checkable protocols read as "not implemented"
+    (3.11 asks the class first, so an instance attribute would not do). The result keeps
+    ``cls``'s name, docs and signature; it is ``cls`` itself when nothing needs to change.
     """
     cls = _written_class(cls)
-    absent = tuple(name for protocol, names in _CAPABILITY_METHODS if not isinstance(inner, protocol) for name in names)
-    if not absent:
-        return cls
-    key = (cls, absent)
-    layer = _hiding_classes.get(key)
+    present = tuple(isinstance(inner, protocol) for protocol, _ in _CAPABILITY_METHODS)
+    key = (cls, present)
+    layer = _layer_classes.get(key)
     if layer is None:
-        namespace: dict[str, Any] = dict.fromkeys(absent)
-        namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__)
-        layer = _hiding_classes[key] = type(cls.__name__, (cls,), namespace)
-        _written[layer] = cls
+        defined = {name for klass in cls.__mro__ for name in vars(klass)}
+        namespace: dict[str, Any] = {}
+        for (_, names), has in zip(_CAPABILITY_METHODS, present, strict=True):
+            for name in names:
+                if has and name not in defined:
+                    namespace[name] = _FORWARDERS[name]
+                elif not has and name in defined:
+                    namespace[name] = None
+        if namespace:
+            namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__)
+            layer = type(cls.__name__, (cls,), namespace)
+            _written[layer] = cls
+        else:
+            layer = cls
+        _layer_classes[key] = layer
     return layer
 
 

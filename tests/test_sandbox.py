@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import anyio
@@ -38,11 +39,16 @@ class CloseFailsOnce(ProviderMiddleware):
 
 
 async def test_lifecycle_with_local_provider(tmp_path: Path) -> None:
-    """Files from the spec are uploaded at start; exit stops the sandbox."""
+    """The spec's files (path -> contents) and the local files (path -> local path) are in place at
+    start, and the temporary copies of the contents are gone; exit stops the sandbox."""
     source = tmp_path / "task.txt"
     source.write_text("task")
     local = LocalProvider(base_dir=tmp_path / "boxes")
-    async with Sandbox(local, SandboxSpec(files={"in/task.txt": str(source)})) as sb:
+    spec = SandboxSpec(files={"in/spec.txt": "from the spec\n"})
+    temporary = set(Path(tempfile.gettempdir()).glob("sandbox-middleware-files-*"))
+    async with Sandbox(local, spec, local_files={"in/task.txt": source}) as sb:
+        assert (await sb.exec("cat in/spec.txt")).stdout == "from the spec\n"
+        assert set(Path(tempfile.gettempdir()).glob("sandbox-middleware-files-*")) == temporary
         assert (await sb.exec("cat in/task.txt")).stdout == "task"
         await sb.upload(source, "again.txt")
         await sb.exec("cat again.txt in/task.txt > both.txt")
@@ -58,7 +64,7 @@ async def test_failed_upload_closes_and_propagates() -> None:
     """A failing initial upload closes the sandbox and the upload's error propagates."""
     plain = PlainProvider()
     with pytest.raises(OSError, match="disk full"):
-        async with Sandbox(UploadFails(plain), SandboxSpec(files={"a": "/nonexistent"})):
+        async with Sandbox(UploadFails(plain), SandboxSpec(files={"a": "contents"})):
             pytest.fail("body must not run")
     assert plain.alive == set()
     assert [op for op, _ in plain.calls] == ["create", "close"]
@@ -73,7 +79,7 @@ async def test_cancellation_right_after_create_closes() -> None:
             await anyio.sleep_forever()
 
     with anyio.move_on_after(0.1) as scope:
-        async with Sandbox(SlowUpload(plain), SandboxSpec(files={"a": "/x"})):
+        async with Sandbox(SlowUpload(plain), SandboxSpec(files={"a": "x"})):
             pytest.fail("body must not run")
     assert scope.cancelled_caught
     assert plain.alive == set()
