@@ -6,8 +6,12 @@ from ._core import Middleware, ProviderMiddleware, stack
 from ._local import BwrapUnavailableError, LocalProvider
 from ._metrics import MetricsMiddleware
 from ._protocol import (
+    CAPABILITIES,
+    SANDBOX_CREATE_ERRORS,
     ConnectableProvider,
+    ExecResult,
     SandboxCreateError,
+    SandboxCreateVerificationError,
     SandboxEndpoint,
     SandboxError,
     SandboxExecResult,
@@ -15,21 +19,37 @@ from ._protocol import (
     SandboxNotFoundError,
     SandboxPathError,
     SandboxProvider,
+    SandboxPtyError,
+    SandboxPtySession,
+    SandboxPtySpec,
+    SandboxResources,
     SandboxSpec,
     SandboxStatus,
+    SandboxValueError,
+    SupportsSandboxBackgroundServices,
     SupportsSandboxEndpoint,
+    SupportsSandboxNetwork,
+    SupportsSandboxPauseResume,
+    SupportsSandboxPortForwarding,
     SupportsSandboxPty,
+    SupportsSandboxPtyAttach,
+    SupportsSandboxRuntimeRequirements,
+    SupportsSandboxSharedStorage,
 )
 from ._registry import RegistryError, register_middleware, register_provider
 from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
-from ._retry import RetryMiddleware
+from ._retry import DEFAULT_RETRY_ON, RetryMiddleware
 from ._sandbox import Sandbox, SandboxNotStartedError
 from ._tracing import TracingMiddleware
 
 __all__ = [
+    "CAPABILITIES",
+    "DEFAULT_RETRY_ON",
+    "SANDBOX_CREATE_ERRORS",
     "BwrapUnavailableError",
     "ConfigError",
     "ConnectableProvider",
+    "ExecResult",
     "HeldSandbox",
     "LocalProvider",
     "MetricsMiddleware",
@@ -42,6 +62,7 @@ __all__ = [
     "RetryMiddleware",
     "Sandbox",
     "SandboxCreateError",
+    "SandboxCreateVerificationError",
     "SandboxEndpoint",
     "SandboxError",
     "SandboxExecResult",
@@ -50,10 +71,22 @@ __all__ = [
     "SandboxNotStartedError",
     "SandboxPathError",
     "SandboxProvider",
+    "SandboxPtyError",
+    "SandboxPtySession",
+    "SandboxPtySpec",
+    "SandboxResources",
     "SandboxSpec",
     "SandboxStatus",
+    "SandboxValueError",
+    "SupportsSandboxBackgroundServices",
     "SupportsSandboxEndpoint",
+    "SupportsSandboxNetwork",
+    "SupportsSandboxPauseResume",
+    "SupportsSandboxPortForwarding",
     "SupportsSandboxPty",
+    "SupportsSandboxPtyAttach",
+    "SupportsSandboxRuntimeRequirements",
+    "SupportsSandboxSharedStorage",
     "TracingMiddleware",
     "build_provider",
     "load_config",

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,34 @@ class PtyProvider(PlainProvider):
     async def create_pty(self, handle: SandboxHandle, spec: Any) -> Any:
         self.calls.append(("create_pty", handle.sandbox_id))
         return ("pty", handle.sandbox_id, spec)
+
+
+def scripted_provider(*capabilities: type) -> PlainProvider:
+    """A ``PlainProvider`` that also implements ``capabilities`` (protocol classes), written from
+    their members: each method records ``(name, sandbox id or "")`` and returns ``(name, args, kwargs)``."""
+
+    def scripted(name: str, is_async: bool) -> Callable[..., Any]:
+        def record(self: PlainProvider, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            self.calls.append((name, args[0].sandbox_id if args and isinstance(args[0], SandboxHandle) else ""))
+            return (name, args, kwargs)
+
+        if is_async:
+
+            async def method(self: PlainProvider, *args: Any, **kwargs: Any) -> Any:
+                return record(self, args, kwargs)
+
+        else:
+
+            def method(self: PlainProvider, *args: Any, **kwargs: Any) -> Any:
+                return record(self, args, kwargs)
+
+        return method
+
+    namespace = {
+        name: scripted(name, inspect.iscoroutinefunction(declared))
+        for protocol in capabilities
+        for name, declared in vars(protocol).items()
+        if inspect.isfunction(declared) and not name.startswith("_")
+    }
+    names = "+".join(protocol.__name__ for protocol in capabilities)
+    return type(f"Scripted[{names}]", (PlainProvider,), namespace)()
