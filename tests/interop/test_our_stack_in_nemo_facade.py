@@ -1,0 +1,115 @@
+"""Our stacked LocalProvider driven by NeMo Gym's own facades, ``AsyncSandbox`` and the sync ``Sandbox``."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import require_nemo_gym
+
+require_nemo_gym()
+
+from nemo_gym.sandbox.api import AsyncSandbox  # noqa: E402
+from nemo_gym.sandbox.api import Sandbox as NemoSandbox  # noqa: E402
+from nemo_gym.sandbox.providers import SandboxCreateError as NemoCreateError  # noqa: E402
+from nemo_gym.sandbox.providers import SandboxEndpoint as NemoEndpoint  # noqa: E402
+from nemo_gym.sandbox.providers import SandboxSpec as NemoSpec  # noqa: E402
+from nemo_gym.sandbox.providers import SandboxStatus as NemoStatus  # noqa: E402
+
+from sandbox_middleware import (  # noqa: E402
+    LocalProvider,
+    MetricsMiddleware,
+    Middleware,
+    ReleaseAccountingMiddleware,
+    RetryMiddleware,
+    Sandbox,
+    SandboxSpec,
+    TracingMiddleware,
+    stack,
+)
+
+pytestmark = pytest.mark.anyio
+
+PORT = 8080
+WORKDIRS = [None, "/workspace"]
+
+
+def our_stack(base_dir: Path, **retry: Any) -> Any:
+    return stack(
+        LocalProvider(base_dir=base_dir),
+        [
+            Middleware(TracingMiddleware),
+            Middleware(MetricsMiddleware),
+            Middleware(ReleaseAccountingMiddleware),
+            Middleware(RetryMiddleware, **retry),
+        ],
+    )
+
+
+@pytest.mark.parametrize("workdir", WORKDIRS)
+async def test_async_sandbox_drives_our_stack(tmp_path: Path, workdir: str | None) -> None:
+    """Start (writing the spec's files), exec, upload, download, status, endpoint, serialize, connect
+    from a second stack (as another process would, from a pickled copy), disconnect and stop."""
+    provider = our_stack(tmp_path / "boxes")
+    spec = SandboxSpec(workdir=workdir, ports=(PORT,), files={"task/in.txt": "two words\n"}, resources={"cpu": 1})
+    (tmp_path / "local.txt").write_text("local\n")
+    async with AsyncSandbox(provider, spec, owns_provider=False) as sandbox:
+        await sandbox.start()
+        assert (await sandbox.exec("wc -w < task/in.txt")).stdout == "2\n"
+        await sandbox.upload(tmp_path / "local.txt", "task/local.txt")
+        result = await sandbox.exec("cat task/local.txt task/in.txt > both.txt && echo $?")
+        assert (result.return_code, result.stdout) == (0, "0\n")
+        await sandbox.download("both.txt", tmp_path / "both.txt")
+        assert (tmp_path / "both.txt").read_text() == "local\ntwo words\n"
+        assert await sandbox.status() == NemoStatus.RUNNING
+        endpoint = await sandbox.endpoint(PORT)
+        assert isinstance(endpoint, NemoEndpoint) and endpoint.endpoint == f"http://127.0.0.1:{PORT}"
+
+        descriptor = await sandbox.serialize()
+        elsewhere = pickle.loads(pickle.dumps(provider))
+        borrowed = await AsyncSandbox.connect(descriptor, provider=elsewhere, owns_provider=False)
+        assert (await borrowed.exec("cat both.txt")).stdout == "local\ntwo words\n"
+        assert (await borrowed.endpoint(PORT)).endpoint == endpoint.endpoint
+        await borrowed.disconnect()
+        assert await sandbox.status() == NemoStatus.RUNNING
+    assert await sandbox.status() == NemoStatus.STOPPED
+    assert provider.inner.inner.held() == []
+    await provider.aclose()
+    assert list((tmp_path / "boxes").iterdir()) == []
+
+
+@pytest.mark.parametrize("workdir", WORKDIRS)
+def test_sync_sandbox_drives_our_stack(tmp_path: Path, workdir: str | None) -> None:
+    """NeMo Gym's synchronous facade runs our stack on its own event-loop thread."""
+    provider = our_stack(tmp_path / "boxes")
+    spec = SandboxSpec(workdir=workdir, ports=(PORT,), files={"in.txt": "sync\n"})
+    (tmp_path / "up.txt").write_text("up\n")
+    with NemoSandbox(provider, spec) as sandbox:
+        sandbox.start()
+        assert sandbox.exec("cat in.txt").stdout == "sync\n"
+        sandbox.upload(tmp_path / "up.txt", "up.txt")
+        sandbox.exec("cat up.txt in.txt > out.txt")
+        sandbox.download("out.txt", tmp_path / "out.txt")
+        assert (tmp_path / "out.txt").read_text() == "up\nsync\n"
+        assert sandbox.status() == NemoStatus.RUNNING
+        assert sandbox.endpoint(PORT).endpoint == f"http://127.0.0.1:{PORT}"
+    assert sandbox.status() == NemoStatus.STOPPED
+    assert list((tmp_path / "boxes").iterdir()) == []
+
+
+async def test_nemo_facade_catches_our_create_failure_as_its_own(tmp_path: Path) -> None:
+    """``except SandboxCreateError`` written against NeMo Gym catches our provider's create failure."""
+    sandbox = AsyncSandbox(our_stack(tmp_path, attempts=1), SandboxSpec(entrypoint=["sleep", "1"]), owns_provider=True)
+    with pytest.raises(NemoCreateError, match="entrypoint"):
+        await sandbox.start()
+
+
+async def test_our_facade_writes_a_nemo_spec_files_as_contents(tmp_path: Path) -> None:
+    """A NeMo Gym spec given to our facade means what it means to NeMo Gym: path -> contents."""
+    provider = our_stack(tmp_path / "boxes")
+    async with Sandbox(provider, NemoSpec(files={"notes/a.txt": "contents, not a path"})) as sandbox:  # type: ignore[arg-type]
+        assert (await sandbox.exec("cat notes/a.txt")).stdout == "contents, not a path"
+    await provider.aclose()
