@@ -38,7 +38,7 @@ def _active_counter(meter: Meter) -> UpDownCounter:
     return meter.create_up_down_counter(
         "gym.sandbox.active",
         unit="{sandbox}",
-        description="Sandboxes created and not yet released; sum across processes.",
+        description="Sandboxes this process currently holds, from provider create to release.",
     )
 
 

@@ -24,6 +24,13 @@ if [ ! -f "$marker" ]; then
   "$venv/bin/python" -m pip install --quiet pydantic omegaconf pyyaml >&2
   touch "$marker"
 fi
-"$venv/bin/python" -m pip install --quiet -e '.[test]' >&2
+# pip's resolver lists NeMo Gym's dependencies left out on purpose on every install: keep only other lines.
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+if ! "$venv/bin/python" -m pip install --quiet -e '.[test]' >"$log" 2>&1; then
+  cat "$log" >&2
+  exit 1
+fi
+grep -v "^nemo-gym .* requires \|dependency resolver does not currently" "$log" >&2 || true
 "$venv/bin/python" -c "import nemo_gym.sandbox, nemo_gym.telemetry, sandbox_middleware" >&2
 echo "$venv/bin/python"
