@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import itertools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,11 @@ class PlainProvider:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
         self.alive: set[str] = set()
-        self._ids = itertools.count()
+        self._ids = 0  # an int, not itertools.count: providers pickle (3.14 drops itertools pickling)
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
-        sandbox_id = f"plain-{next(self._ids)}"
+        sandbox_id = f"plain-{self._ids}"
+        self._ids += 1
         self.calls.append(("create", sandbox_id))
         self.alive.add(sandbox_id)
         return SandboxHandle(sandbox_id, self.name, None)
