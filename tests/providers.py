@@ -116,3 +116,28 @@ def scripted_provider(*capabilities: type) -> PlainProvider:
     }
     names = "+".join(protocol.__name__ for protocol in capabilities)
     return type(f"Scripted[{names}]", (PlainProvider,), namespace)()
+
+
+def recommended_stack(inner: Any, telemetry: Any = None, **retry: Any) -> Any:
+    """The README's recommended stack (Tracing, Metrics, ReleaseAccounting, Retry) over ``inner``, recording
+    into ``telemetry`` (a ``TelemetryCapture``) when given; ``retry`` are RetryMiddleware options."""
+    from sandbox_middleware import (
+        MetricsMiddleware,
+        Middleware,
+        ReleaseAccountingMiddleware,
+        RetryMiddleware,
+        TracingMiddleware,
+        stack,
+    )
+
+    meters = {} if telemetry is None else {"meter_provider": telemetry.meter_provider}
+    tracers = {} if telemetry is None else {"tracer_provider": telemetry.tracer_provider}
+    return stack(
+        inner,
+        [
+            Middleware(TracingMiddleware, **tracers),
+            Middleware(MetricsMiddleware, **meters),
+            Middleware(ReleaseAccountingMiddleware, **meters),
+            Middleware(RetryMiddleware, **retry, **meters),
+        ],
+    )

@@ -20,19 +20,18 @@ from nemo_gym.sandbox.providers.local import LocalProvider as NemoLocalProvider 
 import sandbox_middleware  # noqa: E402
 from sandbox_middleware import (  # noqa: E402
     SANDBOX_CREATE_ERRORS,
-    MetricsMiddleware,
     Middleware,
-    ReleaseAccountingMiddleware,
     RetryMiddleware,
     Sandbox,
     SandboxHandle,
     SandboxSpec,
     SandboxStatus,
-    TracingMiddleware,
     build_provider,
     stack,
 )
 from sandbox_middleware.testing.fixtures import TelemetryCapture  # noqa: E402
+
+from ..providers import recommended_stack  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -41,15 +40,7 @@ PROVIDER = {"nemo.gym.sandbox.provider": "local"}
 
 def recommended(inner: Any, telemetry: TelemetryCapture) -> Any:
     """The README's recommended stack, with fast retries."""
-    return stack(
-        inner,
-        [
-            Middleware(TracingMiddleware, tracer_provider=telemetry.tracer_provider),
-            Middleware(MetricsMiddleware, meter_provider=telemetry.meter_provider),
-            Middleware(ReleaseAccountingMiddleware, meter_provider=telemetry.meter_provider),
-            Middleware(RetryMiddleware, wait_initial=0.01, wait_jitter=0.0, meter_provider=telemetry.meter_provider),
-        ],
-    )
+    return recommended_stack(inner, telemetry, wait_initial=0.01, wait_jitter=0.0)
 
 
 class FlakyCreate(NemoLocalProvider):

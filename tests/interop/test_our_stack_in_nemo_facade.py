@@ -21,15 +21,11 @@ from nemo_gym.sandbox.providers import SandboxStatus as NemoStatus  # noqa: E402
 
 from sandbox_middleware import (  # noqa: E402
     LocalProvider,
-    MetricsMiddleware,
-    Middleware,
-    ReleaseAccountingMiddleware,
-    RetryMiddleware,
     Sandbox,
     SandboxSpec,
-    TracingMiddleware,
-    stack,
 )
+
+from ..providers import recommended_stack  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -38,15 +34,7 @@ WORKDIRS = [None, "/workspace"]
 
 
 def our_stack(base_dir: Path, **retry: Any) -> Any:
-    return stack(
-        LocalProvider(base_dir=base_dir),
-        [
-            Middleware(TracingMiddleware),
-            Middleware(MetricsMiddleware),
-            Middleware(ReleaseAccountingMiddleware),
-            Middleware(RetryMiddleware, **retry),
-        ],
-    )
+    return recommended_stack(LocalProvider(base_dir=base_dir), **retry)
 
 
 @pytest.mark.parametrize("workdir", WORKDIRS)

@@ -23,18 +23,14 @@ from nemo_gym.telemetry.span_groups import GymSpanGroup  # noqa: E402
 
 from sandbox_middleware import (  # noqa: E402
     LocalProvider,
-    MetricsMiddleware,
-    Middleware,
     ProviderMiddleware,
-    ReleaseAccountingMiddleware,
-    RetryMiddleware,
     SandboxCreateError,
     SandboxHandle,
     SandboxSpec,
-    TracingMiddleware,
-    stack,
 )
 from sandbox_middleware.testing.fixtures import TelemetryCapture  # noqa: E402
+
+from ..providers import recommended_stack  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -135,16 +131,7 @@ async def test_same_instruments_and_spans_as_nemo_gym(tmp_path: Any, nemo_teleme
         with pytest.MonkeyPatch.context() as off:
             off.setattr(nemo_api, "is_span_group_enabled", lambda group: False)
             await workload(
-                stack(
-                    LocalProvider(base_dir=tmp_path / "ours"),
-                    [
-                        Middleware(TracingMiddleware, tracer_provider=ours.tracer_provider),
-                        Middleware(MetricsMiddleware, meter_provider=ours.meter_provider),
-                        Middleware(ReleaseAccountingMiddleware, meter_provider=ours.meter_provider),
-                        Middleware(RetryMiddleware, wait_initial=0.01, meter_provider=ours.meter_provider),
-                        Middleware(FailsFirstCreate),
-                    ],
-                )
+                recommended_stack(FailsFirstCreate(LocalProvider(base_dir=tmp_path / "ours")), ours, wait_initial=0.01)
             )
         theirs_metrics, our_metrics = instruments(nemo_telemetry), instruments(ours)
         assert sorted(theirs_metrics) == [
