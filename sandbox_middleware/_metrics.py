@@ -107,7 +107,7 @@ class MetricsMiddleware(ProviderMiddleware):
         user: str | int | None = None,
         **extensions: Any,
     ) -> SandboxExecResult:
-        call = self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user, **extensions)
+        call = self._inner_exec(handle, command, cwd, env, timeout_s, user, extensions)
         instruments = self._instruments.get()
         if instruments is None:
             return await call

@@ -224,10 +224,11 @@ class RetryMiddleware(ProviderMiddleware):
         user: str | int | None = None,
         **extensions: Any,
     ) -> SandboxExecResult:
-        call = partial(self.inner.exec, handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user, **extensions)
         if "exec" not in self.operations:  # the default: a command may have run, never repeat it
-            return await call()
-        return await self._call("exec", call)
+            return await self._inner_exec(handle, command, cwd, env, timeout_s, user, extensions)
+        return await self._call(
+            "exec", partial(self._inner_exec, handle, command, cwd, env, timeout_s, user, extensions)
+        )
 
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str, **extensions: Any) -> None:
         await self._call("upload", partial(self.inner.upload_file, handle, source_path, target_path, **extensions))

@@ -113,14 +113,12 @@ class TracingMiddleware(ProviderMiddleware):
         **extensions: Any,
     ) -> SandboxExecResult:
         if self._tracing.get() is None:  # the hot path without an SDK: no closure, no extra frame
-            return await self.inner.exec(
-                handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user, **extensions
-            )
+            return await self._inner_exec(handle, command, cwd, env, timeout_s, user, extensions)
         attributes = {COMMAND_ATTR: command[: self.command_max_length]} if self.record_command else None
         return await self._traced(
             "gym.sandbox.exec",
             handle,
-            partial(self.inner.exec, handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user, **extensions),
+            partial(self._inner_exec, handle, command, cwd, env, timeout_s, user, extensions),
             attributes,
             _set_exec_result,
         )
