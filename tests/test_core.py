@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 
+import sandbox_middleware
 from sandbox_middleware import (
     CAPABILITIES,
     DEFAULT_RETRY_ON,
@@ -20,6 +21,7 @@ from sandbox_middleware import (
     MetricsMiddleware,
     Middleware,
     ProviderMiddleware,
+    RegistryError,
     ReleaseAccountingMiddleware,
     RetryMiddleware,
     SandboxCreateError,
@@ -36,6 +38,7 @@ from sandbox_middleware import (
     TracingMiddleware,
     stack,
 )
+from sandbox_middleware._registry import provider_registry
 from sandbox_middleware._retry import RETRYABLE_OPERATIONS
 
 from .providers import ConnectProvider, EndpointProvider, PlainProvider, scripted_provider
@@ -363,3 +366,11 @@ def test_endpoint_is_normalised_and_create_errors_are_one_family() -> None:
     assert issubclass(SandboxCreateVerificationError, SandboxCreateError)
     assert set(SANDBOX_CREATE_ERRORS) <= set(DEFAULT_RETRY_ON) and ConnectionError in DEFAULT_RETRY_ON
     assert SandboxStatus.PAUSED == "paused" and ExecResult is SandboxExecResult
+
+
+@pytest.mark.skipif(sandbox_middleware._protocol.NEMO_GYM is not None, reason="NeMo Gym is installed here")
+def test_a_nemo_gym_provider_name_without_nemo_gym_says_what_to_install() -> None:
+    """``nemo_gym.NAME`` names NeMo Gym's registry; without NeMo Gym the error says so."""
+    with pytest.raises(RegistryError, match="comes from NeMo Gym, which is not installed here; install nemo-gym"):
+        provider_registry.get("nemo_gym.local")
+    assert not [name for name in provider_registry.names() if name.startswith("nemo_gym.")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -12,6 +13,7 @@ from sandbox_middleware import (
     LocalProvider,
     ProviderMiddleware,
     Sandbox,
+    SandboxError,
     SandboxHandle,
     SandboxNotStartedError,
     SandboxSpec,
@@ -127,3 +129,24 @@ async def test_operations_need_a_started_sandbox() -> None:
     """Using a sandbox before start raises a typed error saying what to do."""
     with pytest.raises(SandboxNotStartedError, match="call start"):
         await Sandbox(PlainProvider()).exec("true")
+
+
+async def test_exec_passes_provider_keywords_and_a_bad_local_file_closes(tmp_path: Path) -> None:
+    """The facade's exec hands provider-specific keywords on; a local file that cannot be read fails
+    start with the provider's error naming it, and the sandbox is closed."""
+    seen: list[object] = []
+
+    class Stdin(ProviderMiddleware):
+        async def exec(self, handle: SandboxHandle, command: str, *, stdin: bytes | None = None, **kw: Any) -> Any:
+            seen.append(stdin)
+            return await super().exec(handle, command, **kw)
+
+    plain = PlainProvider()
+    async with Sandbox(Stdin(plain)) as sandbox:
+        await sandbox.exec("cat", stdin=b"input")
+    assert seen == [b"input"]
+
+    local = LocalProvider(base_dir=tmp_path / "boxes")
+    with pytest.raises(SandboxError, match=r"missing\.txt"):
+        await Sandbox(local, local_files={"in.txt": tmp_path / "missing.txt"}).start()
+    assert list((tmp_path / "boxes").iterdir()) == []
