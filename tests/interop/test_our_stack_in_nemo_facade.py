@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from nemo_gym.sandbox.providers import SandboxStatus as NemoStatus  # noqa: E402
 from sandbox_middleware import (  # noqa: E402
     LocalProvider,
     Sandbox,
+    SandboxError,
     SandboxSpec,
 )
 
@@ -30,18 +30,30 @@ from ..providers import recommended_stack  # noqa: E402
 pytestmark = pytest.mark.anyio
 
 PORT = 8080
-WORKDIRS = [None, "/workspace"]
+# (isolation, workdir): NeMo Gym's usual absolute /workspace under both isolations, and no workdir.
+SETUPS = [("none", None), ("none", "/workspace"), ("bwrap", "/workspace")]
 
 
-def our_stack(base_dir: Path, **retry: Any) -> Any:
-    return recommended_stack(LocalProvider(base_dir=base_dir), **retry)
+def our_stack(base_dir: Path, isolation: Any = "none", **retry: Any) -> Any:
+    return recommended_stack(LocalProvider(isolation=isolation, base_dir=base_dir), **retry)
 
 
-@pytest.mark.parametrize("workdir", WORKDIRS)
-async def test_async_sandbox_drives_our_stack(tmp_path: Path, workdir: str | None) -> None:
+async def check_endpoint(sandbox: Any, isolation: str) -> Any:
+    """A declared port resolves to NeMo Gym's SandboxEndpoint; under bwrap (no network) to a clear error."""
+    if isolation == "bwrap":
+        with pytest.raises(SandboxError, match="no network"):
+            await sandbox.endpoint(PORT)
+        return None
+    endpoint = await sandbox.endpoint(PORT)
+    assert isinstance(endpoint, NemoEndpoint) and endpoint.endpoint == f"http://127.0.0.1:{PORT}"
+    return endpoint
+
+
+@pytest.mark.parametrize(("isolation", "workdir"), SETUPS)
+async def test_async_sandbox_drives_our_stack(tmp_path: Path, isolation: str, workdir: str | None) -> None:
     """Start (writing the spec's files), exec, upload, download, status, endpoint, serialize, connect
-    from a second stack (as another process would, from a pickled copy), disconnect and stop."""
-    provider = our_stack(tmp_path / "boxes")
+    (NeMo Gym adds ``workdir`` and ``ports`` to the provider's descriptor), disconnect and stop."""
+    provider = our_stack(tmp_path / "boxes", isolation)
     spec = SandboxSpec(workdir=workdir, ports=(PORT,), files={"task/in.txt": "two words\n"}, resources={"cpu": 1})
     (tmp_path / "local.txt").write_text("local\n")
     async with AsyncSandbox(provider, spec, owns_provider=False) as sandbox:
@@ -53,14 +65,12 @@ async def test_async_sandbox_drives_our_stack(tmp_path: Path, workdir: str | Non
         await sandbox.download("both.txt", tmp_path / "both.txt")
         assert (tmp_path / "both.txt").read_text() == "local\ntwo words\n"
         assert await sandbox.status() == NemoStatus.RUNNING
-        endpoint = await sandbox.endpoint(PORT)
-        assert isinstance(endpoint, NemoEndpoint) and endpoint.endpoint == f"http://127.0.0.1:{PORT}"
+        endpoint = await check_endpoint(sandbox, isolation)
 
         descriptor = await sandbox.serialize()
-        elsewhere = pickle.loads(pickle.dumps(provider))
-        borrowed = await AsyncSandbox.connect(descriptor, provider=elsewhere, owns_provider=False)
+        borrowed = await AsyncSandbox.connect(descriptor, provider=provider, owns_provider=False)
         assert (await borrowed.exec("cat both.txt")).stdout == "local\ntwo words\n"
-        assert (await borrowed.endpoint(PORT)).endpoint == endpoint.endpoint
+        assert await check_endpoint(borrowed, isolation) == endpoint
         await borrowed.disconnect()
         assert await sandbox.status() == NemoStatus.RUNNING
     assert await sandbox.status() == NemoStatus.STOPPED
@@ -69,10 +79,10 @@ async def test_async_sandbox_drives_our_stack(tmp_path: Path, workdir: str | Non
     assert list((tmp_path / "boxes").iterdir()) == []
 
 
-@pytest.mark.parametrize("workdir", WORKDIRS)
-def test_sync_sandbox_drives_our_stack(tmp_path: Path, workdir: str | None) -> None:
+@pytest.mark.parametrize(("isolation", "workdir"), SETUPS)
+def test_sync_sandbox_drives_our_stack(tmp_path: Path, isolation: str, workdir: str | None) -> None:
     """NeMo Gym's synchronous facade runs our stack on its own event-loop thread."""
-    provider = our_stack(tmp_path / "boxes")
+    provider = our_stack(tmp_path / "boxes", isolation)
     spec = SandboxSpec(workdir=workdir, ports=(PORT,), files={"in.txt": "sync\n"})
     (tmp_path / "up.txt").write_text("up\n")
     with NemoSandbox(provider, spec) as sandbox:
@@ -83,7 +93,8 @@ def test_sync_sandbox_drives_our_stack(tmp_path: Path, workdir: str | None) -> N
         sandbox.download("out.txt", tmp_path / "out.txt")
         assert (tmp_path / "out.txt").read_text() == "up\nsync\n"
         assert sandbox.status() == NemoStatus.RUNNING
-        assert sandbox.endpoint(PORT).endpoint == f"http://127.0.0.1:{PORT}"
+        if isolation == "none":
+            assert sandbox.endpoint(PORT).endpoint == f"http://127.0.0.1:{PORT}"
     assert sandbox.status() == NemoStatus.STOPPED
     assert list((tmp_path / "boxes").iterdir()) == []
 
