@@ -60,7 +60,7 @@ class Registry:
         kind: str,
         groups: Iterable[str],
         builtins: dict[str, Callable[[], Any]],
-        foreign: _Foreign | None = None,
+        foreign: _NemoGymProviders | None = None,
     ) -> None:
         self.kind = kind
         self._foreign = foreign
@@ -127,40 +127,38 @@ class Registry:
         self._discovered = None
 
 
-class _Foreign:
-    """Names under a prefix resolved by another library's registry (NeMo Gym's provider registry)."""
+class _NemoGymProviders:
+    """``nemo_gym.NAME``: the providers of NeMo Gym's own registry, when NeMo Gym is installed."""
 
-    def __init__(self, prefix: str, module: str, lookup: str, listing: str) -> None:
-        self.prefix, self._module, self._lookup, self._listing = prefix, module, lookup, listing
+    module = "nemo_gym.sandbox.providers.registry"
 
     def _registry(self) -> Any:
         try:
-            return importlib.import_module(self._module)
+            return importlib.import_module(self.module)
         except ImportError:
             return None
 
     def names(self) -> list[str]:
         registry = self._registry()
-        return [] if registry is None else [self.prefix + name for name in getattr(registry, self._listing)()]
+        return [] if registry is None else [NEMO_GYM_PREFIX + name for name in registry.list_providers()]
 
     def lookup(self, name: str) -> _Entry | None:
-        if not name.startswith(self.prefix):
+        if not name.startswith(NEMO_GYM_PREFIX):
             return None
         registry = self._registry()
         if registry is None:
             raise RegistryError(
                 f"provider {name!r} comes from NeMo Gym, which is not installed here; install nemo-gym, "
-                f"or use one of: {', '.join(n for n in provider_registry.names() if not n.startswith(self.prefix))}"
+                f"or use a provider of this package (e.g. 'local')"
             )
-        foreign_name = name.removeprefix(self.prefix)
 
         def load() -> Any:
             try:
-                return getattr(registry, self._lookup)(foreign_name)
-            except ValueError as exc:  # NeMo Gym's "Unknown sandbox provider ..."
+                return registry.get_provider_class(name.removeprefix(NEMO_GYM_PREFIX))
+            except ValueError as exc:  # NeMo Gym's "Unknown sandbox provider ..., Available providers: ..."
                 raise RegistryError(f"{name!r}: {exc}") from exc
 
-        return _Entry(load, f"NeMo Gym's registry ({self._module})", name)
+        return _Entry(load, f"NeMo Gym's registry ({self.module})", name)
 
 
 def _qualname(obj: Any) -> str:
@@ -192,7 +190,7 @@ provider_registry = Registry(
     "provider",
     PROVIDER_GROUPS,
     {"local": _local},
-    _Foreign(NEMO_GYM_PREFIX, "nemo_gym.sandbox.providers.registry", "get_provider_class", "list_providers"),
+    _NemoGymProviders(),
 )
 middleware_registry = Registry("middleware", MIDDLEWARE_GROUPS, _builtin_middleware())
 

@@ -20,6 +20,7 @@ from nemo_gym.sandbox.providers.local import LocalProvider as NemoLocalProvider 
 import sandbox_middleware  # noqa: E402
 from sandbox_middleware import (  # noqa: E402
     SANDBOX_CREATE_ERRORS,
+    ConfigError,
     Middleware,
     RetryMiddleware,
     Sandbox,
@@ -160,6 +161,8 @@ async def test_a_config_stacks_middleware_on_a_nemo_gym_provider(tmp_path: Path)
     handle: SandboxHandle = await provider.create(SandboxSpec())
     assert (await provider.exec(handle, "echo $((6 * 7))")).stdout == "42\n"
     await provider.close(handle)
+    with pytest.raises(ConfigError, match=r"Unknown sandbox provider 'nope'\. Available providers: .*docker"):
+        build_provider({"provider": {"nemo_gym.nope": {}}, "middleware": []})
 
 
 def _attrs() -> dict[str, str]:
