@@ -42,7 +42,7 @@ from sandbox_middleware import (
     TracingMiddleware,
     stack,
 )
-from sandbox_middleware._telemetry import DURATION_BUCKETS_MS, PROVIDER_ATTR, SANDBOX_ID_ATTR
+from sandbox_middleware._telemetry import PROVIDER_ATTR, SANDBOX_DURATION_BOUNDARIES_MS, SANDBOX_ID_ATTR
 
 CALLS = 2_000
 ROUNDS = 60
@@ -124,7 +124,7 @@ async def main() -> int:
 
     tracer = tracer_provider.get_tracer("floor")
     histogram = meter_provider.get_meter("floor").create_histogram(
-        "floor.exec_duration_ms", unit="ms", explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS_MS)
+        "floor.exec_duration_ms", unit="ms", explicit_bucket_boundaries_advisory=list(SANDBOX_DURATION_BOUNDARIES_MS)
     )
     attributes = {PROVIDER_ATTR: "noop"}
 
@@ -137,7 +137,7 @@ async def main() -> int:
             started = time.perf_counter()
             result = await noop.exec(handle, "true")
             histogram.record((time.perf_counter() - started) * 1000.0, attributes)
-            span.set_attribute("process.exit.code", result.return_code)
+            span.set_attribute("nemo.gym.sandbox.return_code", result.return_code)
         return result
 
     async def bare_span_exec() -> SandboxExecResult:
@@ -146,7 +146,7 @@ async def main() -> int:
         started = time.perf_counter()
         result = await noop.exec(handle, "true")
         histogram.record((time.perf_counter() - started) * 1000.0, attributes)
-        span.set_attribute("process.exit.code", result.return_code)
+        span.set_attribute("nemo.gym.sandbox.return_code", result.return_code)
         span.end()
         return result
 

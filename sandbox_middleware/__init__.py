@@ -3,7 +3,6 @@
 from ._budget import RetryBudget
 from ._config import ConfigError, ResolvedStack, build_provider, load_config, resolve_config
 from ._core import Middleware, ProviderMiddleware, stack
-from ._listing import SandboxListing, SupportsSandboxList
 from ._local import (
     BwrapUnavailableError,
     LocalProvider,
@@ -15,31 +14,53 @@ from ._local import (
 from ._metrics import MetricsMiddleware
 from ._ownership import OwnershipMiddleware
 from ._protocol import (
+    CAPABILITIES,
+    SANDBOX_CREATE_ERRORS,
     ConnectableProvider,
+    ExecResult,
     SandboxCreateError,
+    SandboxCreateVerificationError,
     SandboxEndpoint,
     SandboxError,
     SandboxExecResult,
     SandboxHandle,
+    SandboxListing,
     SandboxNotFoundError,
     SandboxPathError,
     SandboxProvider,
+    SandboxPtyError,
+    SandboxPtySession,
+    SandboxPtySpec,
+    SandboxResources,
     SandboxSpec,
     SandboxStatus,
+    SandboxValueError,
+    SupportsSandboxBackgroundServices,
     SupportsSandboxEndpoint,
+    SupportsSandboxList,
+    SupportsSandboxNetwork,
+    SupportsSandboxPauseResume,
+    SupportsSandboxPortForwarding,
     SupportsSandboxPty,
+    SupportsSandboxPtyAttach,
+    SupportsSandboxRuntimeRequirements,
+    SupportsSandboxSharedStorage,
 )
 from ._reaper import ReapedSandbox, reap
 from ._registry import RegistryError, register_middleware, register_provider
 from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
-from ._retry import RetryMiddleware
+from ._retry import DEFAULT_RETRY_ON, RetryMiddleware
 from ._sandbox import Sandbox, SandboxNotStartedError
 from ._tracing import TracingMiddleware
 
 __all__ = [
+    "CAPABILITIES",
+    "DEFAULT_RETRY_ON",
+    "SANDBOX_CREATE_ERRORS",
     "BwrapUnavailableError",
     "ConfigError",
     "ConnectableProvider",
+    "ExecResult",
     "HeldSandbox",
     "LocalProvider",
     "MetricsMiddleware",
@@ -55,6 +76,7 @@ __all__ = [
     "Sandbox",
     "SandboxArgumentError",
     "SandboxCreateError",
+    "SandboxCreateVerificationError",
     "SandboxEndpoint",
     "SandboxError",
     "SandboxExecResult",
@@ -66,12 +88,24 @@ __all__ = [
     "SandboxNotStartedError",
     "SandboxPathError",
     "SandboxProvider",
+    "SandboxPtyError",
+    "SandboxPtySession",
+    "SandboxPtySpec",
+    "SandboxResources",
     "SandboxSpec",
     "SandboxStatus",
     "SandboxTransferLimitError",
+    "SandboxValueError",
+    "SupportsSandboxBackgroundServices",
     "SupportsSandboxEndpoint",
     "SupportsSandboxList",
+    "SupportsSandboxNetwork",
+    "SupportsSandboxPauseResume",
+    "SupportsSandboxPortForwarding",
     "SupportsSandboxPty",
+    "SupportsSandboxPtyAttach",
+    "SupportsSandboxRuntimeRequirements",
+    "SupportsSandboxSharedStorage",
     "TracingMiddleware",
     "build_provider",
     "load_config",

@@ -241,7 +241,7 @@ async def _workload(
 
 
 async def _session(provider: SandboxProvider, commands: int, source: Path, result: Path, run: _Run) -> None:
-    sandbox = Sandbox(provider, SandboxSpec(files={"input.txt": str(source)}))
+    sandbox = Sandbox(provider, SandboxSpec(), local_files={"input.txt": source})
     try:
         await sandbox.start()
         run.started += 1

@@ -2,91 +2,63 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Concatenate, Generic, ParamSpec
 
-from ._protocol import (
-    ConnectableProvider,
-    SandboxEndpoint,
-    SandboxExecResult,
-    SandboxHandle,
-    SandboxProvider,
-    SandboxSpec,
-    SandboxStatus,
-    SupportsSandboxEndpoint,
-    SupportsSandboxPty,
-)
+from ._protocol import CAPABILITIES, SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 
 __all__ = ["Middleware", "ProviderMiddleware", "stack"]
 
 P = ParamSpec("P")
 
 
-class _EndpointPassThrough:
-    inner: Any
-
-    async def endpoint(self, handle: SandboxHandle, port: int) -> SandboxEndpoint:
-        result: SandboxEndpoint = await self.inner.endpoint(handle, port)
-        return result
+def _methods(protocol: type) -> tuple[str, ...]:
+    return tuple(name for name, value in vars(protocol).items() if inspect.isfunction(value) and name[0] != "_")
 
 
-class _ConnectPassThrough:
-    inner: Any
-
-    async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]:
-        result: dict[str, Any] = await self.inner.serialize_handle(handle, scope=scope)
-        return result
-
-    async def connect(self, descriptor: Mapping[str, Any]) -> SandboxHandle:
-        result: SandboxHandle = await self.inner.connect(descriptor)
-        return result
-
-
-class _PtyPassThrough:
-    inner: Any
-
-    async def create_pty(self, handle: SandboxHandle, spec: Any) -> Any:
-        return await self.inner.create_pty(handle, spec)
-
-
-# Each optional capability and the mixin that forwards it. A layer gets a mixin exactly when its
-# inner provider has the capability, so ``isinstance`` against the runtime-checkable protocol tells
-# the truth through any number of layers (attributes come from the class, not ``__getattr__``).
-_CAPABILITIES: tuple[tuple[type, type, tuple[str, ...]], ...] = (
-    (SupportsSandboxEndpoint, _EndpointPassThrough, ("endpoint",)),
-    (ConnectableProvider, _ConnectPassThrough, ("serialize_handle", "connect")),
-    (SupportsSandboxPty, _PtyPassThrough, ("create_pty",)),
-)
-_CAPABILITY_NAMES = frozenset(name for _, _, names in _CAPABILITIES for name in names)
-_layer_classes: dict[tuple[type, tuple[bool, ...]], type] = {}
+# Each capability protocol and the methods it consists of, read from the protocol itself: adding a
+# capability is one entry in ``CAPABILITIES``.
+_CAPABILITY_METHODS: tuple[tuple[type, tuple[str, ...]], ...] = tuple((p, _methods(p)) for p in CAPABILITIES)
 
 
 class ProviderMiddleware:
     """A ``SandboxProvider`` that delegates every call to ``inner``.
 
-    Subclass it and override only the operations you change; call ``self.inner`` to go on. The
-    optional capabilities (endpoint, connect, PTY) are forwarded exactly when ``inner`` has them.
-    A subclass that wants to observe ``connect`` overrides it; the capability still appears only
-    when the inner provider has it.
+    Subclass it, call ``super().__init__(inner)``, and override only the operations you change;
+    call ``self.inner`` to go on. Keyword arguments a provider adds to an operation (``stdin=`` on
+    NeMo Gym's Docker ``exec``) reach ``inner`` unchanged through ``**extensions``.
+
+    Every optional capability (``CAPABILITIES``: endpoint, connect, PTY, PTY attach, pause/resume,
+    network, port forwarding, shared storage, runtime requirements, background services) is
+    forwarded to ``inner`` exactly when ``inner`` has it, so ``isinstance`` against the
+    runtime-checkable protocols tells the truth through any number of layers; a subclass that
+    overrides e.g. ``connect`` to observe it never claims a capability its inner provider lacks.
+    Layers pickle and copy (``pickle``, ``copy``, a Ray task) with their options and capabilities.
     """
 
     inner: SandboxProvider
     name: str
 
-    def __new__(cls, inner: SandboxProvider, *args: Any, **kwargs: Any) -> ProviderMiddleware:
-        present = tuple(isinstance(inner, protocol) for protocol, _, _ in _CAPABILITIES)
-        return super().__new__(_layer_class(cls, present))
-
     def __init__(self, inner: SandboxProvider) -> None:
         self.inner = inner
         self.name = inner.name
+        self.__class__ = _layer_class(type(self), inner)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # By the class the user wrote, not the one this instance was switched to.
+        return (_new_layer, (_written_class(type(self)),), self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__class__ = _layer_class(type(self), self.inner)
 
     def __repr__(self) -> str:
         return f"{type(self).__qualname__}({self.inner!r})"
 
-    async def create(self, spec: SandboxSpec) -> SandboxHandle:
-        return await self.inner.create(spec)
+    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
+        return await self.inner.create(spec, **extensions)
 
     async def exec(
         self,
@@ -97,46 +69,112 @@ class ProviderMiddleware:
         env: dict[str, str] | None = None,
         timeout_s: int | float | None = None,
         user: str | int | None = None,
+        **extensions: Any,
     ) -> SandboxExecResult:
-        return await self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
+        return await self._inner_exec(handle, command, cwd, env, timeout_s, user, extensions)
 
-    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
-        await self.inner.upload_file(handle, source_path, target_path)
+    def _inner_exec(
+        self,
+        handle: SandboxHandle,
+        command: str,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        timeout_s: int | float | None,
+        user: str | int | None,
+        extensions: dict[str, Any],
+    ) -> Awaitable[SandboxExecResult]:
+        """``inner.exec(...)``, not awaited. Without extensions it is a plain keyword call: exec is the
+        hot path, and a ``**`` call merges a dict in every layer (measured: +0.4 us per layer)."""
+        if extensions:
+            return self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user, **extensions)
+        return self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
 
-    async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
-        await self.inner.download_file(handle, source_path, target_path)
+    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str, **extensions: Any) -> None:
+        await self.inner.upload_file(handle, source_path, target_path, **extensions)
 
-    async def status(self, handle: SandboxHandle) -> SandboxStatus:
-        return await self.inner.status(handle)
+    async def download_file(
+        self, handle: SandboxHandle, source_path: str, target_path: Path, **extensions: Any
+    ) -> None:
+        await self.inner.download_file(handle, source_path, target_path, **extensions)
 
-    async def close(self, handle: SandboxHandle) -> None:
-        await self.inner.close(handle)
+    async def status(self, handle: SandboxHandle, **extensions: Any) -> SandboxStatus:
+        return await self.inner.status(handle, **extensions)
+
+    async def close(self, handle: SandboxHandle, **extensions: Any) -> None:
+        await self.inner.close(handle, **extensions)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
 
 
-def _layer_class(cls: type, present: tuple[bool, ...]) -> type:
-    """``cls`` with the capabilities of its inner provider: forwarded if present, hidden if absent.
+def _forwarder(protocol: type, name: str) -> Callable[..., Any]:
+    """``name`` of ``protocol`` forwarded to ``self.inner``, with the protocol's signature and docs."""
+    declared = vars(protocol)[name]
+    forward: Callable[..., Any]
+    if inspect.iscoroutinefunction(declared):
 
-    Absent ones are set to None on the class, the idiom both the 3.11 and the 3.12+
-    ``isinstance`` checks of runtime-checkable protocols read as "not implemented", so a subclass
-    that overrides e.g. ``connect`` never claims a capability its inner provider lacks.
+        async def forward(self: ProviderMiddleware, *args: Any, **kwargs: Any) -> Any:
+            return await getattr(self.inner, name)(*args, **kwargs)
+
+    else:
+
+        def forward(self: ProviderMiddleware, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.inner, name)(*args, **kwargs)
+
+    forward.__name__ = name
+    forward.__qualname__ = f"ProviderMiddleware.{name}"
+    forward.__doc__ = f"{protocol.__name__}.{name}, forwarded to the inner provider."
+    setattr(forward, "__signature__", inspect.signature(declared))  # noqa: B010 - shown by help() and inspect
+    return forward
+
+
+_FORWARDERS: dict[str, Callable[..., Any]] = {
+    name: _forwarder(protocol, name) for protocol, names in _CAPABILITY_METHODS for name in names
+}
+# (class the user wrote, which capabilities its inner provider has) -> the class a layer is made of.
+_layer_classes: dict[tuple[type, tuple[bool, ...]], type] = {}
+_written: dict[type, type] = {}
+
+
+def _written_class(cls: type) -> type:
+    return _written.get(cls, cls)
+
+
+def _layer_class(cls: type, inner: object) -> type:
+    """``cls`` with the capabilities of ``inner``: forwarded if present, hidden if absent.
+
+    Present ones the class does not define itself get a forwarder. Absent ones that it defines
+    (a subclass observing ``connect``) are set to None on the class, the idiom both the 3.11 and
+    the 3.12+ ``isinstance`` checks of runtime-checkable protocols read as "not implemented"
+    (3.11 asks the class first, so an instance attribute would not do). The result keeps
+    ``cls``'s name, docs and signature; it is ``cls`` itself when nothing needs to change.
     """
-    defined = {name for klass in cls.__mro__ for name in vars(klass)}
-    if not any(present) and not defined & _CAPABILITY_NAMES:
-        return cls
+    cls = _written_class(cls)
+    present = tuple(isinstance(inner, protocol) for protocol, _ in _CAPABILITY_METHODS)
     key = (cls, present)
     layer = _layer_classes.get(key)
     if layer is None:
-        mixins = tuple(mixin for (_, mixin, _), on in zip(_CAPABILITIES, present, strict=True) if on)
-        namespace: dict[str, Any] = {
-            name: None for (_, _, names), on in zip(_CAPABILITIES, present, strict=True) if not on for name in names
-        }
-        namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__)
-        layer = type(cls.__name__, (cls, *mixins), namespace)
+        defined = {name for klass in cls.__mro__ for name in vars(klass)}
+        namespace: dict[str, Any] = {}
+        for (_, names), has in zip(_CAPABILITY_METHODS, present, strict=True):
+            for name in names:
+                if has and name not in defined:
+                    namespace[name] = _FORWARDERS[name]
+                elif not has and name in defined:
+                    namespace[name] = None
+        if namespace:
+            namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__)
+            layer = type(cls.__name__, (cls,), namespace)
+            _written[layer] = cls
+        else:
+            layer = cls
         _layer_classes[key] = layer
     return layer
+
+
+def _new_layer(cls: type) -> Any:
+    """An uninitialised ``cls`` for unpickling; ``__setstate__`` restores it and its capabilities."""
+    return object.__new__(cls)
 
 
 class Middleware(Generic[P]):

@@ -26,7 +26,6 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 
-from ._listing import SandboxListing
 from ._local_bwrap import BASE_PATH, HOST_ENV, OWN_ETC, SYSTEM_DIRS, BwrapCommand, BwrapUnavailableError
 from ._local_io import (
     OutputCapture,
@@ -56,6 +55,7 @@ from ._protocol import (
     SandboxError,
     SandboxExecResult,
     SandboxHandle,
+    SandboxListing,
     SandboxNotFoundError,
     SandboxSpec,
     SandboxStatus,
@@ -81,6 +81,9 @@ _MAX_TTL_S = 30 * 24 * 3600.0
 _JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 _SANDBOX_ID = re.compile(r"local-[0-9a-f]{12}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_DESCRIPTOR_KEYS = (
+    "provider", "sandbox_id", "root", "view_root", "env", "cwd", "ports", "expires_at", "limits", "metadata", "created",
+)  # fmt: skip
 _RECORD = "meta.json"  # beside box/, out of the sandbox's view
 _MAX_ENV_NAME = 1024
 _CLOSE_KILL_ATTEMPTS = 3
@@ -183,6 +186,13 @@ class LocalProvider:
         connect_key: bytes | None = None,
         sandbox_uid: int = 65534,
     ) -> None:
+        # What pickling sends (a Ray actor builds its own provider from it): options, not sandboxes.
+        self._options: dict[str, Any] = {
+            "isolation": isolation, "base_dir": base_dir, "pass_env": tuple(pass_env), "memory_mib": memory_mib,
+            "pids": pids, "cpu": cpu, "disk_gib": disk_gib, "max_output_bytes": max_output_bytes,
+            "max_transfer_bytes": max_transfer_bytes, "ro_paths": tuple(ro_paths), "limit_backend": limit_backend,
+            "connect_key": connect_key, "sandbox_uid": sandbox_uid,
+        }  # fmt: skip
         if isolation not in ("none", "bwrap"):
             raise SandboxArgumentError(f"LocalProvider: isolation must be 'none' or 'bwrap', not {isolation!r}")
         if limit_backend not in ("auto", "cgroup", "rlimit"):
@@ -229,6 +239,11 @@ class LocalProvider:
 
     def __repr__(self) -> str:
         return f"LocalProvider(isolation={self.isolation!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles as its options: the copy is a new provider of the same configuration, holding no
+        sandbox; with the same ``connect_key`` (only if one was given) it can ``connect`` to ours."""
+        return (_restore, (self._options,))
 
     @property
     def _commands_run_as_root(self) -> bool:
@@ -278,7 +293,7 @@ class LocalProvider:
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
         if spec.entrypoint:
-            raise SandboxCreateError("LocalProvider does not run entrypoints; start the process with exec()")
+            raise SandboxArgumentError("LocalProvider does not run spec.entrypoint; start the process with exec()")
         env = _checked_env(spec.env, "spec.env")
         ttl = positive_number(spec.ttl_s, "spec.ttl_s", maximum=_MAX_TTL_S)
         limits = Limits.resolve(self._defaults, spec.resources)
@@ -635,6 +650,7 @@ class LocalProvider:
     async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]:
         box = self._box(handle)
         body = {"provider": self.name, "sandbox_id": handle.sandbox_id, "root": str(box.root), **box.record()}
+        assert set(body) == set(_DESCRIPTOR_KEYS)
         return {**body, "mac": self._mac(body)}
 
     def _mac(self, body: Mapping[str, Any]) -> str:
@@ -648,8 +664,8 @@ class LocalProvider:
         """
         if not isinstance(descriptor, Mapping) or "mac" not in descriptor:
             raise SandboxError("LocalProvider.connect: not a descriptor from serialize_handle() (no 'mac')")
-        try:
-            body = {key: value for key, value in descriptor.items() if key != "mac"}
+        try:  # NeMo Gym's facades add their own keys (workdir, ports): the MAC covers only ours
+            body = {key: descriptor[key] for key in _DESCRIPTOR_KEYS}
             expected = self._mac(body)
         except Exception as exc:  # a hostile mapping: raising items(), cycles, deep nesting
             raise SandboxError(f"LocalProvider.connect: descriptor is not plain JSON data: {exc!r:.200}") from exc
@@ -737,6 +753,10 @@ class LocalProvider:
                 if isinstance(record, dict):
                     found.append((sandbox_id, Path(entry.path), record))
         return found
+
+
+def _restore(options: dict[str, Any]) -> LocalProvider:
+    return LocalProvider(**options)
 
 
 def _lay_out(outer: Path, owner: int | None) -> None:

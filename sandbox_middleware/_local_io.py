@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 
 import anyio
 
-from ._protocol import SandboxError, SandboxPathError
+from ._protocol import SandboxError, SandboxPathError, SandboxValueError
 
 __all__ = [
     "OutputCapture",
@@ -38,10 +38,10 @@ _NAME_MAX = 255
 _PATH_MAX = 4095
 
 
-class SandboxArgumentError(SandboxError, ValueError):
+class SandboxArgumentError(SandboxValueError):
     """An argument is unusable (a NUL byte, a NaN or negative number, a non-string, an over-long name).
 
-    The message names the argument; it is also a ``ValueError``.
+    The message names the argument; like every ``SandboxValueError`` it is also a ``ValueError``.
     """
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ._local_io import SandboxArgumentError
-from ._protocol import SandboxCreateError
+from ._protocol import SandboxError
 
 __all__ = ["CgroupBackend", "Limits", "SandboxLimitError", "Watchdog", "mount_tmpfs", "probe_tmpfs", "unmount"]
 
@@ -34,8 +34,11 @@ _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _PARENT = "sandbox-middleware"
 
 
-class SandboxLimitError(SandboxCreateError):
-    """A resource limit was asked for that this machine cannot enforce (it is refused, never ignored)."""
+class SandboxLimitError(SandboxError):
+    """A resource limit was asked for that this machine cannot enforce (it is refused, never ignored).
+
+    Not a ``SandboxCreateError``: asking again cannot succeed, so retry layers do not retry it.
+    """
 
 
 @dataclass(frozen=True)

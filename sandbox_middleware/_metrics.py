@@ -6,17 +6,17 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
 
 from ._core import ProviderMiddleware
 from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 from ._telemetry import (
-    DURATION_BUCKETS_MS,
     ERROR_TYPE_ATTR,
     OPERATION_ATTR,
     PROVIDER_ATTR,
+    SANDBOX_DURATION_BOUNDARIES_MS,
     Instruments,
     error_type,
     safely,
@@ -39,14 +39,14 @@ class _Instruments:
             startup=meter.create_histogram(
                 "gym.sandbox.startup_duration_ms",
                 unit="ms",
-                description="Time for create to hand back a ready sandbox, retries inside it included.",
-                explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS_MS),
+                description="Wall-clock time to provision one sandbox.",
+                explicit_bucket_boundaries_advisory=list(SANDBOX_DURATION_BOUNDARIES_MS),
             ),
             exec=meter.create_histogram(
                 "gym.sandbox.exec_duration_ms",
                 unit="ms",
-                description="Time for exec to return a result, whatever the exit code.",
-                explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS_MS),
+                description="Wall-clock time to run one command inside a sandbox.",
+                explicit_bucket_boundaries_advisory=list(SANDBOX_DURATION_BOUNDARIES_MS),
             ),
             failures=meter.create_counter(
                 "gym.sandbox.failure_total",
@@ -88,9 +88,9 @@ class MetricsMiddleware(ProviderMiddleware):
             self._failed(operation, exc)
             raise
 
-    async def create(self, spec: SandboxSpec) -> SandboxHandle:
+    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
         started = time.perf_counter()
-        handle = await self._counting("create", self.inner.create(spec))
+        handle = await self._counting("create", self.inner.create(spec, **extensions))
         instruments = self._instruments.get()
         if instruments is not None:
             self._duration(instruments.startup, started, "gym.sandbox.startup_duration_ms")
@@ -105,8 +105,9 @@ class MetricsMiddleware(ProviderMiddleware):
         env: dict[str, str] | None = None,
         timeout_s: int | float | None = None,
         user: str | int | None = None,
+        **extensions: Any,
     ) -> SandboxExecResult:
-        call = self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
+        call = self._inner_exec(handle, command, cwd, env, timeout_s, user, extensions)
         instruments = self._instruments.get()
         if instruments is None:
             return await call
@@ -115,14 +116,16 @@ class MetricsMiddleware(ProviderMiddleware):
         self._duration(instruments.exec, started, "gym.sandbox.exec_duration_ms")
         return result
 
-    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
-        await self._counting("upload", self.inner.upload_file(handle, source_path, target_path))
+    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str, **extensions: Any) -> None:
+        await self._counting("upload", self.inner.upload_file(handle, source_path, target_path, **extensions))
 
-    async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
-        await self._counting("download", self.inner.download_file(handle, source_path, target_path))
+    async def download_file(
+        self, handle: SandboxHandle, source_path: str, target_path: Path, **extensions: Any
+    ) -> None:
+        await self._counting("download", self.inner.download_file(handle, source_path, target_path, **extensions))
 
-    async def status(self, handle: SandboxHandle) -> SandboxStatus:
-        return await self._counting("status", self.inner.status(handle))
+    async def status(self, handle: SandboxHandle, **extensions: Any) -> SandboxStatus:
+        return await self._counting("status", self.inner.status(handle, **extensions))
 
-    async def close(self, handle: SandboxHandle) -> None:
-        await self._counting("close", self.inner.close(handle))
+    async def close(self, handle: SandboxHandle, **extensions: Any) -> None:
+        await self._counting("close", self.inner.close(handle, **extensions))

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ._core import ProviderMiddleware
 from ._protocol import SandboxHandle, SandboxProvider, SandboxSpec
@@ -92,6 +93,7 @@ class OwnershipMiddleware(ProviderMiddleware):
         self.ttl_s = ttl_s
         self._stamp = {RUN_KEY: self.run_id, **Owner.current().metadata()}
 
-    async def create(self, spec: SandboxSpec) -> SandboxHandle:
+    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
         ttl = spec.ttl_s if spec.ttl_s is not None else self.ttl_s
-        return await self.inner.create(dataclasses.replace(spec, metadata={**spec.metadata, **self._stamp}, ttl_s=ttl))
+        stamped = dataclasses.replace(spec, metadata={**spec.metadata, **self._stamp}, ttl_s=ttl)
+        return await self.inner.create(stamped, **extensions)

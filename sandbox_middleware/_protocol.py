@@ -1,98 +1,126 @@
-"""The provider protocol: value types, errors and capabilities.
+"""The provider protocol: value types, errors and capabilities, NeMo Gym 0.7.0's in both directions.
 
-Names, fields and signatures mirror NeMo Gym's sandbox protocol of the same names, so a NeMo Gym
-provider can be wrapped as it is and a wrapped provider can be handed back to NeMo Gym.
+Names, fields, signatures and validation are NeMo Gym's. When NeMo Gym is installed (and imports),
+every value type and error class here also *derives from* NeMo Gym's class of the same name, so
+NeMo Gym's own ``isinstance`` checks and ``except`` clauses accept what this package makes (its
+facade's endpoint check, ``except SandboxCreateError`` around its ``AsyncSandbox.start``). Without
+NeMo Gym the classes stand alone. Python's ``except`` matches by inheritance only, so the reverse
+direction is ``SANDBOX_CREATE_ERRORS``: both libraries' create-failure classes in one tuple.
 """
 
 from __future__ import annotations
 
+import builtins
 import enum
-from collections.abc import Mapping
+import importlib
+import importlib.util
+import logging
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from pathlib import Path, PurePath
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast, runtime_checkable
+from urllib.parse import urlsplit
 
 __all__ = [
+    "CAPABILITIES",
+    "SANDBOX_CREATE_ERRORS",
     "ConnectableProvider",
+    "ExecResult",
     "SandboxCreateError",
+    "SandboxCreateVerificationError",
     "SandboxEndpoint",
     "SandboxError",
     "SandboxExecResult",
     "SandboxHandle",
+    "SandboxListing",
     "SandboxNotFoundError",
     "SandboxPathError",
     "SandboxProvider",
+    "SandboxPtyError",
+    "SandboxPtySession",
+    "SandboxPtySpec",
+    "SandboxResources",
     "SandboxSpec",
     "SandboxStatus",
+    "SandboxValueError",
+    "SupportsSandboxBackgroundServices",
     "SupportsSandboxEndpoint",
+    "SupportsSandboxList",
+    "SupportsSandboxNetwork",
+    "SupportsSandboxPauseResume",
+    "SupportsSandboxPortForwarding",
     "SupportsSandboxPty",
+    "SupportsSandboxPtyAttach",
+    "SupportsSandboxRuntimeRequirements",
+    "SupportsSandboxSharedStorage",
 ]
 
-
-class SandboxStatus(str, enum.Enum):  # noqa: UP042 - NeMo Gym compares these with plain strings
-    """Provider-neutral lifecycle status of one sandbox."""
-
-    STARTING = "starting"
-    RUNNING = "running"
-    STOPPED = "stopped"
-    ERROR = "error"
-    UNKNOWN = "unknown"
+logger = logging.getLogger("sandbox_middleware")
 
 
-@dataclass(frozen=True)
-class SandboxSpec:
-    """What to create.
-
-    ``files`` maps a path inside the sandbox to a local file that ``Sandbox`` uploads there right
-    after creation. Providers ignore the fields they cannot honour only where their docs say so.
-    """
-
-    image: str | None = None
-    ttl_s: float | None = None
-    ready_timeout_s: float | None = None
-    workdir: str | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    files: Mapping[str, str] = field(default_factory=dict)
-    metadata: Mapping[str, str] = field(default_factory=dict)
-    resources: Any = None
-    entrypoint: list[str] | None = None
-    provider_options: Mapping[str, Any] = field(default_factory=dict)
-    ports: tuple[int, ...] = ()
+def _nemo_gym_base() -> ModuleType | None:
+    """NeMo Gym's ``nemo_gym.sandbox.providers.base`` when it is installed and imports, else None."""
+    if importlib.util.find_spec("nemo_gym") is None:
+        return None
+    try:
+        return importlib.import_module("nemo_gym.sandbox.providers.base")
+    except Exception as exc:  # installed but broken here: this package stands alone
+        logger.warning("NeMo Gym is installed but its sandbox protocol does not import (%r); not interoperating", exc)
+        return None
 
 
-@dataclass
-class SandboxHandle:
-    """A created sandbox; ``raw`` is the provider's own opaque state."""
-
-    sandbox_id: str
-    provider_name: str
-    raw: Any = None
+NEMO_GYM: ModuleType | None = _nemo_gym_base()
+"""NeMo Gym's protocol module whose classes ours derive from, or None."""
 
 
-@dataclass(frozen=True)
-class SandboxExecResult:
-    """One command's outcome; ``error_type`` is set when the runtime (not the command) failed."""
-
-    stdout: str | None
-    stderr: str | None
-    return_code: int
-    error_type: str | None = None
+def _nemo(name: str) -> type:
+    cls: type = getattr(NEMO_GYM, name) if NEMO_GYM is not None else object
+    return cls
 
 
-@dataclass(frozen=True)
-class SandboxEndpoint:
-    """A caller-reachable URL for a port served inside a sandbox, with any headers it needs."""
-
-    endpoint: str
-    headers: Mapping[str, str] = field(default_factory=dict)
+if TYPE_CHECKING:  # the type checker sees the stand-alone classes; structurally they are NeMo Gym's
+    _NemoResources: TypeAlias = object
+    _NemoSpec: TypeAlias = object
+    _NemoHandle: TypeAlias = object
+    _NemoExecResult: TypeAlias = object
+    _NemoEndpoint: TypeAlias = object
+    _NemoPtySpec: TypeAlias = object
+    _NemoCreateError: TypeAlias = object
+    _NemoCreateVerificationError: TypeAlias = object
+    _NemoPtyError: TypeAlias = object
+else:
+    _NemoResources, _NemoSpec, _NemoHandle = _nemo("SandboxResources"), _nemo("SandboxSpec"), _nemo("SandboxHandle")
+    _NemoExecResult, _NemoEndpoint, _NemoPtySpec = (
+        _nemo("SandboxExecResult"),
+        _nemo("SandboxEndpoint"),
+        _nemo("SandboxPtySpec"),
+    )
+    _NemoCreateError, _NemoPtyError = _nemo("SandboxCreateError"), _nemo("SandboxPtyError")
+    _NemoCreateVerificationError = _nemo("SandboxCreateVerificationError")
 
 
 class SandboxError(RuntimeError):
     """Base class of every error this package raises about a sandbox."""
 
 
-class SandboxCreateError(SandboxError):
-    """The provider could not create a sandbox."""
+class SandboxValueError(SandboxError, ValueError, TypeError):
+    """A value type got a field NeMo Gym would refuse (a port, an endpoint URL, a resource key).
+
+    Also a ``ValueError`` and a ``TypeError``, the classes NeMo Gym raises for the same inputs.
+    """
+
+
+class SandboxCreateError(SandboxError, _NemoCreateError):
+    """The provider could not create a sandbox (NeMo Gym's ``SandboxCreateError`` too)."""
+
+
+class SandboxCreateVerificationError(SandboxCreateError, _NemoCreateVerificationError):
+    """A newly created sandbox failed the provider's readiness checks."""
+
+
+class SandboxPtyError(SandboxError, _NemoPtyError):
+    """A PTY session failed outside a normal process exit."""
 
 
 class SandboxNotFoundError(SandboxError):
@@ -101,6 +129,181 @@ class SandboxNotFoundError(SandboxError):
 
 class SandboxPathError(SandboxError):
     """A file path would leave the sandbox (``..`` or a symlink pointing outside)."""
+
+
+SANDBOX_CREATE_ERRORS: tuple[type[Exception], ...] = cast(
+    "tuple[type[Exception], ...]", tuple(c for c in SandboxCreateError.__mro__ if c.__name__ == "SandboxCreateError")
+)
+"""Create failures of this package and of NeMo Gym: ``except SANDBOX_CREATE_ERRORS:`` catches both."""
+
+
+class SandboxStatus(str, enum.Enum):  # noqa: UP042 - NeMo Gym compares these with plain strings
+    """Provider-neutral lifecycle status of one sandbox (equal to NeMo Gym's member of the same value)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPED = "stopped"
+    ERROR = "error"
+    UNKNOWN = "unknown"
+
+
+_RESOURCE_FIELDS: dict[str, type] = {"cpu": float, "memory_mib": int, "disk_gib": int, "gpu": int, "gpu_type": str}
+
+
+@dataclass(frozen=True)
+class SandboxResources(_NemoResources):
+    """A provider-neutral resource request; ``None`` fields ask for nothing."""
+
+    cpu: float | None = None
+    memory_mib: int | None = None
+    disk_gib: int | None = None
+    gpu: int | None = None
+    gpu_type: str | None = None
+
+    @classmethod
+    def from_mapping(cls, resources: Mapping[str, Any] | None) -> SandboxResources:
+        """Resources from a mapping of the field names; unknown keys and unconvertible values are errors."""
+        if resources is None:
+            return cls()
+        if not isinstance(resources, Mapping):
+            raise SandboxValueError(
+                f"sandbox resources must be a SandboxResources or a mapping, not {type(resources).__name__}"
+            )
+        unknown = set(resources) - set(_RESOURCE_FIELDS)
+        if unknown:
+            raise SandboxValueError(
+                f"Unknown sandbox resource keys: {', '.join(sorted(map(str, unknown)))}. "
+                f"Expected keys: {', '.join(sorted(_RESOURCE_FIELDS))}"
+            )
+        values: dict[str, Any] = {}
+        for key, convert in _RESOURCE_FIELDS.items():
+            value = resources.get(key)
+            try:
+                values[key] = None if value is None else convert(value)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise SandboxValueError(
+                    f"sandbox resource {key!r} must be a {convert.__name__}, got {value!r}"
+                ) from exc
+        return cls(**values)
+
+
+# A NeMo Gym ``SandboxResources`` is kept as it is: same fields, and our own derives from it.
+_RESOURCES_CLASS: type = _NemoResources if NEMO_GYM is not None else SandboxResources
+
+
+@dataclass(frozen=True)
+class SandboxSpec(_NemoSpec):
+    """What to create.
+
+    ``files`` maps a path inside the sandbox to the file's *contents* (text), written there right
+    after creation by either library's facade; local files go through ``Sandbox(local_files=...)``.
+    ``resources`` is always a ``SandboxResources`` (a mapping is converted, unknown keys refused)
+    and ``ports`` a tuple of distinct TCP ports, validated as NeMo Gym validates them.
+    Providers ignore the fields they cannot honour only where their docs say so.
+    """
+
+    image: str | None = None
+    ttl_s: int | float | None = None
+    ready_timeout_s: int | float | None = None
+    workdir: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    files: Mapping[str, str] = field(default_factory=dict)
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    resources: SandboxResources | Mapping[str, Any] = field(default_factory=SandboxResources)
+    entrypoint: list[str] | None = None
+    provider_options: Mapping[str, Any] = field(default_factory=dict)
+    ports: tuple[int, ...] | list[int] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.resources, _RESOURCES_CLASS):
+            object.__setattr__(
+                self, "resources", SandboxResources.from_mapping(cast("Mapping[str, Any]", self.resources))
+            )
+        object.__setattr__(self, "ports", _ports(self.ports))
+        for target, contents in self.files.items():
+            if not isinstance(contents, str):
+                hint = (
+                    "; to upload a local file use Sandbox(provider, spec, local_files={target: local_path})"
+                    if isinstance(contents, PurePath)
+                    else ""
+                )
+                raise SandboxValueError(
+                    f"SandboxSpec.files maps a sandbox path to the file's text contents; "
+                    f"{target!r} maps to a {type(contents).__name__}{hint}"
+                )
+
+
+def _ports(ports: Any) -> tuple[int, ...]:
+    if not isinstance(ports, (list, tuple)):
+        raise SandboxValueError(f"Sandbox ports must be a list or tuple of TCP port numbers, not {ports!r}")
+    normalized: list[int] = []
+    for raw in ports:
+        try:
+            if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+                raise TypeError(raw)
+            port = int(raw)
+        except (TypeError, ValueError) as exc:
+            raise SandboxValueError(f"Invalid sandbox TCP port: {raw!r}") from exc
+        if not 1 <= port <= 65535:
+            raise SandboxValueError(f"Sandbox TCP port must be between 1 and 65535, got {port}")
+        if port in normalized:
+            raise SandboxValueError(f"Duplicate sandbox TCP port: {port}")
+        normalized.append(port)
+    return tuple(normalized)
+
+
+@dataclass
+class SandboxHandle(_NemoHandle):
+    """A created sandbox; ``raw`` is the provider's own opaque state."""
+
+    sandbox_id: str
+    provider_name: str
+    raw: Any = None
+
+
+@dataclass(frozen=True)
+class SandboxExecResult(_NemoExecResult):
+    """One command's outcome; ``error_type`` is set when the runtime (not the command) failed."""
+
+    stdout: str | None
+    stderr: str | None
+    return_code: int
+    error_type: str | None = None
+
+
+ExecResult = SandboxExecResult
+
+
+@dataclass(frozen=True)
+class SandboxEndpoint(_NemoEndpoint):
+    """A caller-reachable absolute URL for a port served inside a sandbox, with any headers it needs."""
+
+    endpoint: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        url = self.endpoint.strip() if isinstance(self.endpoint, str) else ""
+        parts = urlsplit(url)
+        if not parts.scheme or not parts.netloc:
+            raise SandboxValueError(f"Sandbox endpoint must be a non-empty absolute URL, got {self.endpoint!r}")
+        if not isinstance(self.headers, Mapping):
+            raise SandboxValueError(f"Sandbox endpoint headers must be a mapping, not {type(self.headers).__name__}")
+        object.__setattr__(self, "endpoint", url)
+        object.__setattr__(self, "headers", {str(key): str(value) for key, value in self.headers.items()})
+
+
+@dataclass(frozen=True)
+class SandboxPtySpec(_NemoPtySpec):
+    """An interactive terminal request; ``command=None`` spawns the shell, ``pty=False`` selects pipe mode."""
+
+    command: str | None = None
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    rows: int = 24
+    cols: int = 80
+    user: str | int | None = None
+    pty: bool = True
 
 
 class SandboxProvider(Protocol):
@@ -133,15 +336,51 @@ class SandboxProvider(Protocol):
 
 
 @runtime_checkable
+class SandboxPtySession(Protocol):
+    """One live interactive terminal; an async context manager whose exit closes it."""
+
+    session_id: str
+    mode: str | None
+
+    @property
+    def closed(self) -> bool: ...
+
+    async def read(self, *, timeout_s: float | None = None) -> bytes: ...
+
+    async def read_stderr(self, *, timeout_s: float | None = None) -> bytes: ...
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def resize(self, rows: int, cols: int) -> None: ...
+
+    async def send_signal(self, signal: str) -> None: ...
+
+    async def wait_exit(self, *, timeout_s: float | None = None) -> int: ...
+
+    async def run_detached(self, command: str, *, poll_interval_s: float = 15.0) -> tuple[bytes, int | None]: ...
+
+    async def close(self) -> None: ...
+
+    async def __aenter__(self) -> SandboxPtySession: ...
+
+    async def __aexit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None: ...
+
+
+# The ten optional capabilities of NeMo Gym 0.7.0, member for member.
+
+
+@runtime_checkable
 class SupportsSandboxEndpoint(Protocol):
-    """Optional capability: resolve a declared port to a reachable endpoint."""
+    """Resolve a declared service port to a caller-reachable endpoint."""
 
     async def endpoint(self, handle: SandboxHandle, port: int) -> SandboxEndpoint: ...
 
 
 @runtime_checkable
 class ConnectableProvider(Protocol):
-    """Optional capability: rebuild a handle in another process from a JSON descriptor."""
+    """Rebuild a handle in another process from a JSON descriptor."""
 
     async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]: ...
 
@@ -150,13 +389,129 @@ class ConnectableProvider(Protocol):
 
 @runtime_checkable
 class SupportsSandboxPty(Protocol):
-    """Optional capability: an interactive terminal; spec and session are the provider's own types."""
+    """Interactive PTY sessions."""
 
-    async def create_pty(self, handle: SandboxHandle, spec: Any) -> Any: ...
+    async def create_pty(self, handle: SandboxHandle, spec: SandboxPtySpec) -> SandboxPtySession: ...
+
+
+@runtime_checkable
+class SupportsSandboxPtyAttach(Protocol):
+    """Re-attach to a PTY session by id (sessions that live in the sandbox, not the client)."""
+
+    async def attach_pty(
+        self, handle: SandboxHandle, session_id: str, *, takeover: bool = True, since: int | None = None
+    ) -> SandboxPtySession: ...
+
+
+@runtime_checkable
+class SupportsSandboxPauseResume(Protocol):
+    """Pause a sandbox preserving its state, and resume it."""
+
+    async def pause(self, handle: SandboxHandle) -> None: ...
+
+    async def resume(self, handle: SandboxHandle) -> None: ...
+
+
+@runtime_checkable
+class SupportsSandboxNetwork(Protocol):
+    """Direct networking between sandboxes, preserving service ports."""
+
+    def validate_networking(self) -> None: ...
+
+    async def network_address(self, handle: SandboxHandle) -> str: ...
+
+    async def set_hosts(self, handle: SandboxHandle, hosts: Mapping[str, str]) -> None: ...
+
+
+@runtime_checkable
+class SupportsSandboxPortForwarding(Protocol):
+    """Loopback TCP forwarding, running until cancellation."""
+
+    def validate_port_forwarding(self) -> None: ...
+
+    async def forward_ports(
+        self, handle: SandboxHandle, target_address: str, ports: tuple[int, ...], *, ready_file: str
+    ) -> None: ...
+
+
+@runtime_checkable
+class SupportsSandboxSharedStorage(Protocol):
+    """A shared filesystem provisioned by the operator's provider config."""
+
+    def shared_volume_options(self, source: str | None, target: str, *, read_only: bool = False) -> dict[str, Any]: ...
+
+    def shared_volume_metadata(self) -> dict[str, str]: ...
+
+
+@runtime_checkable
+class SupportsSandboxRuntimeRequirements(Protocol):
+    """Validation and setup of task-declared runtime requirements."""
+
+    def validate_runtime_requirements(
+        self, *, cap_add: tuple[str, ...], shm_size: int | None
+    ) -> dict[str, str] | None: ...
+
+    async def configure_runtime(
+        self, handle: SandboxHandle, *, cap_add: tuple[str, ...], shm_size: int | None
+    ) -> None: ...
+
+
+@runtime_checkable
+class SupportsSandboxBackgroundServices(Protocol):
+    """An execution path that keeps services started by one command alive for later ones."""
+
+    async def exec_with_background_services(
+        self,
+        handle: SandboxHandle,
+        command: str,
+        *,
+        cwd: str | None = None,
+        timeout_s: int | float | None = None,
+    ) -> SandboxExecResult: ...
+
+
+@dataclass(frozen=True)
+class SandboxListing:
+    """One sandbox a provider knows of: a handle usable with ``close``, its metadata, its creation time."""
+
+    handle: SandboxHandle
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    created_at: float | None = None  # seconds since the epoch, where the provider knows it
+
+
+@runtime_checkable
+class SupportsSandboxList(Protocol):
+    """List the provider's sandboxes whose metadata contains every item of ``metadata``, including
+    those no process holds a handle to (a lost create response, a killed worker)."""
+
+    async def list(self, *, metadata: Mapping[str, str] | None = None) -> builtins.list[SandboxListing]: ...
+
+
+CAPABILITIES: tuple[type, ...] = (
+    SupportsSandboxEndpoint,
+    ConnectableProvider,
+    SupportsSandboxPty,
+    SupportsSandboxPtyAttach,
+    SupportsSandboxPauseResume,
+    SupportsSandboxNetwork,
+    SupportsSandboxPortForwarding,
+    SupportsSandboxSharedStorage,
+    SupportsSandboxRuntimeRequirements,
+    SupportsSandboxBackgroundServices,
+    SupportsSandboxList,
+)
+"""Every optional capability; a layer forwards each exactly when its inner provider has it."""
 
 
 # Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.
-SandboxError.__module__ = "sandbox_middleware"
-SandboxCreateError.__module__ = "sandbox_middleware"
-SandboxNotFoundError.__module__ = "sandbox_middleware"
-SandboxPathError.__module__ = "sandbox_middleware"
+for _error in (
+    SandboxError,
+    SandboxValueError,
+    SandboxCreateError,
+    SandboxCreateVerificationError,
+    SandboxPtyError,
+    SandboxNotFoundError,
+    SandboxPathError,
+):
+    _error.__module__ = "sandbox_middleware"
+del _error

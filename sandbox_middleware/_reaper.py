@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 import anyio.lowlevel
 
-from ._listing import SandboxListing, SupportsSandboxList
 from ._ownership import RUN_KEY, Owner
-from ._protocol import SandboxError, SandboxProvider
+from ._protocol import SandboxError, SandboxListing, SandboxProvider, SupportsSandboxList
 from ._sandbox import close_shielded
 
 __all__ = ["ReapedSandbox", "reap"]

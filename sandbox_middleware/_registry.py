@@ -1,7 +1,13 @@
-"""Provider and middleware registries: built-ins, ``register_*`` calls, and entry points."""
+"""Provider and middleware registries: built-ins, ``register_*`` calls, entry points, and NeMo Gym's own.
+
+A provider name ``nemo_gym.NAME`` (``nemo_gym.local``, ``nemo_gym.docker``, ...) is looked up in NeMo
+Gym's registry (its built-ins, its ``register_provider`` calls and its entry points) when NeMo Gym is
+installed, so a config can stack middleware on any NeMo Gym provider.
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
@@ -11,6 +17,7 @@ from ._protocol import SandboxError
 
 __all__ = [
     "MIDDLEWARE_GROUPS",
+    "NEMO_GYM_PREFIX",
     "PROVIDER_GROUPS",
     "Registry",
     "RegistryError",
@@ -21,6 +28,7 @@ __all__ = [
 ]
 
 PROVIDER_GROUPS = ("sandbox_middleware.providers", "nemo_gym.sandbox_providers")
+NEMO_GYM_PREFIX = "nemo_gym."
 MIDDLEWARE_GROUPS = ("sandbox_middleware.middleware",)
 _THIS_DISTRIBUTION = "llm-sandbox-middleware"
 
@@ -47,8 +55,15 @@ class Registry:
     name (unless both point at the same object): either is an error that names both origins.
     """
 
-    def __init__(self, kind: str, groups: Iterable[str], builtins: dict[str, Callable[[], Any]]) -> None:
+    def __init__(
+        self,
+        kind: str,
+        groups: Iterable[str],
+        builtins: dict[str, Callable[[], Any]],
+        foreign: _NemoGymProviders | None = None,
+    ) -> None:
         self.kind = kind
+        self._foreign = foreign
         self.groups = tuple(groups)
         self._builtins = {
             name: _Entry(load, f"built-in ({_THIS_DISTRIBUTION})", name) for name, load in builtins.items()
@@ -87,13 +102,16 @@ class Registry:
         return found
 
     def names(self) -> list[str]:
-        return sorted({*self._registered, *self._builtins, *self._entry_points()})
+        foreign = self._foreign.names() if self._foreign is not None else []
+        return sorted({*self._registered, *self._builtins, *self._entry_points(), *foreign})
 
     def origin(self, name: str) -> str:
         return self._lookup(name).origin
 
     def _lookup(self, name: str) -> _Entry:
         entry = self._registered.get(name) or self._builtins.get(name)
+        if entry is None and self._foreign is not None:
+            entry = self._foreign.lookup(name)
         if entry is None:
             entry = self._entry_points().get(name)
         if entry is None:
@@ -109,6 +127,40 @@ class Registry:
         self._discovered = None
 
 
+class _NemoGymProviders:
+    """``nemo_gym.NAME``: the providers of NeMo Gym's own registry, when NeMo Gym is installed."""
+
+    module = "nemo_gym.sandbox.providers.registry"
+
+    def _registry(self) -> Any:
+        try:
+            return importlib.import_module(self.module)
+        except ImportError:
+            return None
+
+    def names(self) -> list[str]:
+        registry = self._registry()
+        return [] if registry is None else [NEMO_GYM_PREFIX + name for name in registry.list_providers()]
+
+    def lookup(self, name: str) -> _Entry | None:
+        if not name.startswith(NEMO_GYM_PREFIX):
+            return None
+        registry = self._registry()
+        if registry is None:
+            raise RegistryError(
+                f"provider {name!r} comes from NeMo Gym, which is not installed here; install nemo-gym, "
+                f"or use a provider of this package (e.g. 'local')"
+            )
+
+        def load() -> Any:
+            try:
+                return registry.get_provider_class(name.removeprefix(NEMO_GYM_PREFIX))
+            except ValueError as exc:  # NeMo Gym's "Unknown sandbox provider ..., Available providers: ..."
+                raise RegistryError(f"{name!r}: {exc}") from exc
+
+        return _Entry(load, f"NeMo Gym's registry ({self.module})", name)
+
+
 def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
 
@@ -122,8 +174,6 @@ def _local() -> Any:
 def _builtin_middleware() -> dict[str, Callable[[], Any]]:
     def load(module: str, name: str) -> Callable[[], Any]:
         def loader() -> Any:
-            import importlib
-
             return getattr(importlib.import_module(module, __package__), name)
 
         return loader
@@ -136,7 +186,12 @@ def _builtin_middleware() -> dict[str, Callable[[], Any]]:
     }
 
 
-provider_registry = Registry("provider", PROVIDER_GROUPS, {"local": _local})
+provider_registry = Registry(
+    "provider",
+    PROVIDER_GROUPS,
+    {"local": _local},
+    _NemoGymProviders(),
+)
 middleware_registry = Registry("middleware", MIDDLEWARE_GROUPS, _builtin_middleware())
 
 

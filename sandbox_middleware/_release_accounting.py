@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from opentelemetry.metrics import Meter, MeterProvider, UpDownCounter
@@ -37,7 +38,7 @@ def _active_counter(meter: Meter) -> UpDownCounter:
     return meter.create_up_down_counter(
         "gym.sandbox.active",
         unit="{sandbox}",
-        description="Sandboxes created and not yet released; sum across processes.",
+        description="Sandboxes this process currently holds, from provider create to release.",
     )
 
 
@@ -83,16 +84,16 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
         if counter is not None:
             safely("gym.sandbox.active", counter.add, delta, self._attributes)
 
-    async def create(self, spec: SandboxSpec) -> SandboxHandle:
-        handle = await self.inner.create(spec)
+    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
+        handle = await self.inner.create(spec, **extensions)
         self._ledger[handle.sandbox_id] = HeldSandbox(handle.sandbox_id, self.inner.name, time.time(), False, handle)
         self.peak_held = max(self.peak_held, len(self._ledger))
         self._add(1)
         return handle
 
-    async def close(self, handle: SandboxHandle) -> None:
+    async def close(self, handle: SandboxHandle, **extensions: Any) -> None:
         try:
-            await self.inner.close(handle)
+            await self.inner.close(handle, **extensions)
         except BaseException:
             entry = self._ledger.get(handle.sandbox_id)
             if entry is not None and not entry.release_failed:

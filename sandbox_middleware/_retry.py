@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import anyio
 import stamina
@@ -18,10 +18,17 @@ from opentelemetry.metrics import Counter, Meter, MeterProvider
 
 from ._budget import RetryBudget
 from ._core import ProviderMiddleware
-from ._protocol import SandboxCreateError, SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
+from ._protocol import (
+    SANDBOX_CREATE_ERRORS,
+    SandboxExecResult,
+    SandboxHandle,
+    SandboxProvider,
+    SandboxSpec,
+    SandboxStatus,
+)
 from ._telemetry import OPERATION_ATTR, PROVIDER_ATTR, Instruments, error_type, report_once
 
-__all__ = ["RETRYABLE_OPERATIONS", "RetryMiddleware", "RetryOn"]
+__all__ = ["DEFAULT_RETRY_ON", "RETRYABLE_OPERATIONS", "RetryMiddleware", "RetryOn"]
 
 T = TypeVar("T")
 
@@ -29,6 +36,8 @@ logger = logging.getLogger("sandbox_middleware.retry")
 
 RetryOn: TypeAlias = type[Exception] | tuple[type[Exception], ...] | Callable[[Exception], bool | float | dt.timedelta]
 RETRYABLE_OPERATIONS = ("create", "exec", "upload", "download", "status", "close")
+DEFAULT_RETRY_ON: tuple[type[Exception], ...] = (*SANDBOX_CREATE_ERRORS, ConnectionError)
+"""Create failures of this package and of NeMo Gym (its providers' ``SandboxCreateError``), and connection errors."""
 
 
 @dataclass(frozen=True)
@@ -41,14 +50,14 @@ class _Instruments:
     def create(cls, meter: Meter) -> _Instruments:
         return cls(
             create_retries=meter.create_counter(
-                "gym.sandbox.create_retry_total", unit="{retry}", description="Retried sandbox create attempts."
+                "gym.sandbox.create_retry_total", unit="1", description="Sandbox-create attempts a provider retried."
             ),
             retries=meter.create_counter(
-                "gym.sandbox.retry_total", unit="{retry}", description="Retried attempts of other sandbox operations."
+                "gym.sandbox.retry_total", unit="1", description="Retried attempts of other sandbox operations."
             ),
             throttled=meter.create_counter(
                 "gym.sandbox.retry_throttled_total",
-                unit="{retry}",
+                unit="1",
                 description="Retries refused by the retry budget; the error propagated at once.",
             ),
         )
@@ -58,7 +67,10 @@ class RetryMiddleware(ProviderMiddleware):
     """Retries the operations named in ``operations`` (default: only ``create``) with stamina.
 
     ``on`` is stamina's: an exception type, a tuple of them, or a predicate that returns whether
-    to retry, or the seconds to wait (e.g. from a Retry-After hint). ``attempts``, ``timeout``
+    to retry, or the seconds to wait (e.g. from a Retry-After hint). The default,
+    ``DEFAULT_RETRY_ON``, covers create failures of this package and of NeMo Gym's providers
+    (``SANDBOX_CREATE_ERRORS``) and ``ConnectionError``. Keyword arguments a provider adds to an
+    operation pass through to every attempt. ``attempts``, ``timeout``
     (total, in seconds) and the ``wait_*`` backoff settings are stamina's too.
 
     ``exec`` is not retried unless named: a command may have run. ``close`` may be named
@@ -82,7 +94,7 @@ class RetryMiddleware(ProviderMiddleware):
         self,
         inner: SandboxProvider,
         *,
-        on: RetryOn = (SandboxCreateError, ConnectionError),
+        on: RetryOn = DEFAULT_RETRY_ON,
         attempts: int | None = 10,
         timeout: float | None = 600.0,
         wait_initial: float = 0.5,
@@ -113,14 +125,14 @@ class RetryMiddleware(ProviderMiddleware):
         self.operations = frozenset(operations)
         self.budget = budget
         self._instruments = Instruments(_Instruments.create, meter_provider)
-        self._matches = _matcher(on)
+        _check_on(on)
 
     def __repr__(self) -> str:
         return f"RetryMiddleware({self.inner!r}, operations={sorted(self.operations)}, attempts={self.attempts})"
 
     def _predicate(self, operation: str) -> Callable[[Exception], bool | float | dt.timedelta]:
         def should_retry(exc: Exception) -> bool | float | dt.timedelta:
-            verdict = self._matches(exc)
+            verdict = _verdict(self.on, exc)
             if verdict is False:
                 return False
             if self.budget is not None and not self.budget.on_failure():
@@ -198,8 +210,8 @@ class RetryMiddleware(ProviderMiddleware):
                 return result
         raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
 
-    async def create(self, spec: SandboxSpec) -> SandboxHandle:
-        return await self._call("create", partial(self.inner.create, spec))
+    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
+        return await self._call("create", partial(self.inner.create, spec, **extensions))
 
     async def exec(
         self,
@@ -210,31 +222,42 @@ class RetryMiddleware(ProviderMiddleware):
         env: dict[str, str] | None = None,
         timeout_s: int | float | None = None,
         user: str | int | None = None,
+        **extensions: Any,
     ) -> SandboxExecResult:
         if "exec" not in self.operations:  # the default: a command may have run, never repeat it
-            return await self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
+            return await self._inner_exec(handle, command, cwd, env, timeout_s, user, extensions)
         return await self._call(
-            "exec", partial(self.inner.exec, handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
+            "exec", partial(self._inner_exec, handle, command, cwd, env, timeout_s, user, extensions)
         )
 
-    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
-        await self._call("upload", partial(self.inner.upload_file, handle, source_path, target_path))
+    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str, **extensions: Any) -> None:
+        await self._call("upload", partial(self.inner.upload_file, handle, source_path, target_path, **extensions))
 
-    async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
-        await self._call("download", partial(self.inner.download_file, handle, source_path, target_path))
+    async def download_file(
+        self, handle: SandboxHandle, source_path: str, target_path: Path, **extensions: Any
+    ) -> None:
+        await self._call("download", partial(self.inner.download_file, handle, source_path, target_path, **extensions))
 
-    async def status(self, handle: SandboxHandle) -> SandboxStatus:
-        return await self._call("status", partial(self.inner.status, handle))
+    async def status(self, handle: SandboxHandle, **extensions: Any) -> SandboxStatus:
+        return await self._call("status", partial(self.inner.status, handle, **extensions))
 
-    async def close(self, handle: SandboxHandle) -> None:
-        await self._call("close", partial(self.inner.close, handle))
+    async def close(self, handle: SandboxHandle, **extensions: Any) -> None:
+        await self._call("close", partial(self.inner.close, handle, **extensions))
 
 
-def _matcher(on: RetryOn) -> Callable[[Exception], bool | float | dt.timedelta]:
-    if isinstance(on, type) and issubclass(on, Exception):
-        return lambda exc: isinstance(exc, on)
-    if isinstance(on, tuple) and all(isinstance(t, type) and issubclass(t, Exception) for t in on):
-        return lambda exc: isinstance(exc, on)
-    if callable(on) and not isinstance(on, type):
-        return on
-    raise TypeError(f"RetryMiddleware: on must be an exception type, a tuple of them, or a predicate; got {on!r}")
+def _is_exception_types(on: object) -> bool:
+    if isinstance(on, type):
+        return issubclass(on, Exception)
+    return isinstance(on, tuple) and all(isinstance(t, type) and issubclass(t, Exception) for t in on)
+
+
+def _check_on(on: RetryOn) -> None:
+    if not _is_exception_types(on) and (isinstance(on, type) or not callable(on)):
+        raise TypeError(f"RetryMiddleware: on must be an exception type, a tuple of them, or a predicate; got {on!r}")
+
+
+def _verdict(on: RetryOn, exc: Exception) -> bool | float | dt.timedelta:
+    """Whether (or after how long) ``on`` retries ``exc``; kept a plain function so layers pickle."""
+    if isinstance(on, (type, tuple)):
+        return isinstance(exc, on)
+    return on(exc)

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 
 from ._protocol import SandboxError, SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 
@@ -32,7 +37,8 @@ async def close_shielded(provider: SandboxProvider, handle: SandboxHandle, timeo
 class Sandbox:
     """One sandbox: ``async with Sandbox(provider, spec) as sb: await sb.exec("pytest")``.
 
-    ``start()`` creates the sandbox and uploads ``spec.files``; if anything after create fails or
+    ``start()`` creates the sandbox, writes ``spec.files`` (sandbox path -> text contents, as in
+    NeMo Gym) and uploads ``local_files`` (sandbox path -> a local file's path); if anything after create fails or
     is cancelled, the sandbox is closed (shielded from cancellation, bounded by
     ``close_timeout_s``) and the original error propagates. ``stop()`` closes it; a close the
     provider rejected leaves the sandbox started, so a later ``stop()`` retries it.
@@ -52,9 +58,11 @@ class Sandbox:
         close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
         shield_create: bool = True,
         create_timeout_s: float | None = None,
+        local_files: Mapping[str, str | Path] | None = None,
     ) -> None:
         self.provider = provider
         self.spec = spec if spec is not None else SandboxSpec()
+        self.local_files = {target: Path(source) for target, source in (local_files or {}).items()}
         self.close_timeout_s = close_timeout_s
         self.shield_create = shield_create
         ready = self.spec.ready_timeout_s
@@ -84,12 +92,26 @@ class Sandbox:
         self._handle = handle
         try:
             await anyio.lowlevel.checkpoint()  # a cancellation that arrived during the shielded create lands here
-            for target, source in self.spec.files.items():
-                await self.provider.upload_file(handle, Path(source), target)
+            if self.spec.files:
+                await self._write_files(handle)
+            for target, source in self.local_files.items():
+                await self.provider.upload_file(handle, source, target)
         except BaseException:
             await self._stop_after_failure()
             raise
         return handle
+
+    async def _write_files(self, handle: SandboxHandle) -> None:
+        """``spec.files``: each text written to a local temporary file, uploaded, then removed."""
+        folder = Path(await anyio.to_thread.run_sync(tempfile.mkdtemp, "", "sandbox-middleware-files-"))
+        try:
+            for index, (target, contents) in enumerate(self.spec.files.items()):
+                source = folder / f"file-{index}"
+                await anyio.to_thread.run_sync(source.write_text, contents, "utf-8")
+                await self.provider.upload_file(handle, source, target)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(shutil.rmtree, folder, True)
 
     async def _stop_after_failure(self) -> None:
         """Stop while another error is propagating: log a failed close, never replace that error."""
@@ -119,8 +141,12 @@ class Sandbox:
         env: dict[str, str] | None = None,
         timeout_s: float | None = None,
         user: str | int | None = None,
+        **extensions: Any,
     ) -> SandboxExecResult:
-        return await self.provider.exec(self.handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
+        """Run ``command``; provider-specific keyword arguments (``stdin=``) go to the provider as they are."""
+        return await self.provider.exec(
+            self.handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user, **extensions
+        )
 
     async def upload(self, source_path: str | Path, target_path: str) -> None:
         await self.provider.upload_file(self.handle, Path(source_path), target_path)

@@ -54,13 +54,20 @@ SANDBOX_ID_ATTR = "nemo.gym.sandbox.id"
 OPERATION_ATTR = "operation"
 ERROR_TYPE_ATTR = "error.type"
 
-# Remote starts take about a minute; the SDK's default buckets end at 10 s.
+# Sandbox durations: NeMo Gym's own boundaries (``gym_metrics.SANDBOX_DURATION_BOUNDARIES_MS``), so
+# one dashboard reads both; a remote start takes about a minute, the SDK's default buckets end at 10 s.
+SANDBOX_DURATION_BOUNDARIES_MS: tuple[float, ...] = (
+    250, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000, 120_000, 300_000, 600_000, 1_800_000,
+)  # fmt: skip
+
+# Finer buckets for the token client's HTTP durations.
 DURATION_BUCKETS_MS: tuple[float, ...] = (
     1, 5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000,
     120_000, 300_000, 600_000, 1_200_000, 1_800_000,
 )  # fmt: skip
 
 B = TypeVar("B")
+P = TypeVar("P")
 
 _reported: set[str] = set()
 _instrument_cache: weakref.WeakKeyDictionary[Meter, dict[Callable[[Meter], Any], Any]] = weakref.WeakKeyDictionary()
@@ -94,6 +101,17 @@ def error_type(exc: BaseException) -> str:
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _portable(provider: P, option: str) -> P:
+    """``provider`` if it may travel to another process (None: the global one there), else a TypeError."""
+    if provider is not None:
+        raise TypeError(
+            f"cannot pickle a layer built with an explicit {option}: OpenTelemetry providers belong to one "
+            f"process. Build the layer without {option} (the receiving process's global provider is used), "
+            "or build the stack in the receiving process from its configuration"
+        )
+    return provider
+
+
 class Instruments(Generic[B]):
     """A middleware's instruments from ``meter_provider`` (default: the global one), or None.
 
@@ -108,6 +126,10 @@ class Instruments(Generic[B]):
         self._provider = meter_provider
         self._scope = scope
         self._bundle: B | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Instruments belong to this process: the receiving one creates its own from the provider.
+        return (type(self), (self._factory, _portable(self._provider, "meter_provider"), self._scope))
 
     def get(self) -> B | None:
         bundle = self._bundle
@@ -142,6 +164,9 @@ class Tracing:
         self._provider = tracer_provider
         self._scope = scope
         self._tracer: Tracer | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (_portable(self._provider, "tracer_provider"), self._scope))
 
     def get(self) -> Tracer | None:
         tracer = self._tracer

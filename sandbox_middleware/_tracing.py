@@ -21,8 +21,9 @@ __all__ = ["TracingMiddleware"]
 T = TypeVar("T")
 
 COMMAND_ATTR = "nemo.gym.sandbox.command"
-EXIT_CODE_ATTR = "process.exit.code"
-EXEC_ERROR_ATTR = "nemo.gym.sandbox.exec.error_type"
+# NeMo Gym's facade sets these two on its gym.sandbox.exec span.
+RETURN_CODE_ATTR = "nemo.gym.sandbox.return_code"
+EXEC_ERROR_ATTR = "nemo.gym.sandbox.error_type"
 
 
 class TracingMiddleware(ProviderMiddleware):
@@ -95,8 +96,10 @@ class TracingMiddleware(ProviderMiddleware):
             except Exception as exc:
                 report_once(f"span {span_name}", exc)
 
-    async def create(self, spec: SandboxSpec) -> SandboxHandle:
-        return await self._traced("gym.sandbox.start", None, partial(self.inner.create, spec), on_result=_set_id)
+    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
+        return await self._traced(
+            "gym.sandbox.start", None, partial(self.inner.create, spec, **extensions), on_result=_set_id
+        )
 
     async def exec(
         self,
@@ -107,33 +110,40 @@ class TracingMiddleware(ProviderMiddleware):
         env: dict[str, str] | None = None,
         timeout_s: int | float | None = None,
         user: str | int | None = None,
+        **extensions: Any,
     ) -> SandboxExecResult:
         if self._tracing.get() is None:  # the hot path without an SDK: no closure, no extra frame
-            return await self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
+            return await self._inner_exec(handle, command, cwd, env, timeout_s, user, extensions)
         attributes = {COMMAND_ATTR: command[: self.command_max_length]} if self.record_command else None
         return await self._traced(
             "gym.sandbox.exec",
             handle,
-            partial(self.inner.exec, handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user),
+            partial(self._inner_exec, handle, command, cwd, env, timeout_s, user, extensions),
             attributes,
             _set_exec_result,
         )
 
-    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
+    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str, **extensions: Any) -> None:
         await self._traced(
-            "gym.sandbox.upload", handle, partial(self.inner.upload_file, handle, source_path, target_path)
+            "gym.sandbox.upload",
+            handle,
+            partial(self.inner.upload_file, handle, source_path, target_path, **extensions),
         )
 
-    async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
+    async def download_file(
+        self, handle: SandboxHandle, source_path: str, target_path: Path, **extensions: Any
+    ) -> None:
         await self._traced(
-            "gym.sandbox.download", handle, partial(self.inner.download_file, handle, source_path, target_path)
+            "gym.sandbox.download",
+            handle,
+            partial(self.inner.download_file, handle, source_path, target_path, **extensions),
         )
 
-    async def status(self, handle: SandboxHandle) -> SandboxStatus:
-        return await self._traced("gym.sandbox.status", handle, partial(self.inner.status, handle))
+    async def status(self, handle: SandboxHandle, **extensions: Any) -> SandboxStatus:
+        return await self._traced("gym.sandbox.status", handle, partial(self.inner.status, handle, **extensions))
 
-    async def close(self, handle: SandboxHandle) -> None:
-        await self._traced("gym.sandbox.stop", handle, partial(self.inner.close, handle))
+    async def close(self, handle: SandboxHandle, **extensions: Any) -> None:
+        await self._traced("gym.sandbox.stop", handle, partial(self.inner.close, handle, **extensions))
 
 
 def _set_id(span: Span, handle: SandboxHandle) -> None:
@@ -141,6 +151,6 @@ def _set_id(span: Span, handle: SandboxHandle) -> None:
 
 
 def _set_exec_result(span: Span, result: SandboxExecResult) -> None:
-    span.set_attribute(EXIT_CODE_ATTR, result.return_code)
+    span.set_attribute(RETURN_CODE_ATTR, result.return_code)
     if result.error_type is not None:
         span.set_attribute(EXEC_ERROR_ATTR, result.error_type)

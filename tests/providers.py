@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +24,11 @@ class PlainProvider:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
         self.alive: set[str] = set()
-        self._ids = itertools.count()
+        self._ids = 0  # an int, not itertools.count: providers pickle (3.14 drops itertools pickling)
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
-        sandbox_id = f"plain-{next(self._ids)}"
+        sandbox_id = f"plain-{self._ids}"
+        self._ids += 1
         self.calls.append(("create", sandbox_id))
         self.alive.add(sandbox_id)
         return SandboxHandle(sandbox_id, self.name, None)
@@ -84,3 +85,59 @@ class PtyProvider(PlainProvider):
     async def create_pty(self, handle: SandboxHandle, spec: Any) -> Any:
         self.calls.append(("create_pty", handle.sandbox_id))
         return ("pty", handle.sandbox_id, spec)
+
+
+def scripted_provider(*capabilities: type) -> PlainProvider:
+    """A ``PlainProvider`` that also implements ``capabilities`` (protocol classes), written from
+    their members: each method records ``(name, sandbox id or "")`` and returns ``(name, args, kwargs)``."""
+
+    def scripted(name: str, is_async: bool) -> Callable[..., Any]:
+        def record(self: PlainProvider, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            self.calls.append((name, args[0].sandbox_id if args and isinstance(args[0], SandboxHandle) else ""))
+            return (name, args, kwargs)
+
+        if is_async:
+
+            async def method(self: PlainProvider, *args: Any, **kwargs: Any) -> Any:
+                return record(self, args, kwargs)
+
+        else:
+
+            def method(self: PlainProvider, *args: Any, **kwargs: Any) -> Any:
+                return record(self, args, kwargs)
+
+        return method
+
+    namespace = {
+        name: scripted(name, inspect.iscoroutinefunction(declared))
+        for protocol in capabilities
+        for name, declared in vars(protocol).items()
+        if inspect.isfunction(declared) and not name.startswith("_")
+    }
+    names = "+".join(protocol.__name__ for protocol in capabilities)
+    return type(f"Scripted[{names}]", (PlainProvider,), namespace)()
+
+
+def recommended_stack(inner: Any, telemetry: Any = None, **retry: Any) -> Any:
+    """The README's recommended stack (Tracing, Metrics, ReleaseAccounting, Retry) over ``inner``, recording
+    into ``telemetry`` (a ``TelemetryCapture``) when given; ``retry`` are RetryMiddleware options."""
+    from sandbox_middleware import (
+        MetricsMiddleware,
+        Middleware,
+        ReleaseAccountingMiddleware,
+        RetryMiddleware,
+        TracingMiddleware,
+        stack,
+    )
+
+    meters = {} if telemetry is None else {"meter_provider": telemetry.meter_provider}
+    tracers = {} if telemetry is None else {"tracer_provider": telemetry.tracer_provider}
+    return stack(
+        inner,
+        [
+            Middleware(TracingMiddleware, **tracers),
+            Middleware(MetricsMiddleware, **meters),
+            Middleware(ReleaseAccountingMiddleware, **meters),
+            Middleware(RetryMiddleware, **retry, **meters),
+        ],
+    )

@@ -114,7 +114,7 @@ async def test_chaos(telemetry: TelemetryCapture, pytestconfig: pytest.Config, t
 
     async def session(number: int) -> None:
         async with limiter:
-            sandbox = Sandbox(provider, SandboxSpec(files={"in.txt": str(source)}), close_timeout_s=10)
+            sandbox = Sandbox(provider, SandboxSpec(), local_files={"in.txt": source}, close_timeout_s=10)
             sandboxes.append(sandbox)
             deadline = deadlines[number]
             scope: AbstractContextManager[Any] = anyio.move_on_after(deadline) if deadline else nullcontext()

@@ -33,6 +33,7 @@ from sandbox_middleware import (
     SandboxSpec,
     SandboxStatus,
     SandboxTransferLimitError,
+    SandboxValueError,
 )
 
 pytestmark = pytest.mark.anyio
@@ -381,12 +382,13 @@ async def test_disk_bound(
     make: Callable[..., LocalProvider], isolation: str, tmp_path: Path, sandbox_base: Path
 ) -> None:
     """Writes beyond disk_gib fail inside the sandbox, in its directory and in its /tmp alike."""
-    local = make(isolation=isolation, base_dir=sandbox_base)
-    handle = await local.create(SandboxSpec(resources={"disk_gib": 16 / 1024}))
+    local = make(isolation=isolation, base_dir=sandbox_base, disk_gib=16 / 1024)  # spec.resources takes whole GiB
+    handle = await local.create(SandboxSpec())
+    shm = "; head -c 32M /dev/zero > /dev/shm/big" if isolation == "bwrap" else ""  # without isolation: the host's
     result = await local.exec(
-        handle, 'head -c 32M /dev/zero > big; echo "rc=$?"; head -c 32M /dev/zero > "${TMPDIR:-/tmp}/big"'
+        handle, f'head -c 32M /dev/zero > big; head -c 32M /dev/zero > "${{TMPDIR:-/tmp}}/big"{shm}'
     )
-    assert "No space left on device" in result.stderr
+    assert result.stderr.count("No space left on device") == (3 if shm else 2)  # its files, /tmp, /dev/shm
     assert result.return_code != 0
     assert (Path(handle.raw["root"]) / "big").stat().st_size <= 16 << 20
     await local.aclose()
@@ -569,34 +571,44 @@ async def test_bad_arguments_are_typed_errors(
 @pytest.mark.parametrize(
     ("spec", "argument"),
     [
-        (SandboxSpec(env={"A": "x\0"}), "spec.env"),
-        (SandboxSpec(ttl_s=math.nan), "spec.ttl_s"),
-        (SandboxSpec(ttl_s=-1), "spec.ttl_s"),
-        (SandboxSpec(workdir="w\0"), "spec.workdir"),
-        (SandboxSpec(workdir="w" * 300), "spec.workdir"),
-        (SandboxSpec(resources={"memory_mib": -64}), "resources.memory_mib"),
-        (SandboxSpec(resources={"disk_gib": math.inf}), "resources.disk_gib"),
-        (SandboxSpec(resources={"cpu": "two"}), "resources.cpu"),
+        (lambda: SandboxSpec(env={"A": "x\0"}), "spec.env"),
+        (lambda: SandboxSpec(ttl_s=math.nan), "spec.ttl_s"),
+        (lambda: SandboxSpec(ttl_s=-1), "spec.ttl_s"),
+        (lambda: SandboxSpec(ttl_s=1e10), "spec.ttl_s"),
+        (lambda: SandboxSpec(workdir="w\0"), "spec.workdir"),
+        (lambda: SandboxSpec(workdir="w" * 300), "spec.workdir"),
+        (lambda: SandboxSpec(workdir="/"), "spec.workdir"),
+        (lambda: SandboxSpec(workdir="/proc/x"), "spec.workdir"),
+        (lambda: SandboxSpec(entrypoint=["server"]), "entrypoint"),
+        (lambda: SandboxSpec(resources={"memory_mib": -64}), "resources.memory_mib"),
+        (lambda: SandboxSpec(resources={"memory_mib": 10**30}), "resources.memory_mib"),
+        (lambda: SandboxSpec(resources={"disk_gib": math.inf}), "disk_gib"),
+        (lambda: SandboxSpec(resources={"cpu": "two"}), "cpu"),
     ],
 )
 async def test_bad_specs_are_typed_errors_and_leave_nothing(
-    provider: LocalProvider, tmp_path: Path, spec: SandboxSpec, argument: str, sandbox_base: Path
+    provider: LocalProvider, spec: Callable[[], SandboxSpec], argument: str, sandbox_base: Path
 ) -> None:
-    """A bad spec is refused before anything is made: no directory, no cgroup."""
-    with pytest.raises(SandboxArgumentError, match=argument):
-        await provider.create(spec)
+    """A bad spec is refused (by the spec itself, or at create) before anything is made: no directory, no cgroup."""
+    with pytest.raises(SandboxValueError, match=argument):
+        await provider.create(spec())
     assert not sandbox_base.exists() or list(sandbox_base.iterdir()) == []
 
 
 @as_root
 async def test_failed_create_leaves_nothing_behind(
-    provider: LocalProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sandbox_base: Path
+    make: Callable[..., LocalProvider],
+    provider: LocalProvider,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sandbox_base: Path,
 ) -> None:
     """A create that fails half-way (its disk too small for its own files) removes what it made."""
     known = uuid.UUID(int=0xDEAD)
     monkeypatch.setattr("sandbox_middleware._local.uuid.uuid4", lambda: known)
+    tiny = make(isolation=provider.isolation, base_dir=sandbox_base, disk_gib=1e-9)
     with pytest.raises(SandboxError, match="cannot create a sandbox"):
-        await provider.create(SandboxSpec(resources={"disk_gib": 1e-9}))
+        await tiny.create(SandboxSpec())
     assert list(sandbox_base.iterdir()) == []
     leftovers = list(Path("/sys/fs/cgroup").glob(f"**/sandbox-middleware/local-{known.hex[:12]}"))
     assert leftovers == []

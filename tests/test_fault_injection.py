@@ -106,9 +106,9 @@ async def test_lost_response_and_close_failures() -> None:
     assert not flaky.alive and [type(e).__name__ for e in flaky.injected] == ["InjectedFault"] * 2
 
 
-async def test_wrapping_a_real_provider(tmp_path: Path) -> None:
+async def test_wrapping_a_real_provider(tmp_path: Path, sandbox_base: Path) -> None:
     """In front of a real provider the effects are real and the faults still injected."""
-    local = LocalProvider(base_dir=tmp_path)
+    local = LocalProvider(base_dir=sandbox_base)
     faulty = FaultInjectingProvider(local, failure_rates={"exec": 1.0})
     assert faulty.name == "local"
     handle = await faulty.create(SandboxSpec())

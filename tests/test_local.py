@@ -211,3 +211,17 @@ async def test_list_finds_sandboxes_of_other_instances_by_metadata(tmp_path: Pat
     assert [listing.handle.sandbox_id for listing in await maker.list()] == [run_b.sandbox_id]
     await maker.aclose()
     await finder.aclose()
+
+
+async def test_pickles_as_its_options(sandbox_base: Path) -> None:
+    """A pickled provider comes back with the same options and no sandboxes; with a shared key it connects."""
+    import pickle
+
+    local = LocalProvider(isolation="bwrap", base_dir=sandbox_base, memory_mib=512, connect_key=b"k" * 32)
+    handle = await local.create(SandboxSpec())
+    copy = pickle.loads(pickle.dumps(local))
+    assert copy.isolation == "bwrap" and copy.mechanisms == local.mechanisms
+    assert copy._defaults == local._defaults and copy._boxes == {}
+    again = await copy.connect(await local.serialize_handle(handle))
+    assert (await copy.exec(again, "echo ok")).stdout == "ok\n"
+    await local.aclose()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -11,6 +13,7 @@ from sandbox_middleware import (
     LocalProvider,
     ProviderMiddleware,
     Sandbox,
+    SandboxError,
     SandboxHandle,
     SandboxNotStartedError,
     SandboxSpec,
@@ -37,12 +40,17 @@ class CloseFailsOnce(ProviderMiddleware):
         await super().close(handle)
 
 
-async def test_lifecycle_with_local_provider(tmp_path: Path) -> None:
-    """Files from the spec are uploaded at start; exit stops the sandbox."""
+async def test_lifecycle_with_local_provider(tmp_path: Path, sandbox_base: Path) -> None:
+    """The spec's files (path -> contents) and the local files (path -> local path) are in place at
+    start, and the temporary copies of the contents are gone; exit stops the sandbox."""
     source = tmp_path / "task.txt"
     source.write_text("task")
-    local = LocalProvider(base_dir=tmp_path / "boxes")
-    async with Sandbox(local, SandboxSpec(files={"in/task.txt": str(source)})) as sb:
+    local = LocalProvider(base_dir=sandbox_base)
+    spec = SandboxSpec(files={"in/spec.txt": "from the spec\n"})
+    temporary = set(Path(tempfile.gettempdir()).glob("sandbox-middleware-files-*"))
+    async with Sandbox(local, spec, local_files={"in/task.txt": source}) as sb:
+        assert (await sb.exec("cat in/spec.txt")).stdout == "from the spec\n"
+        assert set(Path(tempfile.gettempdir()).glob("sandbox-middleware-files-*")) == temporary
         assert (await sb.exec("cat in/task.txt")).stdout == "task"
         await sb.upload(source, "again.txt")
         await sb.exec("cat again.txt in/task.txt > both.txt")
@@ -58,7 +66,7 @@ async def test_failed_upload_closes_and_propagates() -> None:
     """A failing initial upload closes the sandbox and the upload's error propagates."""
     plain = PlainProvider()
     with pytest.raises(OSError, match="disk full"):
-        async with Sandbox(UploadFails(plain), SandboxSpec(files={"a": "/nonexistent"})):
+        async with Sandbox(UploadFails(plain), SandboxSpec(files={"a": "contents"})):
             pytest.fail("body must not run")
     assert plain.alive == set()
     assert [op for op, _ in plain.calls] == ["create", "close"]
@@ -73,7 +81,7 @@ async def test_cancellation_right_after_create_closes() -> None:
             await anyio.sleep_forever()
 
     with anyio.move_on_after(0.1) as scope:
-        async with Sandbox(SlowUpload(plain), SandboxSpec(files={"a": "/x"})):
+        async with Sandbox(SlowUpload(plain), SandboxSpec(files={"a": "x"})):
             pytest.fail("body must not run")
     assert scope.cancelled_caught
     assert plain.alive == set()
@@ -121,3 +129,24 @@ async def test_operations_need_a_started_sandbox() -> None:
     """Using a sandbox before start raises a typed error saying what to do."""
     with pytest.raises(SandboxNotStartedError, match="call start"):
         await Sandbox(PlainProvider()).exec("true")
+
+
+async def test_exec_passes_provider_keywords_and_a_bad_local_file_closes(tmp_path: Path, sandbox_base: Path) -> None:
+    """The facade's exec hands provider-specific keywords on; a local file that cannot be read fails
+    start with the provider's error naming it, and the sandbox is closed."""
+    seen: list[object] = []
+
+    class Stdin(ProviderMiddleware):
+        async def exec(self, handle: SandboxHandle, command: str, *, stdin: bytes | None = None, **kw: Any) -> Any:
+            seen.append(stdin)
+            return await super().exec(handle, command, **kw)
+
+    plain = PlainProvider()
+    async with Sandbox(Stdin(plain)) as sandbox:
+        await sandbox.exec("cat", stdin=b"input")
+    assert seen == [b"input"]
+
+    local = LocalProvider(base_dir=sandbox_base)
+    with pytest.raises(SandboxError, match=r"missing\.txt"):
+        await Sandbox(local, local_files={"in.txt": tmp_path / "missing.txt"}).start()
+    assert list(sandbox_base.iterdir()) == []

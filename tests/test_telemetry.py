@@ -276,7 +276,7 @@ async def test_spans_carry_provider_id_and_names(telemetry: TelemetryCapture, tm
         assert span.attributes["nemo.gym.sandbox.provider"] == "faulty"
         assert span.attributes["nemo.gym.sandbox.id"] == handle.sandbox_id
         assert "secret-token" not in str(span.attributes) and "hunter2" not in str(span.attributes)
-    assert spans[1].attributes is not None and spans[1].attributes["process.exit.code"] == 0
+    assert spans[1].attributes is not None and spans[1].attributes["nemo.gym.sandbox.return_code"] == 0
 
 
 async def test_record_command_truncates(telemetry: TelemetryCapture) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -87,7 +86,7 @@ class FaultInjectingProvider:
         self.injected: list[InjectedFault] = []
         self.calls: dict[str, int] = dict.fromkeys(OPERATIONS, 0)
         self._close_attempts: dict[str, int] = {}
-        self._ids = itertools.count()
+        self._ids = 0  # an int, not itertools.count: providers pickle (3.14 drops itertools pickling)
 
     def __repr__(self) -> str:
         return f"FaultInjectingProvider(name={self.name!r}, alive={len(self.alive)})"
@@ -124,7 +123,8 @@ class FaultInjectingProvider:
         if self.inner is not None:
             handle = await self.inner.create(spec)
         else:
-            handle = SandboxHandle(f"{self.name}-{next(self._ids)}", self.name, None)
+            handle = SandboxHandle(f"{self.name}-{self._ids}", self.name, None)
+            self._ids += 1
         sandbox_id = handle.sandbox_id
         self.alive.add(sandbox_id)
         self.orphaned.add(sandbox_id)  # until the handle is handed back
