@@ -6,10 +6,13 @@ reached is reported once, in one line, instead of the exporters' own per-attempt
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +25,9 @@ __all__ = ["EXPORTS", "SHUTDOWN_TIMEOUT_S", "Telemetry", "UsageError", "start_te
 
 EXPORTS = ("none", "console", "otlp", "prometheus")
 SHUTDOWN_TIMEOUT_S = 5.0
-"""How long the exporters get to deliver what is left (each OTLP export is bounded by it too)."""
+"""How long the exporters get to deliver what is left when the run ends."""
+OTLP_EXPORT_TIMEOUT_S = 4.0
+"""Each OTLP export, retries included (unless OTEL_EXPORTER_OTLP_TIMEOUT says otherwise)."""
 _OTLP_LOGGERS = ("opentelemetry.exporter.otlp",)
 
 
@@ -56,12 +61,18 @@ class Telemetry:
     destination: str = ""
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> list[str]:
-        """Flush and stop everything within ``timeout_s``; return what the operator should be told."""
+        """Flush and stop everything at once, within ``timeout_s``; return what the operator should be told."""
+        deadline = time.monotonic() + timeout_s
+        workers = [
+            threading.Thread(target=_quietly, args=(stop,), name="telemetry-shutdown", daemon=True)
+            for stop in (self.meter_provider.shutdown, self.tracer_provider.shutdown, *self.closers)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
         notes = []
-        worker = threading.Thread(target=self._shutdown, name="telemetry-shutdown", daemon=True)
-        worker.start()
-        worker.join(timeout_s)
-        if worker.is_alive():
+        if any(worker.is_alive() for worker in workers):
             notes.append(f"telemetry: exporters did not finish within {timeout_s:g} s; the rest was dropped")
         if self.failed_exports is not None and self.failed_exports.count:
             notes.append(
@@ -70,12 +81,12 @@ class Telemetry:
             )
         return notes
 
-    def _shutdown(self) -> None:
-        for stop in (self.meter_provider.shutdown, self.tracer_provider.shutdown, *self.closers):
-            try:
-                stop()
-            except Exception as exc:  # one exporter's failure must not keep the others from stopping
-                print(f"telemetry: shutting down failed: {exc!r}", file=sys.stderr)
+
+def _quietly(stop: Callable[[], object]) -> None:
+    try:
+        stop()
+    except Exception as exc:  # one exporter's failure must not keep the others from stopping
+        print(f"telemetry: shutting down failed: {exc!r}", file=sys.stderr)
 
 
 def start_telemetry(export: str, prometheus_host: str, prometheus_port: int) -> Telemetry:
@@ -115,7 +126,7 @@ def _otlp(readers: list[Any], tracer_provider: TracerProvider) -> dict[str, Any]
 
     for name in _OTLP_LOGGERS:  # their per-attempt warnings become the one line shutdown() returns
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    timeout = None if "OTEL_EXPORTER_OTLP_TIMEOUT" in os.environ else SHUTDOWN_TIMEOUT_S
+    timeout = None if "OTEL_EXPORTER_OTLP_TIMEOUT" in os.environ else OTLP_EXPORT_TIMEOUT_S
     readers.append(PeriodicExportingMetricReader(CountingMetricExporter(timeout=timeout)))
     tracer_provider.add_span_processor(BatchSpanProcessor(CountingSpanExporter(timeout=timeout)))
     destination = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318")
@@ -131,10 +142,14 @@ def _prometheus(readers: list[Any], host: str, port: int) -> dict[str, Any]:
     try:
         server, _ = start_http_server(port, addr=host)
     except OSError as exc:
-        reason = exc.strerror or str(exc)
+        argument = (
+            "--prometheus-host"
+            if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL
+            else ("--prometheus-port")
+        )
         raise UsageError(
-            f"argument --prometheus-port/--prometheus-host: cannot serve /metrics on {host}:{port}: {reason}; "
-            "choose a free port or another address"
+            f"argument {argument}: cannot serve /metrics on {host}:{port}: {exc.strerror or exc}; "
+            f"choose another {argument.removeprefix('--prometheus-')}"
         ) from exc
     readers.append(PrometheusMetricReader())
     print(f"serving /metrics on http://{host}:{port}/metrics", file=sys.stderr)
