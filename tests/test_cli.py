@@ -217,11 +217,20 @@ def test_prometheus_exporter_serves_while_running() -> None:
         )
         assert re.search(r"^gym_sandbox_startup_duration_ms\S*_bucket\{.*le=\"1800000\"", body, re.MULTILINE), body
         assert re.search(r"^gym_sandbox_exec_duration_ms\S*_count", body, re.MULTILINE), body
-    finally:
+        assert process.stdout is not None
+        table = ""
+        for line in process.stdout:  # until the table's last line: the run is over, it lingers now
+            table += line
+            if line.startswith("failures"):
+                break
         process.terminate()  # ends the linger; the run's verdict stands
         out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
     assert process.returncode == 0, out + err
-    assert row(out, "sessions ok / failed") == "20 / 0" and "Traceback" not in err
+    assert row(table, "sessions ok / failed") == "20 / 0" and "Traceback" not in err
 
 
 BLOCK_OTLP = """
