@@ -1,9 +1,7 @@
-"""sandbox-middleware: run a rollout-shaped workload through a configured stack, or check a config.
-
-Exit codes: 0 every session succeeded and nothing is held; 1 a sandbox leaked (still held at the
-end); 2 a usage or config error; 3 some sessions failed, nothing leaked; 130 / 143 interrupted by
-SIGINT / SIGTERM (every sandbox closed), unless something leaked.
-"""
+"""Run a rollout-shaped workload through a sandbox provider stack and print its telemetry, or check a
+stack config. Exit codes: 0 all sessions ok and nothing held; 1 a sandbox leaked; 2 usage or config
+error; 3 some sessions failed, nothing leaked; 130 / 143 interrupted by SIGINT / SIGTERM (every
+sandbox closed; 1 instead if one could not be)."""
 
 from __future__ import annotations
 
@@ -61,10 +59,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
         },
     ],
 }
-_DESCRIPTION = """\
-Run a rollout-shaped workload through a sandbox provider stack and print its telemetry, or check a
-stack config. Exit codes: 0 all sessions ok and nothing held; 1 a sandbox leaked; 2 usage or config
-error; 3 some sessions failed, nothing leaked; 130 / 143 interrupted by SIGINT / SIGTERM."""
 
 
 class _Interrupted(BaseException):
@@ -119,11 +113,11 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sandbox-middleware", description=_DESCRIPTION)
+    parser = _Parser(prog="sandbox-middleware", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check}")
     run = sub.add_parser("run", help="run a rollout-shaped workload through a stack and print its telemetry",
-                         description=_DESCRIPTION)  # fmt: skip
+                         description=__doc__)  # fmt: skip
     run.add_argument("config", nargs="?", help="YAML stack config (default: local provider, full recommended stack)")
     run.add_argument("--sessions", type=_integer(1), default=50, help="sessions to run (default 50)")
     run.add_argument("--concurrency", type=_integer(1), default=8, help="sessions at once (default 8)")

@@ -138,7 +138,11 @@ class ResolvedStack:
 
 
 def build_provider(
-    config: Mapping[str, Any], *, meter_provider: Any = None, tracer_provider: Any = None, source: str | None = None
+    config: Mapping[str, Any],
+    *,
+    meter_provider: Any = None,
+    tracer_provider: Any = None,
+    source: str | Path | None = None,
 ) -> SandboxProvider:
     """Validate ``config`` and build its stack (first middleware entry outermost)."""
     return resolve_config(config, source=source).build(meter_provider=meter_provider, tracer_provider=tracer_provider)
