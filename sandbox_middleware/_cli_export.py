@@ -153,7 +153,12 @@ def _prometheus(readers: list[Any], host: str, port: int) -> dict[str, Any]:
         ) from exc
     readers.append(PrometheusMetricReader())
     print(f"serving /metrics on http://{host}:{port}/metrics", file=sys.stderr)
-    return {"closers": [server.shutdown, server.server_close]}
+
+    def stop_serving() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return {"closers": [stop_serving]}
 
 
 def _missing_extra(name: str, exc: ImportError) -> str:
