@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, InMemoryMetricReader, PeriodicExportingMetricReader
@@ -129,8 +130,16 @@ def _otlp(readers: list[Any], tracer_provider: TracerProvider) -> dict[str, Any]
     timeout = None if "OTEL_EXPORTER_OTLP_TIMEOUT" in os.environ else OTLP_EXPORT_TIMEOUT_S
     readers.append(PeriodicExportingMetricReader(CountingMetricExporter(timeout=timeout)))
     tracer_provider.add_span_processor(BatchSpanProcessor(CountingSpanExporter(timeout=timeout)))
-    destination = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318")
-    return {"failed_exports": failed, "destination": destination}
+    return {"failed_exports": failed, "destination": _without_credentials(os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318"))}  # fmt: skip
+
+
+def _without_credentials(url: str) -> str:
+    """``url`` as it may be printed: a user or password in it becomes ``***``."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
 def _prometheus(readers: list[Any], host: str, port: int) -> dict[str, Any]:

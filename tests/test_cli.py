@@ -256,16 +256,17 @@ def test_missing_exporter_names_the_extra() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("opentelemetry.exporter.otlp") is None, reason="needs the otlp extra")
 def test_unreachable_collector_is_reported_once() -> None:
-    """--export otlp with nothing listening: the exporters' retry chatter is replaced by one line naming it."""
-    endpoint = f"http://127.0.0.1:{free_port()}"
-    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+    """--export otlp with nothing listening: the exporters' retry chatter becomes one line naming it (no password)."""
+    port = free_port()
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://user:hunter2@127.0.0.1:{port}"}
+    endpoint = f"http://***@127.0.0.1:{port}"  # the password is never printed
     env.pop("OTEL_EXPORTER_OTLP_TIMEOUT", None)
     done = run("run", "--sessions", "3", "--commands", "1", "--export", "otlp", env=env)
     assert done.returncode == 0, done.stderr
     assert row(done.stdout, "sessions ok / failed") == "3 / 0"
     lines = [line for line in done.stderr.splitlines() if "telemetry:" in line]
     assert len(lines) == 1 and f"the collector at {endpoint} was unreachable" in lines[0], done.stderr
-    assert "Transient error" not in done.stderr and "Traceback" not in done.stderr
+    assert "Transient error" not in done.stderr and "Traceback" not in done.stderr and "hunter2" not in done.stderr
 
 
 def test_check_prints_the_stack_and_rejects_bad_configs(tmp_path: Path) -> None:
