@@ -130,8 +130,8 @@ def _otlp(readers: list[Any], tracer_provider: TracerProvider) -> dict[str, Any]
     timeout = None if "OTEL_EXPORTER_OTLP_TIMEOUT" in os.environ else OTLP_EXPORT_TIMEOUT_S
     readers.append(PeriodicExportingMetricReader(CountingMetricExporter(timeout=timeout)))
     tracer_provider.add_span_processor(BatchSpanProcessor(CountingSpanExporter(timeout=timeout)))
-    return {"failed_exports": failed, "destination": _without_credentials(os.environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318"))}  # fmt: skip
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318")
+    return {"failed_exports": failed, "destination": _without_credentials(endpoint)}
 
 
 def _without_credentials(url: str) -> str:
