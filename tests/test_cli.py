@@ -155,8 +155,8 @@ BAD_ARGUMENTS = [
     (["--prometheus-port", "99999"], "argument --prometheus-port: must be from 1 to 65535, not 99999"),
     (["--export", "carrier-pigeon"], "argument --export: invalid choice: 'carrier-pigeon'"),
     (["--faults", "create=2"], "argument --faults: bad fault 'create=2'"),
-    (["--export", "prometheus", "--prometheus-host", "no-such-host.invalid"],
-     "argument --prometheus-host: cannot serve /metrics on no-such-host.invalid:9464"),
+    (["--export", "prometheus", "--prometheus-host", "192.0.2.1"],  # TEST-NET-1: never this machine's address
+     "argument --prometheus-host: cannot serve /metrics on 192.0.2.1:9464"),
 ]  # fmt: skip
 
 
