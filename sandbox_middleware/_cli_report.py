@@ -112,10 +112,11 @@ def _percentiles(reader: Any, name: str) -> str:
     return f"{quantile(0.5):.1f} / {quantile(0.95):.1f} / {high:.1f}  ({count} samples)"
 
 
-def _by(reader: Any, name: str, attribute: str) -> dict[str, float]:
-    totals: dict[str, float] = {}
+def _by(reader: Any, name: str, *attributes: str) -> dict[tuple[str, ...], float]:
+    """The counter ``name`` summed per value of ``attributes``."""
+    totals: dict[tuple[str, ...], float] = {}
     for point in _points(reader, name):
-        key = str(point.attributes.get(attribute))
+        key = tuple(str(point.attributes.get(attribute)) for attribute in attributes)
         totals[key] = totals.get(key, 0) + point.value
     return totals
 
@@ -125,12 +126,9 @@ def table(title: str, run: RunState, reader: Any, accounting: ReleaseAccountingM
     """The operator's summary of the run, computed from the metrics the stack recorded."""
     final_active = _sum(reader, "gym.sandbox.active")
     peak = str(accounting.peak_held) if accounting is not None else "n/a (no release_accounting)"
-    failures: dict[tuple[str, str], float] = {}
-    for point in _points(reader, "gym.sandbox.failure_total"):
-        key = (str(point.attributes.get("operation")), str(point.attributes.get("error.type")))
-        failures[key] = failures.get(key, 0) + point.value
+    failures = _by(reader, "gym.sandbox.failure_total", "operation", "error.type")
     retries = _by(reader, "gym.sandbox.retry_total", "operation")
-    close_retries = retries.pop("close", 0)
+    close_retries = retries.pop(("close",), 0)
     rows = [
         ("sessions ok / failed", f"{run.ok} / {run.failed}"),
         ("sandboxes started", str(run.started)),
