@@ -83,7 +83,7 @@ async def workload(
                     with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
                         await _cleanup(run)
             finally:
-                with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
                     await provider.aclose()
                 watchers.cancel_scope.cancel()
 
