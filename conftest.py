@@ -1,6 +1,19 @@
-"""Shared pytest setup: every ``anyio``-marked test runs on asyncio and on trio."""
+"""Shared pytest setup: every ``anyio``-marked test runs on asyncio and on trio; a run leaves no sandboxes behind.
+
+The run gets a temporary directory of its own (``TMPDIR`` for this process and every subprocess it
+starts). When the run ends, any sandbox directory (``local-*``) or workload directory
+(``sandbox-middleware-*``) left in it fails the run; then the directory is removed.
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
+
+LEFT_BEHIND = ("local-", "sandbox-middleware-")
+_run_tmp: Path | None = None
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -16,3 +29,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--chaos-sessions", type=int, default=2000, help="sessions in the chaos test (default 2000)")
     group.addoption("--chaos-concurrency", type=int, default=200, help="sessions at once (default 200)")
     group.addoption("--chaos-seed", type=int, default=None, help="seed to reproduce a chaos run (printed by each run)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _run_tmp
+    _run_tmp = Path(tempfile.mkdtemp(prefix="pytest-run-"))
+    _run_tmp.chmod(0o711)  # bwrap sandboxes run as an unprivileged uid that must reach their base_dir here
+    os.environ["TMPDIR"] = str(_run_tmp)
+    tempfile.tempdir = str(_run_tmp)
+
+
+def left_behind(directory: Path) -> list[str]:
+    return sorted(entry.name for entry in directory.iterdir() if entry.name.startswith(LEFT_BEHIND))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _run_tmp is None:
+        return
+    leaked = left_behind(_run_tmp)
+    shutil.rmtree(_run_tmp, ignore_errors=True)
+    if leaked:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"the test run left {len(leaked)} sandbox or workload directories in its temp dir: {leaked}"
+        if reporter is not None:
+            reporter.write_line(f"ERROR: {message}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,7 +1,8 @@
 """Stacks from configuration: ``load_config``, ``resolve_config`` and ``build_provider``.
 
-Everything is validated before anything is constructed: unknown keys, wrong types and unknown
-exception names raise ``ConfigError`` naming the entry, the key and what is allowed.
+Everything is validated before anything is constructed: unknown keys, wrong types, numbers out of
+range (NaN and infinities included) and unknown exception names raise one ``ConfigError`` listing
+every problem, each naming the file, the entry, the option and what is allowed.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import builtins
 import collections.abc
 import importlib
 import inspect
+import math
 import re
 import types
 import typing
@@ -21,10 +23,12 @@ from typing import Any
 import yaml
 
 from ._budget import RetryBudget
-from ._core import ProviderMiddleware
+from ._core import Middleware, ProviderMiddleware, stack
 from ._protocol import SandboxError, SandboxProvider
 from ._registry import middleware_registry, provider_registry
-from ._retry import RetryOn
+from ._release_accounting import ReleaseAccountingMiddleware
+from ._retry import RetryMiddleware, RetryOn
+from ._tracing import TracingMiddleware
 
 __all__ = ["ConfigError", "ResolvedLayer", "ResolvedStack", "build_provider", "load_config", "resolve_config"]
 
@@ -32,7 +36,14 @@ _INJECTED = ("meter_provider", "tracer_provider")
 
 
 class ConfigError(SandboxError):
-    """A configuration that cannot be built; the message names the entry, the key and what is allowed."""
+    """A configuration that cannot be built; the message names the entry, the key and what is allowed.
+
+    ``problems`` lists every problem found, one line each (the message is those lines).
+    """
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
 
 
 ConfigError.__module__ = "sandbox_middleware"
@@ -58,14 +69,25 @@ def load_config(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     try:
-        data = yaml.load(path.read_text(), Loader=_Loader)
-    except OSError as exc:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    try:
+        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with 'provider' and 'middleware', got {type(data).__name__}")
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """The parser's complaint with the line and column in the file (PyYAML names the string it parsed)."""
+    mark = getattr(exc, "problem_mark", None)
+    what = " ".join(str(part) for part in (getattr(exc, "context", None), getattr(exc, "problem", None)) if part)
+    if mark is None or not what:
+        return str(exc).replace("<unicode string>", "the file")
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
 
 
 @dataclass(frozen=True)
@@ -102,57 +124,98 @@ class ResolvedStack:
         tracer_provider: Any = None,
         wrap_provider: typing.Callable[[SandboxProvider], SandboxProvider] | None = None,
     ) -> SandboxProvider:
-        """Construct the stack; telemetry providers are passed to the layers that accept them."""  # fmt: skip
+        """Construct the stack with ``stack()``; telemetry providers reach the layers that accept them."""
         provider: SandboxProvider = self.provider.cls(**self.provider.options)
         if wrap_provider is not None:
             provider = wrap_provider(provider)
         injected = {"meter_provider": meter_provider, "tracer_provider": tracer_provider}
-        for layer in reversed(self.middleware):
+        middleware = []
+        for layer in self.middleware:
             accepted = inspect.signature(layer.cls).parameters
             extra = {key: value for key, value in injected.items() if value is not None and key in accepted}
-            provider = layer.cls(provider, **layer.options, **extra)
-        return provider
+            middleware.append(Middleware(layer.cls, **layer.options, **extra))
+        return stack(provider, middleware)
 
 
 def build_provider(
-    config: Mapping[str, Any], *, meter_provider: Any = None, tracer_provider: Any = None
+    config: Mapping[str, Any],
+    *,
+    meter_provider: Any = None,
+    tracer_provider: Any = None,
+    source: str | Path | None = None,
 ) -> SandboxProvider:
     """Validate ``config`` and build its stack (first middleware entry outermost)."""
-    return resolve_config(config).build(meter_provider=meter_provider, tracer_provider=tracer_provider)
+    return resolve_config(config, source=source).build(meter_provider=meter_provider, tracer_provider=tracer_provider)
 
 
-def resolve_config(config: Mapping[str, Any]) -> ResolvedStack:
-    """Validate ``config`` completely, constructing nothing."""
+class _Problems:
+    """Every problem found in one config, each line prefixed with where the config came from."""
+
+    def __init__(self, source: str | None) -> None:
+        self.prefix = f"{source}: " if source else ""
+        self.lines: list[str] = []
+
+    def add(self, problem: str) -> None:
+        self.lines.append(self.prefix + problem)
+
+    def extend(self, error: ConfigError) -> None:
+        for problem in error.problems:
+            self.add(problem)
+
+    def raise_any(self) -> None:
+        if self.lines:
+            raise ConfigError(*self.lines)
+
+
+def resolve_config(config: Mapping[str, Any], *, source: str | Path | None = None) -> ResolvedStack:
+    """Validate ``config`` completely, constructing nothing; ``ConfigError`` lists every problem.
+
+    ``source`` (e.g. the file the config came from) starts every problem's line.
+    """
+    problems = _Problems(str(source) if source is not None else None)
     if not isinstance(config, Mapping):
-        raise ConfigError(f"a config is a mapping with 'provider' and 'middleware', not {type(config).__name__}")
+        problems.add(f"a config is a mapping with 'provider' and 'middleware', not {type(config).__name__}")
+        problems.raise_any()
     unknown = set(config) - {"provider", "middleware"}
     if unknown:
-        raise ConfigError(f"unknown top-level key(s) {sorted(unknown)}; allowed: ['middleware', 'provider']")
+        problems.add(f"unknown top-level key(s) {sorted(unknown, key=str)}; allowed: ['middleware', 'provider']")
+    provider = None
     if "provider" not in config:
-        raise ConfigError("the config has no 'provider'; e.g. provider: {local: {isolation: none}}")
-    name, options = _single_entry("provider", config["provider"])
-    try:
-        provider_cls = provider_registry.get(name)
-    except SandboxError as exc:
-        raise ConfigError(f"provider: {exc}") from exc
-    provider = ResolvedLayer(
-        name, provider_cls, _validate(f"provider {name!r}", provider_cls, options, first_is_inner=False)
-    )
+        problems.add("the config has no 'provider'; e.g. provider: {local: {isolation: none}}")
+    else:
+        provider = _resolve_entry(problems, "provider", config["provider"], is_middleware=False)
     entries = config.get("middleware") or []
     if not isinstance(entries, list):
-        raise ConfigError(f"middleware: expected a list (first entry outermost), got {type(entries).__name__}")
-    layers = []
-    for index, entry in enumerate(entries):
-        where = f"middleware[{index}]"
+        problems.add(f"middleware: expected a list (first entry outermost), got {type(entries).__name__}")
+        entries = []
+    layers = [_resolve_entry(problems, f"middleware[{index}]", entry, is_middleware=True)
+              for index, entry in enumerate(entries)]  # fmt: skip
+    problems.raise_any()
+    assert provider is not None and all(layer is not None for layer in layers)  # else a problem was raised
+    return ResolvedStack(provider, [layer for layer in layers if layer is not None])
+
+
+def _resolve_entry(problems: _Problems, where: str, entry: Any, *, is_middleware: bool) -> ResolvedLayer | None:
+    try:
         name, options = _single_entry(where, entry)
+        registry = middleware_registry if is_middleware else provider_registry
         try:
-            cls = middleware_registry.get(name)
+            cls = registry.get(name)
         except SandboxError as exc:
             raise ConfigError(f"{where}: {exc}") from exc
+    except ConfigError as exc:
+        problems.extend(exc)
+        return None
+    if is_middleware:
+        where = f"{where} ({name})"
         if not (isinstance(cls, type) and issubclass(cls, ProviderMiddleware)):
-            raise ConfigError(f"{where} ({name}): {cls!r} is not a ProviderMiddleware subclass")
-        layers.append(ResolvedLayer(name, cls, _validate(f"{where} ({name})", cls, options, first_is_inner=True)))
-    return ResolvedStack(provider, layers)
+            problems.add(f"{where}: {cls!r} is not a ProviderMiddleware subclass")
+            return None
+    else:
+        where = f"provider {name!r}"
+    before = len(problems.lines)
+    converted = _validate(problems, where, cls, options, first_is_inner=is_middleware)
+    return ResolvedLayer(name, cls, converted) if len(problems.lines) == before else None
 
 
 def _single_entry(where: str, entry: Any) -> tuple[str, Mapping[str, Any]]:
@@ -168,7 +231,56 @@ def _single_entry(where: str, entry: Any) -> tuple[str, Mapping[str, Any]]:
     raise ConfigError(f"{where}: expected 'name' or {{name: {{option: value}}}} (one key), got {entry!r}")
 
 
-def _validate(where: str, cls: Any, options: Mapping[str, Any], *, first_is_inner: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _AtLeast:
+    """The lower bound of a numeric option; ``strict`` excludes the bound itself."""
+
+    bound: float
+    strict: bool = False
+
+    def admits(self, value: float) -> bool:
+        return value > self.bound if self.strict else value >= self.bound
+
+    def __str__(self) -> str:
+        return f"{'>' if self.strict else '>='} {self.bound:g}"
+
+
+_POSITIVE = _AtLeast(0, strict=True)
+_NON_NEGATIVE = _AtLeast(0)
+_ONE_OR_MORE = _AtLeast(1)
+
+# What each numeric option accepts beyond its annotated type: the one declaration every config
+# entry is checked against (for a subclass too). A float option is also always finite: NaN and the
+# infinities are refused everywhere (null, where the annotation allows it, means "no limit").
+ACCEPTS: dict[type, dict[str, _AtLeast]] = {
+    RetryMiddleware: {
+        "attempts": _ONE_OR_MORE,
+        "timeout": _POSITIVE,
+        "wait_initial": _NON_NEGATIVE,
+        "wait_max": _NON_NEGATIVE,
+        "wait_jitter": _NON_NEGATIVE,
+        "attempt_timeout": _POSITIVE,
+    },
+    RetryBudget: {"max_tokens": _POSITIVE, "token_ratio": _POSITIVE},
+    TracingMiddleware: {"command_max_length": _NON_NEGATIVE},
+    ReleaseAccountingMiddleware: {"release_timeout_s": _POSITIVE, "release_concurrency": _ONE_OR_MORE},
+}
+
+
+def _bounds(cls: Any) -> dict[str, _AtLeast]:
+    found: dict[str, _AtLeast] = {}
+    for klass in reversed(getattr(cls, "__mro__", ())):
+        found.update(ACCEPTS.get(klass, {}))
+    return found
+
+
+def _validate(
+    problems: _Problems, where: str, cls: Any, options: Mapping[str, Any], *, first_is_inner: bool, path: str = ""
+) -> dict[str, Any]:
+    """``options`` checked against ``cls``'s signature and ``ACCEPTS``; one problem per bad option.
+
+    ``path`` names the option these options are nested in (``budget.``).
+    """
     parameters = list(inspect.signature(cls).parameters.values())
     if first_is_inner:
         parameters = parameters[1:]
@@ -176,37 +288,60 @@ def _validate(where: str, cls: Any, options: Mapping[str, Any], *, first_is_inne
         hints = typing.get_type_hints(cls.__init__)
     except Exception:  # an unresolvable annotation: check names only
         hints = {}
+    bounds = _bounds(cls)
     allowed = {p.name: p for p in parameters if p.name not in _INJECTED and p.kind is not p.VAR_KEYWORD}
     converted: dict[str, Any] = {}
     for key, value in options.items():
         if not isinstance(key, str):
             hint = " (YAML 1.1 reads a bare on/off/yes/no as a boolean: use load_config, or quote the key)"
-            raise ConfigError(f"{where}: option names must be strings, got {key!r}{hint}")
-        if key in _INJECTED:
-            raise ConfigError(f"{where}: {key!r} cannot be set in a config; it is passed to build() by the program")
-        if key not in allowed:
-            raise ConfigError(f"{where}: unknown option {key!r}; allowed: {', '.join(sorted(allowed)) or 'none'}")
-        hint = hints.get(key, Any)
-        converted[key] = _convert(f"{where}: option {key!r}", value, hint)
+            problems.add(f"{where}: option names must be strings, got {key!r}{hint}")
+        elif key in _INJECTED:
+            problems.add(f"{where}: {key!r} cannot be set in a config; it is passed to build() by the program")
+        elif key not in allowed:
+            allowed_names = ", ".join(path + name for name in sorted(allowed)) or "none"
+            problems.add(f"{where}: unknown option {path + key!r}; allowed: {allowed_names}")
+        else:
+            try:
+                converted[key] = _convert(where, path + key, value, hints.get(key, Any), bounds.get(key))
+            except ConfigError as exc:
+                problems.extend(exc)
     missing = [
         n for n, p in allowed.items() if p.default is p.empty and p.kind is not p.VAR_POSITIONAL and n not in options
     ]
     if missing:
-        raise ConfigError(f"{where}: missing required option(s) {missing}")
+        problems.add(f"{where}: missing required option(s) {missing}")
     return converted
 
 
-def _convert(where: str, value: Any, hint: Any) -> Any:
+def _convert(entry: str, name: str, value: Any, hint: Any, bound: _AtLeast | None) -> Any:
+    where = f"{entry}: option {name!r}"
     if hint == RetryOn:
         return _exceptions(where, value)
-    if _strip_none(hint) is RetryBudget and isinstance(value, Mapping):
-        try:
-            return RetryBudget(**value)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{where}: {exc}; expected {{max_tokens: 100, token_ratio: 0.1}}") from exc
+    if isinstance(value, Mapping) and _is_options_class(_strip_none(hint)):
+        return _build_value(entry, name, _strip_none(hint), value)
     if not _conforms(value, hint):
         raise ConfigError(f"{where} must be {_describe(hint)}, not {value!r} ({type(value).__name__})")
+    if isinstance(value, float) and not math.isfinite(value):
+        no_limit = " (null means no limit)" if _conforms(None, hint) else ""
+        raise ConfigError(f"{where} must be a finite number, not {value!r}{no_limit}")
+    if bound is not None and isinstance(value, int | float) and not isinstance(value, bool) and not bound.admits(value):
+        raise ConfigError(f"{where} must be {bound}, not {value!r}")
     return value
+
+
+def _is_options_class(hint: Any) -> bool:
+    """An option annotated with a class of our own making (e.g. ``RetryBudget``) is given as its options."""
+    return isinstance(hint, type) and hint.__module__ != "builtins" and not issubclass(hint, Path | Mapping)
+
+
+def _build_value(entry: str, name: str, cls: type, options: Mapping[str, Any]) -> Any:
+    problems = _Problems(None)
+    converted = _validate(problems, entry, cls, options, first_is_inner=False, path=f"{name}.")
+    problems.raise_any()
+    try:
+        return cls(**converted)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{entry}: option {name!r}: {exc}") from exc
 
 
 def _exceptions(where: str, value: Any) -> tuple[type[Exception], ...]:

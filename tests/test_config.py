@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from sandbox_middleware import (
     ConfigError,
     LocalProvider,
     MetricsMiddleware,
+    Middleware,
     RegistryError,
     ReleaseAccountingMiddleware,
     RetryBudget,
@@ -22,6 +24,7 @@ from sandbox_middleware import (
     load_config,
     register_provider,
     resolve_config,
+    stack,
 )
 from sandbox_middleware._registry import Registry, middleware_registry, provider_registry
 from sandbox_middleware.testing import FaultInjectingProvider, InjectedFault
@@ -32,7 +35,7 @@ from .providers import PlainProvider
 FULL = textwrap.dedent(
     """
     provider:
-      local: {isolation: none, base_dir: /tmp/sbx-config-test}
+      local: {isolation: none, base_dir: BASE_DIR}
     middleware:            # first entry is the outermost
       - tracing: {record_command: true, command_max_length: 64}
       - metrics
@@ -54,7 +57,7 @@ FULL = textwrap.dedent(
 def test_round_trip_every_middleware_and_option(tmp_path: Path, telemetry: TelemetryCapture) -> None:
     """Every built-in middleware and option in YAML builds the stack it describes, outermost first."""
     path = tmp_path / "stack.yaml"
-    path.write_text(FULL)
+    path.write_text(FULL.replace("BASE_DIR", str(tmp_path / "boxes")))
     provider: Any = build_provider(
         load_config(path), meter_provider=telemetry.meter_provider, tracer_provider=telemetry.tracer_provider
     )
@@ -83,7 +86,7 @@ def test_round_trip_every_middleware_and_option(tmp_path: Path, telemetry: Telem
 def test_check_describes_outermost_first(tmp_path: Path) -> None:
     """The resolved stack reads outermost first, with options and origins."""
     path = tmp_path / "stack.yaml"
-    path.write_text(FULL)
+    path.write_text(FULL.replace("BASE_DIR", str(tmp_path / "boxes")))
     text = resolve_config(load_config(path)).describe()
     lines = text.splitlines()
     assert lines[0].startswith("provider: local -> LocalProvider(isolation='none'")
@@ -126,7 +129,8 @@ BAD = [
     ({"provider": "recorded", "middleware": [{"tracing": {}, "metrics": {}}]}, r"middleware\[0\]: expected 'name'"),
     ({"middleware": []}, r"the config has no 'provider'"),
     ({"provider": "recorded", "extras": 1}, r"unknown top-level key\(s\) \['extras'\]"),
-    ({"provider": "recorded", "middleware": [{"retry": {"budget": {"max_tokens": -1}}}]}, r"max_tokens must be > 0"),
+    ({"provider": "recorded", "middleware": [{"retry": {"budget": {"max_tokens": -1}}}]},
+     r"'budget.max_tokens' must be > 0, not -1"),
 ]  # fmt: skip
 
 
@@ -145,11 +149,113 @@ def test_bad_yaml_and_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "missing.yaml")
     (tmp_path / "bad.yaml").write_text("provider: [unclosed")
-    with pytest.raises(ConfigError, match=r"bad\.yaml is not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml is not valid YAML: line 1, column 20: .*expected ',' or ']'"):
         load_config(tmp_path / "bad.yaml")
     (tmp_path / "list.yaml").write_text("- local")
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_config(tmp_path / "list.yaml")
+
+
+# -- numbers: type, finiteness and range from one declaration, check == run ---------------------
+
+NAN, INF = float("nan"), float("inf")
+NUMBERS = [
+    ("retry", "attempts", 0, "must be >= 1, not 0"),
+    ("retry", "attempts", -3, "must be >= 1, not -3"),
+    ("retry", "attempts", NAN, "must be int or null, not nan (float)"),
+    ("retry", "timeout", 0, "must be > 0, not 0"),
+    ("retry", "timeout", INF, "must be a finite number, not inf (null means no limit)"),
+    ("retry", "timeout", NAN, "must be a finite number, not nan (null means no limit)"),
+    ("retry", "attempt_timeout", NAN, "must be a finite number, not nan (null means no limit)"),
+    ("retry", "attempt_timeout", -1.5, "must be > 0, not -1.5"),
+    ("retry", "wait_initial", NAN, "must be a finite number, not nan"),
+    ("retry", "wait_max", -INF, "must be a finite number, not -inf"),
+    ("retry", "wait_jitter", -0.1, "must be >= 0, not -0.1"),
+    ("tracing", "command_max_length", -1, "must be >= 0, not -1"),
+    ("release_accounting", "release_timeout_s", 0, "must be > 0, not 0"),
+    ("release_accounting", "release_timeout_s", INF, "must be a finite number, not inf"),
+    ("release_accounting", "release_concurrency", 0, "must be >= 1, not 0"),
+]
+
+
+@pytest.mark.parametrize(("entry", "option", "value", "message"), NUMBERS,
+                         ids=[f"{o}={v}" for _, o, v, _ in NUMBERS])  # fmt: skip
+def test_each_bad_number_is_one_error(entry: str, option: str, value: float, message: str) -> None:
+    """NaN, infinite, zero and negative values where invalid: exactly one error naming the file, entry and option."""
+    config = {"provider": "local", "middleware": ["metrics", {entry: {option: value}}]}
+    with pytest.raises(ConfigError) as info:
+        resolve_config(config, source="stack.yaml")
+    assert info.value.problems == [f"stack.yaml: middleware[1] ({entry}): option {option!r} {message}"]
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [({"max_tokens": NAN}, "option 'budget.max_tokens' must be a finite number, not nan"),
+     ({"token_ratio": 0}, "option 'budget.token_ratio' must be > 0, not 0"),
+     ({"max_tokens": 1, "token_ratio": 5}, "option 'budget': RetryBudget: token_ratio must be in (0, max_tokens]"),
+     ({"tokens": 5}, "unknown option 'budget.tokens'; allowed: budget.max_tokens, budget.token_ratio")],
+)  # fmt: skip
+def test_nested_options_are_checked_the_same_way(budget: dict[str, Any], message: str) -> None:
+    """The retry budget's own options go through the same declaration, named by their dotted path."""
+    with pytest.raises(ConfigError) as info:
+        resolve_config({"provider": "local", "middleware": [{"retry": {"budget": budget}}]})
+    assert len(info.value.problems) == 1 and message in info.value.problems[0]
+
+
+def test_every_problem_is_listed_once() -> None:
+    """All problems of a config come together, one line each, in the order of the file."""
+    config = {
+        "provider": {"local": {"isolation": "docker"}},
+        "middleware": ["tracin", {"retry": {"attempts": 0, "timeout": NAN, "tries": 1}}],
+    }
+    with pytest.raises(ConfigError) as info:
+        resolve_config(config)
+    assert [problem.split(":")[0] for problem in info.value.problems] == [
+        "provider 'local'", "middleware[0]", "middleware[1] (retry)", "middleware[1] (retry)", "middleware[1] (retry)"
+    ]  # fmt: skip
+    assert str(info.value) == "\n".join(info.value.problems)
+
+
+PROBES = [NAN, INF, -INF, -1, 0, 0.5, 1, 3, True, "1", None]
+
+
+@pytest.mark.parametrize(("entry", "option"), sorted({(e, o) for e, o, _, _ in NUMBERS}))
+def test_whatever_check_accepts_builds(entry: str, option: str) -> None:
+    """check accepts a value exactly when building the stack works with it: nothing passes check and fails run."""
+    for value in PROBES:
+        config = {"provider": "local", "middleware": [{entry: {option: value}}]}
+        try:
+            resolved = resolve_config(config)
+        except ConfigError as exc:
+            assert len(exc.problems) == 1, exc.problems
+            continue
+        assert not (isinstance(value, float) and not math.isfinite(value)), f"{option}={value} passed check"
+        resolved.build()  # raises if the class refuses what check let through
+
+
+def test_config_stack_is_the_hand_built_stack(telemetry: TelemetryCapture) -> None:
+    """A config-built stack is what stack() builds from the same middleware by hand: same layers, same order."""
+    config = {
+        "provider": "local",
+        "middleware": ["tracing", "metrics", "release_accounting", {"retry": {"attempts": 2}}],
+    }
+    from_config: Any = build_provider(config, meter_provider=telemetry.meter_provider)
+    by_hand: Any = stack(
+        LocalProvider(),
+        [Middleware(TracingMiddleware), Middleware(MetricsMiddleware, meter_provider=telemetry.meter_provider),
+         Middleware(ReleaseAccountingMiddleware, meter_provider=telemetry.meter_provider),
+         Middleware(RetryMiddleware, attempts=2, meter_provider=telemetry.meter_provider)],
+    )  # fmt: skip
+
+    def layers(provider: Any) -> list[type]:
+        found = [type(provider)]
+        while hasattr(provider, "inner"):
+            provider = provider.inner
+            found.append(type(provider))
+        return found
+
+    assert layers(from_config) == layers(by_hand)
+    assert from_config.inner.inner.inner.attempts == by_hand.inner.inner.inner.attempts == 2
 
 
 # -- registries, with test distributions declaring entry points -------------------------------

@@ -50,8 +50,9 @@ def isolation(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def make() -> AsyncIterator[Callable[..., LocalProvider]]:
-    """Builds providers and closes every one of them after the test, even a failed one."""
+async def make(sandbox_base: Path) -> AsyncIterator[Callable[..., LocalProvider]]:
+    """Builds providers and closes every one of them after the test, even a failed one (before
+    ``sandbox_base`` is removed, which is why it is requested here)."""
     made: list[LocalProvider] = []
 
     def build(**options: Any) -> LocalProvider:
