@@ -93,6 +93,11 @@ class OwnershipMiddleware(ProviderMiddleware):
         self.ttl_s = ttl_s
         self._stamp = {RUN_KEY: self.run_id, **Owner.current().metadata()}
 
+    @property
+    def stamp(self) -> dict[str, str]:
+        """The metadata this layer adds: this run and this process (``list``/``orphans`` filter on it)."""
+        return dict(self._stamp)
+
     async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
         ttl = spec.ttl_s if spec.ttl_s is not None else self.ttl_s
         stamped = dataclasses.replace(spec, metadata={**spec.metadata, **self._stamp}, ttl_s=ttl)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,14 @@ import anyio
 from opentelemetry.metrics import Meter, MeterProvider, UpDownCounter
 
 from ._core import ProviderMiddleware
-from ._protocol import SandboxHandle, SandboxProvider, SandboxSpec
+from ._protocol import (
+    SandboxError,
+    SandboxHandle,
+    SandboxListing,
+    SandboxProvider,
+    SandboxSpec,
+    SupportsSandboxList,
+)
 from ._sandbox import close_shielded
 from ._telemetry import PROVIDER_ATTR, Instruments, safely
 
@@ -101,6 +109,21 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
             raise
         if self._ledger.pop(handle.sandbox_id, None) is not None:
             self._add(-1)
+
+    async def orphans(self, metadata: Mapping[str, str]) -> list[SandboxListing]:
+        """Sandboxes the provider lists with ``metadata`` that this ledger does not hold.
+
+        Pass ``OwnershipMiddleware.stamp`` (this run and this process) to find the sandboxes whose
+        create response was lost: they exist, and nobody holds their handle. ``reap`` closes them.
+        Needs a provider with ``SupportsSandboxList``.
+        """
+        if not isinstance(self.inner, SupportsSandboxList):
+            raise SandboxError(
+                f"{self.inner.name}: cannot look for orphans, the provider cannot list its sandboxes "
+                "(no SupportsSandboxList)"
+            )
+        listed = await self.inner.list(metadata=metadata)
+        return [listing for listing in listed if listing.handle.sandbox_id not in self._ledger]
 
     async def release_held(self) -> list[HeldSandbox]:
         """Close every held sandbox (shielded, bounded, concurrently); return those still held."""

@@ -16,6 +16,7 @@ from sandbox_middleware import (
     LocalProvider,
     Middleware,
     OwnershipMiddleware,
+    ReleaseAccountingMiddleware,
     SandboxError,
     SandboxSpec,
     reap,
@@ -137,3 +138,25 @@ async def test_reap_needs_a_listing_provider() -> None:
     """A provider that cannot list is a clear error, not a silent no-op."""
     with pytest.raises(SandboxError, match="cannot list its sandboxes"):
         await reap(FaultInjectingProvider())
+
+
+async def test_release_accounting_reports_lost_create_responses_as_orphans(local: LocalProvider) -> None:
+    """Sandboxes this process's run made but whose create response was lost are the ledger's orphans."""
+    faulty = FaultInjectingProvider(local, lost_create_rate=0.5, seed=5)
+    ownership = OwnershipMiddleware(faulty, run_id="orphans")
+    accounting = ReleaseAccountingMiddleware(ownership)
+    held = []
+    for _ in range(16):
+        with contextlib.suppress(SandboxError):
+            held.append(await accounting.create(SandboxSpec()))
+    other_run = await OwnershipMiddleware(local, run_id="other").create(SandboxSpec())
+    orphans = await accounting.orphans(ownership.stamp)
+    assert {listing.handle.sandbox_id for listing in orphans} == set(faulty.orphaned)
+    assert other_run.sandbox_id not in {listing.handle.sandbox_id for listing in orphans}
+    reaped = await reap(local, run_id="orphans", force=True)
+    assert {entry.sandbox_id for entry in reaped} == set(faulty.orphaned) | {handle.sandbox_id for handle in held}
+
+
+async def test_orphans_need_a_listing_provider() -> None:
+    with pytest.raises(SandboxError, match="cannot list its sandboxes"):
+        await ReleaseAccountingMiddleware(FaultInjectingProvider()).orphans({})

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import anyio
 
+from .._core import _layer_class
 from .._protocol import (
     SandboxCreateError,
     SandboxError,
@@ -75,6 +76,8 @@ class FaultInjectingProvider:
                 )
         self.inner = inner
         self.name = inner.name if inner is not None else name
+        if inner is not None:  # the inner provider's optional capabilities (list, connect ...) pass through
+            self.__class__ = _layer_class(FaultInjectingProvider, inner)
         self.failure_rates = rates
         self.lost_create_rate = lost_create_rate
         self.close_failures = close_failures
