@@ -1,7 +1,10 @@
-"""Run a rollout-shaped workload through a sandbox provider stack and print its telemetry, or check a
-stack config. Exit codes: 0 all sessions ok and nothing held; 1 a sandbox leaked; 2 usage or config
-error; 3 some sessions failed, nothing leaked; 130 / 143 interrupted by SIGINT / SIGTERM (every
-sandbox closed; 1 instead if one could not be)."""
+"""Run a rollout-shaped workload through a sandbox provider stack and print its telemetry, check a
+stack config, or reap the sandboxes a crashed or finished run left behind. Exit codes of run: 0 all
+sessions ok and nothing held; 1 a sandbox leaked (or a Ray worker was lost: reap its run); 2 usage or
+config error; 3 some sessions failed, nothing leaked; 130 / 143 interrupted by SIGINT / SIGTERM
+(every sandbox closed; 1 instead if one could not be). Of reap: 0 every chosen sandbox closed (or
+listed, with --dry-run); 1 one could not be closed; 2 usage or config error, or a provider that
+cannot list its sandboxes."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import math
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
 from importlib import metadata
@@ -20,11 +24,13 @@ from typing import Any, NoReturn
 import anyio
 
 from ._cli_export import EXPORTS, UsageError, start_telemetry
-from ._cli_report import configure_logging, draw, progress, table
-from ._cli_workload import RunState, workload
+from ._cli_process import RunOptions, combine, orphans_row, run_process, with_run_id
+from ._cli_report import configure_logging, table
+from ._cli_workload import RunState
 from ._config import ConfigError, ResolvedStack, load_config, resolve_config
-from ._protocol import SandboxProvider
-from ._release_accounting import ReleaseAccountingMiddleware
+from ._protocol import SandboxError
+from ._reaper import reap
+from .testing import parse_faults
 
 EXIT_OK = 0
 EXIT_LEAKED = 1
@@ -57,6 +63,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
                 "on": ["SandboxError", "ConnectionError", "TimeoutError"],
             }
         },
+        "ownership",  # innermost: every create, retried ones too, names this run and process
     ],
 }
 
@@ -115,7 +122,7 @@ def _version() -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sandbox-middleware", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,reap}")
     run = sub.add_parser("run", help="run a rollout-shaped workload through a stack and print its telemetry",
                          description=__doc__)  # fmt: skip
     run.add_argument("config", nargs="?", help="YAML stack config (default: local provider, full recommended stack)")
@@ -135,6 +142,30 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--linger", type=_seconds, default=0.0, help="seconds to keep exporting after the run")
     run.add_argument("--faults", default="", help="inject provider faults, e.g. create=0.1,close=0.05,exec=0.01")
     run.add_argument("--seed", type=_integer(), default=None, help="seed of the fault injector (printed when random)")
+    run.add_argument(
+        "--think",
+        type=_seconds,
+        default=0.0,
+        help="seconds each session waits after each command (the model writing its next turn)",
+    )
+    run.add_argument("--run-id", default=None, help="the run id the ownership layer stamps (default: a random one)")
+    run.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="ADDRESS",
+        help="spread the sessions over Ray actors on the cluster at ADDRESS (default: auto, the "
+        "cluster `ray start --head` started on this machine); needs the 'ray' extra",
+    )
+    run.add_argument("--workers", type=_integer(1), default=2, help="Ray actors with --ray (default 2)")
+    run.add_argument(
+        "--prometheus-sd-file",
+        default=None,
+        metavar="PATH",
+        help="with --ray: each worker serves /metrics on a free port of --prometheus-host, and "
+        "this file lists them for Prometheus's file_sd_configs",
+    )
     run.add_argument("--verbose", action="store_true", help="also log a warning for every retry")
     run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="draw a progress bar on stderr (default: when stderr is a terminal)")  # fmt: skip
@@ -142,6 +173,19 @@ def _parser() -> argparse.ArgumentParser:
                            description="Validate a stack config (everything run would refuse) and print the "
                            "resolved stack, outermost first. Exit code 0 when valid, 2 otherwise.")  # fmt: skip
     check.add_argument("config", help="YAML stack config to validate")
+    reap_ = sub.add_parser(
+        "reap",
+        help="close the sandboxes a crashed or finished run left behind",
+        description="Close, and report by id, the sandboxes that the ownership layer "
+        "stamped and whose owner process is gone (any run), or of one run (--run) whose "
+        "owners are gone. A live owner's sandbox is left alone unless --force. Exit code "
+        "0 when every chosen sandbox was closed (or listed, with --dry-run), 1 when one "
+        "could not be, 2 on a usage or config error or a provider that cannot list.",
+    )
+    reap_.add_argument("config", help="YAML stack config (its provider is searched)")
+    reap_.add_argument("--run", default=None, metavar="ID", help="only this run's sandboxes (its id is printed by run)")
+    reap_.add_argument("--force", action="store_true", help="with --run: also the run's sandboxes of live owners")
+    reap_.add_argument("--dry-run", action="store_true", help="list what would be closed; close nothing")
     return parser
 
 
@@ -151,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check":
             print(_resolve(args.config).describe())
             return EXIT_OK
+        if args.command == "reap":
+            return _reap_command(args)
         return _run_command(args)
     except ConfigError as exc:
         for problem in exc.problems:
@@ -170,54 +216,71 @@ def _resolve(path: str) -> ResolvedStack:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    from .testing import FaultInjectingProvider, parse_faults
-
     signal.signal(signal.SIGTERM, _raise_interrupted)
     resolved = _resolve(args.config) if args.config else resolve_config(DEFAULT_CONFIG, source="the default config")
     try:
-        rates = parse_faults(args.faults)
+        faults = parse_faults(args.faults)
     except ValueError as exc:
         raise UsageError(f"argument --faults: {exc}") from exc
-    seed = args.seed if args.seed is not None else int(time.time()) % 100_000
-    injector: list[FaultInjectingProvider] = []
+    if args.prometheus_sd_file and (args.ray is None or args.export != "prometheus"):
+        raise UsageError("argument --prometheus-sd-file: needs --ray and --export prometheus")
+    resolved, run_id = with_run_id(resolved, args.run_id or uuid.uuid4().hex[:16])
+    options = RunOptions(args.sessions, args.concurrency, args.commands, args.think, faults,
+                         args.seed if args.seed is not None else int(time.time()) % 100_000)  # fmt: skip
+    where = f"config {args.config}" if args.config else "the built-in default config"
+    print(f"stack from {where}:\n{resolved.describe()}", file=sys.stderr)
+    print(f"run id {run_id}" if run_id else "run id: none (no ownership layer; reap cannot find this run)",
+          file=sys.stderr)  # fmt: skip
+    if faults:
+        print(f"injecting faults {faults} with seed {options.seed}", file=sys.stderr)
+    show_progress = sys.stderr.isatty() if args.progress is None else args.progress
+    configure_logging(args.verbose, show_progress and args.ray is None)
+    if args.ray is not None:
+        from ._cli_ray import run_on_ray
 
-    def wrap(provider: SandboxProvider) -> SandboxProvider:
-        injector.append(FaultInjectingProvider(provider, seed=seed, failure_rates=rates))
-        return injector[0]
+        results, lines, workers_lost = run_on_ray(args, resolved, options, run_id)
+        result = combine(results, args.sessions)
+    else:
+        telemetry = start_telemetry(args.export, args.prometheus_host, args.prometheus_port)
+        try:
+            result = run_process(resolved, options, telemetry, show_progress=show_progress)
+            signal.signal(signal.SIGTERM, _raise_interrupted)  # the event loop put the default action back
+            _linger(args.linger)
+        finally:
+            for note in telemetry.shutdown():
+                print(note, file=sys.stderr)
+        lines, workers_lost = [], 0
+    where_ = f", over Ray with {args.workers} workers" if args.ray is not None else ""
+    title = (f"sandbox-middleware run: {args.sessions} sessions, concurrency {args.concurrency}, "
+             f"{args.commands} commands each, provider {resolved.provider.name}{where_}")  # fmt: skip
+    print(table(title, result.run, result.points, peak=result.peak, held=result.held,
+                orphans=orphans_row(result.orphans), workers=lines), flush=True)  # fmt: skip
+    if result.alive:
+        print(f"the provider still holds {len(result.alive)} sandbox(es): {', '.join(result.alive)}", flush=True)
+    unclosed = [entry for entry in result.orphans or () if not entry.closed]
+    leaked = bool(result.held or result.alive or unclosed or workers_lost)  # a lost worker's sandboxes: reap
+    return _exit_code(result.run, leaked=leaked)
 
-    telemetry = start_telemetry(args.export, args.prometheus_host, args.prometheus_port)
+
+def _reap_command(args: argparse.Namespace) -> int:
+    if args.force and args.run is None:
+        raise UsageError("argument --force: needs --run ID (force takes one run's sandboxes of live owners)")
+    provider = _resolve(args.config).build()
     try:
-        provider = resolved.build(
-            meter_provider=telemetry.meter_provider,
-            tracer_provider=telemetry.tracer_provider,
-            wrap_provider=wrap if rates else None,
-        )
-        where = f"config {args.config}" if args.config else "the built-in default config"
-        print(f"stack from {where}:\n{resolved.describe()}", file=sys.stderr)
-        if rates:
-            print(f"injecting faults {rates} with seed {seed}", file=sys.stderr)
-        show_progress = sys.stderr.isatty() if args.progress is None else args.progress
-        configure_logging(args.verbose, show_progress)
-        run = RunState(args.sessions)
-        accounting = _find_accounting(provider)
-        bar = progress(accounting) if show_progress else None
-        anyio.run(partial(workload, provider, run, concurrency=args.concurrency, commands=args.commands,
-                          background=bar))  # fmt: skip
-        signal.signal(signal.SIGTERM, _raise_interrupted)  # the event loop put the default action back
-        if show_progress:
-            draw(run, accounting, final=True)
-        held = accounting.held() if accounting is not None else []
-        title = (f"sandbox-middleware run: {args.sessions} sessions, concurrency {args.concurrency}, "
-                 f"{args.commands} commands each, provider {resolved.provider.name}")  # fmt: skip
-        print(table(title, run, telemetry.table_reader, accounting, held), flush=True)
-        truly_alive = sorted(injector[0].alive) if injector else []
-        if truly_alive:
-            print(f"the provider still holds {len(truly_alive)} sandbox(es): {', '.join(truly_alive)}", flush=True)
-        _linger(args.linger)
-        return _exit_code(run, leaked=bool(held or truly_alive))
+        reaped = anyio.run(partial(reap, provider, run_id=args.run, force=args.force, dry_run=args.dry_run))
+    except SandboxError as exc:
+        print(f"sandbox-middleware reap: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     finally:
-        for note in telemetry.shutdown():
-            print(note, file=sys.stderr)
+        anyio.run(provider.aclose)
+    for entry in reaped:
+        state = "would close" if args.dry_run else ("closed" if entry.closed else f"NOT closed ({entry.error})")
+        print(f"{entry.sandbox_id}  {state}  run {entry.run_id}  owner {entry.owner}  {entry.reason}")
+    failed = [entry for entry in reaped if not args.dry_run and not entry.closed]
+    verb = "found" if args.dry_run else "closed"
+    summary = f"{len(reaped) - len(failed)} sandbox(es) {verb}"
+    print(summary + (f", {len(failed)} could not be closed" if failed else ""), file=sys.stderr)
+    return EXIT_LEAKED if failed else EXIT_OK
 
 
 def _exit_code(run: RunState, *, leaked: bool) -> int:
@@ -232,11 +295,3 @@ def _linger(seconds: float) -> None:
     """Keep exporting for ``seconds``; a signal ends the wait, not the run's verdict."""
     with contextlib.suppress(KeyboardInterrupt, _Interrupted):
         time.sleep(seconds)
-
-
-def _find_accounting(provider: Any) -> ReleaseAccountingMiddleware | None:
-    while provider is not None:
-        if isinstance(provider, ReleaseAccountingMiddleware):
-            return provider
-        provider = getattr(provider, "inner", None)
-    return None

@@ -60,6 +60,8 @@ class Telemetry:
     closers: list[Callable[[], None]] = field(default_factory=list)
     failed_exports: _FailedExports | None = None
     destination: str = ""
+    metrics_port: int | None = None
+    """The port /metrics is served on (--export prometheus)."""
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> list[str]:
         """Flush and stop everything at once, within ``timeout_s``; return what the operator should be told."""
@@ -161,13 +163,14 @@ def _prometheus(readers: list[Any], host: str, port: int) -> dict[str, Any]:
             f"choose another {argument.removeprefix('--prometheus-')}"
         ) from exc
     readers.append(PrometheusMetricReader())
+    port = server.server_port  # the port chosen when 0 asked for a free one
     print(f"serving /metrics on http://{host}:{port}/metrics", file=sys.stderr)
 
     def stop_serving() -> None:
         server.shutdown()
         server.server_close()
 
-    return {"closers": [stop_serving]}
+    return {"closers": [stop_serving], "metrics_port": port}
 
 
 def _missing_extra(name: str, exc: ImportError) -> str:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import anyio
 
 from ._cli_workload import RunState
-from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
+from ._release_accounting import ReleaseAccountingMiddleware
 
-__all__ = ["configure_logging", "draw", "progress", "table"]
+__all__ = ["Points", "configure_logging", "draw", "merge", "progress", "snapshot", "table"]
 
 _CLEAR_LINE = "\r\033[K"
 
@@ -71,31 +72,43 @@ def configure_logging(verbose: bool, progress: bool) -> None:
     logging.getLogger("sandbox_middleware.retry").setLevel(logging.WARNING if verbose else logging.ERROR)
 
 
-def _points(reader: Any, name: str) -> list[Any]:
+Points = dict[str, list[dict[str, Any]]]
+"""A metrics snapshot: each instrument's data points as plain data (picklable, mergeable across workers)."""
+
+
+def snapshot(reader: Any) -> Points:
+    """The data points ``reader`` (an SDK metric reader) holds now, by instrument name."""
     data = reader.get_metrics_data()
-    return [
-        point
-        for resource in (data.resource_metrics if data else ())
-        for scope in resource.scope_metrics
-        for metric in scope.metrics
-        if metric.name == name
-        for point in metric.data.data_points
-    ]
+    points: Points = {}
+    for resource in json.loads(data.to_json(indent=None))["resource_metrics"] if data else ():
+        for scope in resource["scope_metrics"]:
+            for metric in scope["metrics"]:
+                points.setdefault(metric["name"], []).extend(metric["data"]["data_points"])
+    return points
 
 
-def _sum(reader: Any, name: str) -> float:
-    return float(sum(point.value for point in _points(reader, name)))
+def merge(snapshots: Iterable[Points]) -> Points:
+    """One snapshot of several processes: counters then sum, histograms merge bucket by bucket."""
+    merged: Points = {}
+    for one in snapshots:
+        for name, points in one.items():
+            merged.setdefault(name, []).extend(points)
+    return merged
 
 
-def _percentiles(reader: Any, name: str) -> str:
+def _sum(points: Points, name: str) -> float:
+    return float(sum(point["value"] for point in points.get(name, ())))
+
+
+def _percentiles(points: Points, name: str) -> str:
     """p50 / p95 / max in ms from the histogram's buckets (linear within a bucket)."""
-    points = _points(reader, name)
-    count = sum(p.count for p in points)
+    samples = [p for p in points.get(name, ()) if p["count"]]
+    count = sum(p["count"] for p in samples)
     if not count:
         return "no samples"
-    bounds = list(points[0].explicit_bounds)
-    counts = [sum(p.bucket_counts[i] for p in points) for i in range(len(bounds) + 1)]
-    low, high = min(p.min for p in points), max(p.max for p in points)
+    bounds = list(samples[0]["explicit_bounds"])
+    counts = [sum(p["bucket_counts"][i] for p in samples) for i in range(len(bounds) + 1)]
+    low, high = min(p["min"] for p in samples), max(p["max"] for p in samples)
 
     def quantile(q: float) -> float:
         rank = q * count
@@ -112,36 +125,41 @@ def _percentiles(reader: Any, name: str) -> str:
     return f"{quantile(0.5):.1f} / {quantile(0.95):.1f} / {high:.1f}  ({count} samples)"
 
 
-def _by(reader: Any, name: str, *attributes: str) -> dict[tuple[str, ...], float]:
+def _by(points: Points, name: str, *attributes: str) -> dict[tuple[str, ...], float]:
     """The counter ``name`` summed per value of ``attributes``."""
     totals: dict[tuple[str, ...], float] = {}
-    for point in _points(reader, name):
-        key = tuple(str(point.attributes.get(attribute)) for attribute in attributes)
-        totals[key] = totals.get(key, 0) + point.value
+    for point in points.get(name, ()):
+        key = tuple(str(point["attributes"].get(attribute)) for attribute in attributes)
+        totals[key] = totals.get(key, 0) + point["value"]
     return totals
 
 
-def table(title: str, run: RunState, reader: Any, accounting: ReleaseAccountingMiddleware | None,
-          held: list[HeldSandbox]) -> str:  # fmt: skip
-    """The operator's summary of the run, computed from the metrics the stack recorded."""
-    final_active = _sum(reader, "gym.sandbox.active")
-    peak = str(accounting.peak_held) if accounting is not None else "n/a (no release_accounting)"
-    failures = _by(reader, "gym.sandbox.failure_total", "operation", "error.type")
-    retries = _by(reader, "gym.sandbox.retry_total", "operation")
+def table(title: str, run: RunState, points: Points, *, peak: int | None, held: list[str], orphans: str,
+          workers: Iterable[str] = ()) -> str:  # fmt: skip
+    """The operator's summary of the run, computed from the metrics the stack recorded.
+
+    ``peak`` is the most sandboxes held at once (None without release accounting), ``held`` the ids
+    still held, ``orphans`` the orphans row, ``workers`` one line per worker of a run over Ray.
+    """
+    final_active = _sum(points, "gym.sandbox.active")
+    failures = _by(points, "gym.sandbox.failure_total", "operation", "error.type")
+    retries = _by(points, "gym.sandbox.retry_total", "operation")
     close_retries = retries.pop(("close",), 0)
     rows = [
         ("sessions ok / failed", f"{run.ok} / {run.failed}"),
         ("sandboxes started", str(run.started)),
-        ("gym.sandbox.active peak / final", f"{peak} / {final_active:g}"),
-        ("startup ms p50 / p95 / max", _percentiles(reader, "gym.sandbox.startup_duration_ms")),
-        ("exec ms p50 / p95 / max", _percentiles(reader, "gym.sandbox.exec_duration_ms")),
+        ("gym.sandbox.active peak / final",
+         f"{peak if peak is not None else 'n/a (no release_accounting)'} / {final_active:g}"),
+        ("startup ms p50 / p95 / max", _percentiles(points, "gym.sandbox.startup_duration_ms")),
+        ("exec ms p50 / p95 / max", _percentiles(points, "gym.sandbox.exec_duration_ms")),
         (
             "retries create / close / other",
-            f"{_sum(reader, 'gym.sandbox.create_retry_total'):g} / {close_retries:g} / {sum(retries.values()):g}",
+            f"{_sum(points, 'gym.sandbox.create_retry_total'):g} / {close_retries:g} / {sum(retries.values()):g}",
         ),
-        ("retries refused by budget", f"{_sum(reader, 'gym.sandbox.retry_throttled_total'):g}"),
-        ("sandboxes still held", f"{len(held)}" + (f": {', '.join(h.sandbox_id for h in held)}" if held else "")),
-    ]
+        ("retries refused by budget", f"{_sum(points, 'gym.sandbox.retry_throttled_total'):g}"),
+        ("sandboxes still held", f"{len(held)}" + (f": {', '.join(held)}" if held else "")),
+        ("orphans found / reaped", orphans),
+    ]  # fmt: skip
     if run.interrupted_by is not None:
         title += f" -- INTERRUPTED by {run.interrupted_by.name}"
         rows.insert(1, ("sessions cancelled / not run", f"{run.cancelled} / {run.not_run}"))
@@ -155,4 +173,5 @@ def table(title: str, run: RunState, reader: Any, accounting: ReleaseAccountingM
         lines.append(
             "failed sessions by error: " + ", ".join(f"{k} {v}" for k, v in sorted(run.session_errors.items()))
         )
+    lines.extend(workers)
     return "\n".join(lines)

@@ -10,7 +10,8 @@ import contextlib
 import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable, Coroutine
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,9 @@ class RunState:
     leftovers: list[Sandbox] = field(default_factory=list)
     """Sandboxes whose session could not close them; the cleanup pass tries again."""
     session_errors: dict[str, int] = field(default_factory=dict)
+    held_changes: list[tuple[float, int]] = field(default_factory=list)
+    """(wall time, +1 / -1) each time a session's sandbox started or stopped: a cluster's peak is
+    computed from every worker's changes merged in time order."""
 
     @property
     def done(self) -> int:
@@ -64,13 +68,19 @@ async def workload(
     *,
     concurrency: int,
     commands: int,
+    think_s: float = 0.0,
     background: Callable[[RunState], Coroutine[Any, Any, None]] | None = None,
+    finish: Callable[[], Awaitable[None]] | None = None,
+    handle_signals: bool = True,
 ) -> None:
     """Run ``run.sessions`` sessions, ``concurrency`` at a time, then close what is left and the provider.
 
-    ``background`` (the progress bar) runs alongside until the end.
+    Each session waits ``think_s`` after each command (the model writing its next turn).
+    ``background`` (the progress bar) runs alongside until the end; ``finish`` (looking for
+    orphans) runs after the cleanup pass, before the provider is closed. ``handle_signals=False``
+    leaves SIGINT and SIGTERM to the host process (a Ray worker).
     """
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with anyio.open_signal_receiver(*((signal.SIGINT, signal.SIGTERM) if handle_signals else ())) as signals:
         async with anyio.create_task_group() as watchers:
             work = anyio.CancelScope()
             watchers.start_soon(_stop_on_signal, signals, run, work)
@@ -79,9 +89,12 @@ async def workload(
             try:
                 with tempfile.TemporaryDirectory(prefix="sandbox-middleware-run-") as tmp:
                     with work:
-                        await _pool(provider, run, Path(tmp), concurrency, commands)
+                        await _pool(provider, run, Path(tmp), concurrency, commands, think_s)
                     with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
                         await _cleanup(run)
+                if finish is not None:
+                    with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+                        await finish()
             finally:
                 with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
                     await provider.aclose()
@@ -99,7 +112,9 @@ async def _stop_on_signal(signals: AsyncIterator[signal.Signals], run: RunState,
             print(f"{signal.Signals(number).name} again: still closing sandboxes", file=sys.stderr)
 
 
-async def _pool(provider: SandboxProvider, run: RunState, workdir: Path, concurrency: int, commands: int) -> None:
+async def _pool(
+    provider: SandboxProvider, run: RunState, workdir: Path, concurrency: int, commands: int, think_s: float
+) -> None:
     """``concurrency`` workers each take the next session until none is left: memory does not grow with it."""
     source = workdir / "input.txt"
     source.write_text("rollout input\n" * 64)
@@ -107,25 +122,30 @@ async def _pool(provider: SandboxProvider, run: RunState, workdir: Path, concurr
     async def worker(result: Path) -> None:
         while run.handed_out < run.sessions:
             run.handed_out += 1
-            await _session(provider, commands, source, result, run)
+            await _session(provider, commands, think_s, source, result, run)
 
     async with anyio.create_task_group() as tg:
         for number in range(min(concurrency, run.sessions)):
             tg.start_soon(worker, workdir / f"result-{number}.txt")  # each worker's result overwrites its last
 
 
-async def _session(provider: SandboxProvider, commands: int, source: Path, result: Path, run: RunState) -> None:
+async def _session(
+    provider: SandboxProvider, commands: int, think_s: float, source: Path, result: Path, run: RunState
+) -> None:
     sandbox = Sandbox(provider, SandboxSpec(), local_files={"input.txt": source}, close_timeout_s=CLOSE_TIMEOUT_S)
     try:
         await sandbox.start()
         run.started += 1
+        run.held_changes.append((time.time(), 1))
         for step in range(commands):
             done = await sandbox.exec(f"echo step {step} >> result.txt && wc -c < input.txt >> result.txt")
             if done.return_code != 0:
                 raise CommandFailedError(f"step {step} exited {done.return_code}: {done.stderr}")
+            if think_s:
+                await anyio.sleep(think_s)
         if commands:
             await sandbox.download("result.txt", result)
-        await sandbox.stop()
+        await _stop(sandbox, run)
         run.ok += 1
     except anyio.get_cancelled_exc_class():
         run.cancelled += 1
@@ -137,9 +157,15 @@ async def _session(provider: SandboxProvider, commands: int, source: Path, resul
     finally:
         if sandbox.started:
             try:
-                await sandbox.stop()  # shielded and bounded: runs even while the session is cancelled
+                await _stop(sandbox, run)  # shielded and bounded: runs even while the session is cancelled
             except Exception:  # counted by the metrics layer; the cleanup pass tries again
                 run.leftovers.append(sandbox)
+
+
+async def _stop(sandbox: Sandbox, run: RunState) -> None:
+    """Stop a started sandbox (shielded, bounded) and note its release; raises what stop raised."""
+    await sandbox.stop()
+    run.held_changes.append((time.time(), -1))
 
 
 async def _cleanup(run: RunState) -> None:
@@ -150,9 +176,9 @@ async def _cleanup(run: RunState) -> None:
             return
         async with anyio.create_task_group() as tg:
             for sandbox in pending:
-                tg.start_soon(_stop_quietly, sandbox)
+                tg.start_soon(_stop_quietly, sandbox, run)
 
 
-async def _stop_quietly(sandbox: Sandbox) -> None:
+async def _stop_quietly(sandbox: Sandbox, run: RunState) -> None:
     with contextlib.suppress(Exception):  # counted by the metrics layer; retried in the next round
-        await sandbox.stop()
+        await _stop(sandbox, run)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import anyio.lowlevel
@@ -71,14 +72,27 @@ async def reap(
             "reap needs a provider that can"
         )
     wanted = {RUN_KEY: run_id} if run_id is not None else None
-    reaped = []
+    chosen = []
     for listing in await provider.list(metadata=wanted):
         reason = _reason(listing, run_id, force)
-        if reason is None:
-            continue
+        if reason is not None:
+            chosen.append((listing, reason))
+    return await close_listed(provider, chosen, dry_run=dry_run, close_timeout_s=close_timeout_s)
+
+
+async def close_listed(
+    provider: SandboxProvider,
+    chosen: Iterable[tuple[SandboxListing, str]],
+    *,
+    dry_run: bool = False,
+    close_timeout_s: float = 60.0,
+) -> list[ReapedSandbox]:
+    """Close each listed sandbox (with the reason it was chosen) one by one; report each."""
+    reaped = []
+    for listing, reason in chosen:
         owner = Owner.from_metadata(listing.metadata)
         entry = ReapedSandbox(
-            listing.handle.sandbox_id, listing.metadata[RUN_KEY], str(owner or "unknown"), reason, False
+            listing.handle.sandbox_id, listing.metadata.get(RUN_KEY, ""), str(owner or "unknown"), reason, False
         )
         if not dry_run:
             try:

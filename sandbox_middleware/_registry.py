@@ -183,6 +183,7 @@ def _builtin_middleware() -> dict[str, Callable[[], Any]]:
         "metrics": load("._metrics", "MetricsMiddleware"),
         "release_accounting": load("._release_accounting", "ReleaseAccountingMiddleware"),
         "retry": load("._retry", "RetryMiddleware"),
+        "ownership": load("._ownership", "OwnershipMiddleware"),
     }
 
 

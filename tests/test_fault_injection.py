@@ -126,5 +126,5 @@ def test_bad_options_and_fault_specs() -> None:
     with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
         FaultInjectingProvider(failure_rates={"create": 2})
     assert parse_faults("create=0.1, close=0.05") == {"create": 0.1, "close": 0.05}
-    with pytest.raises(ValueError, match="operation=probability"):
+    with pytest.raises(ValueError, match="name=probability"):
         parse_faults("create=lots")

@@ -4,6 +4,13 @@ Fixtures for an in-memory OpenTelemetry SDK live in ``sandbox_middleware.testing
 (``pytest_plugins = ["sandbox_middleware.testing.fixtures"]``; needs ``opentelemetry-sdk``).
 """
 
-from ._faults import OPERATIONS, FaultInjectingProvider, InjectedCreateError, InjectedFault, parse_faults
+from ._faults import LOST_CREATE, OPERATIONS, FaultInjectingProvider, InjectedCreateError, InjectedFault, parse_faults
 
-__all__ = ["OPERATIONS", "FaultInjectingProvider", "InjectedCreateError", "InjectedFault", "parse_faults"]
+__all__ = [
+    "LOST_CREATE",
+    "OPERATIONS",
+    "FaultInjectingProvider",
+    "InjectedCreateError",
+    "InjectedFault",
+    "parse_faults",
+]

@@ -194,19 +194,27 @@ class FaultInjectingProvider:
         await anyio.lowlevel.checkpoint()
 
 
+LOST_CREATE = "lost_create"
+"""The fault name of ``lost_create_rate`` in ``parse_faults`` (create succeeds, its response is lost)."""
+
+
 def parse_faults(spec: str) -> dict[str, float]:
-    """``"create=0.1,close=0.05"`` as failure rates; a ``ValueError`` says what is wrong."""
+    """``"create=0.1,close=0.05,lost_create=0.1"`` as rates; a ``ValueError`` says what is wrong.
+
+    Operation names are failure rates; ``lost_create`` is ``lost_create_rate``.
+    """
     rates: dict[str, float] = {}
+    names = (*OPERATIONS, LOST_CREATE)
     for part in filter(None, (p.strip() for p in spec.split(","))):
         operation, sep, value = part.partition("=")
         try:
             rate = float(value)
         except ValueError:
             rate = -1.0
-        if not sep or operation not in OPERATIONS or not 0.0 <= rate <= 1.0:
+        if not sep or operation not in names or not 0.0 <= rate <= 1.0:
             raise ValueError(
-                f"bad fault {part!r}: use operation=probability with operation one of {', '.join(OPERATIONS)} "
-                "and probability in [0, 1], e.g. create=0.1,close=0.05"
+                f"bad fault {part!r}: use name=probability with name one of {', '.join(names)} "
+                "and probability in [0, 1], e.g. create=0.1,close=0.05,lost_create=0.1"
             )
         rates[operation] = rate
     return rates
