@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import anyio
 
 from ._cli_export import EXPORTS, UsageError, start_telemetry
-from ._cli_process import RunOptions, combine, orphans_row, run_process, with_run_id
+from ._cli_process import ProcessResult, RunOptions, combine, orphans_row, run_process, with_run_id
 from ._cli_report import configure_logging, table
 from ._cli_workload import RunState
 from ._config import ConfigError, ResolvedStack, load_config, resolve_config
@@ -227,39 +227,43 @@ def _run_command(args: argparse.Namespace) -> int:
     resolved, run_id = with_run_id(resolved, args.run_id or uuid.uuid4().hex[:16])
     options = RunOptions(args.sessions, args.concurrency, args.commands, args.think, faults,
                          args.seed if args.seed is not None else int(time.time()) % 100_000)  # fmt: skip
-    where = f"config {args.config}" if args.config else "the built-in default config"
-    print(f"stack from {where}:\n{resolved.describe()}", file=sys.stderr)
-    print(f"run id {run_id}" if run_id else "run id: none (no ownership layer; reap cannot find this run)",
-          file=sys.stderr)  # fmt: skip
-    if faults:
-        print(f"injecting faults {faults} with seed {options.seed}", file=sys.stderr)
-    show_progress = sys.stderr.isatty() if args.progress is None else args.progress
-    configure_logging(args.verbose, show_progress and args.ray is None)
-    if args.ray is not None:
-        from ._cli_ray import run_on_ray
+    telemetry = start_telemetry(args.export, args.prometheus_host, args.prometheus_port) if args.ray is None else None
+    try:
+        where = f"config {args.config}" if args.config else "the built-in default config"
+        print(f"stack from {where}:\n{resolved.describe()}", file=sys.stderr)
+        print(f"run id {run_id}" if run_id else "run id: none (no ownership layer; reap cannot find this run)",
+              file=sys.stderr)  # fmt: skip
+        if faults:
+            print(f"injecting faults {faults} with seed {options.seed}", file=sys.stderr)
+        show_progress = sys.stderr.isatty() if args.progress is None else args.progress
+        configure_logging(args.verbose, show_progress and telemetry is not None)
+        report = partial(_report, args, resolved.provider.name)
+        if telemetry is None:
+            from ._cli_ray import run_on_ray
 
-        results, lines, workers_lost = run_on_ray(args, resolved, options, run_id)
-        result = combine(results, args.sessions)
-    else:
-        telemetry = start_telemetry(args.export, args.prometheus_host, args.prometheus_port)
-        try:
-            result = run_process(resolved, options, telemetry, show_progress=show_progress)
-            signal.signal(signal.SIGTERM, _raise_interrupted)  # the event loop put the default action back
-            _linger(args.linger)
-        finally:
-            for note in telemetry.shutdown():
-                print(note, file=sys.stderr)
-        lines, workers_lost = [], 0
-    where_ = f", over Ray with {args.workers} workers" if args.ray is not None else ""
+            return run_on_ray(args, resolved, options, run_id, report)
+        result = run_process(resolved, options, telemetry, show_progress=show_progress)
+        signal.signal(signal.SIGTERM, _raise_interrupted)  # the event loop put the default action back
+        code = report([result], [], 0)
+        _linger(args.linger)
+        return code
+    finally:
+        for note in telemetry.shutdown() if telemetry is not None else ():
+            print(note, file=sys.stderr)
+
+
+def _report(args: argparse.Namespace, provider: str, results: list[ProcessResult], lines: list[str], lost: int) -> int:
+    """Print the table of the run (of every worker's results) and return the exit code."""
+    result = results[0] if len(results) == 1 and not lines else combine(results, args.sessions)
+    over = f", over Ray with {args.workers} workers" if args.ray is not None else ""
     title = (f"sandbox-middleware run: {args.sessions} sessions, concurrency {args.concurrency}, "
-             f"{args.commands} commands each, provider {resolved.provider.name}{where_}")  # fmt: skip
+             f"{args.commands} commands each, provider {provider}{over}")  # fmt: skip
     print(table(title, result.run, result.points, peak=result.peak, held=result.held,
                 orphans=orphans_row(result.orphans), workers=lines), flush=True)  # fmt: skip
     if result.alive:
         print(f"the provider still holds {len(result.alive)} sandbox(es): {', '.join(result.alive)}", flush=True)
     unclosed = [entry for entry in result.orphans or () if not entry.closed]
-    leaked = bool(result.held or result.alive or unclosed or workers_lost)  # a lost worker's sandboxes: reap
-    return _exit_code(result.run, leaked=leaked)
+    return _exit_code(result.run, leaked=bool(result.held or result.alive or unclosed or lost))  # lost: reap it
 
 
 def _reap_command(args: argparse.Namespace) -> int:

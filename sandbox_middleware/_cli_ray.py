@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,12 @@ class _Worker:
         return self.telemetry.shutdown()
 
 
-def _import_ray() -> Any:
+def _import_ray(address: str) -> Any:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", "::1") or host.startswith("127."):
+        # A cluster on loopback (`ray start --head --node-ip-address 127.0.0.1`): without this Ray
+        # rewrites the address to this machine's network address, where nothing listens.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray
     except ImportError as exc:
@@ -61,12 +67,17 @@ def _shares(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if index < total % parts else 0) for index in range(parts)]
 
 
+Report = Callable[[list[ProcessResult], list[str], int], int]
+"""Prints the table from the workers' results, one line per worker and how many workers were lost
+(their sandboxes are left to ``reap``); returns the exit code."""
+
+
 def run_on_ray(
-    args: argparse.Namespace, resolved: ResolvedStack, options: RunOptions, run_id: str | None
-) -> tuple[list[ProcessResult], list[str], int]:
-    """Run the sessions on ``args.workers`` actors; return their results, one line per worker, and
-    how many workers were lost (their sandboxes are left to ``reap``)."""
-    ray = _import_ray()
+    args: argparse.Namespace, resolved: ResolvedStack, options: RunOptions, run_id: str | None, report: Report
+) -> int:
+    """Run the sessions on ``args.workers`` actors, ``report`` them, keep serving /metrics for
+    ``args.linger`` seconds, and return the exit code ``report`` returned."""
+    ray = _import_ray(args.ray)
     env = {key: value for key, value in os.environ.items() if key.startswith("OTEL_")}
     try:
         ray.init(address=args.ray, runtime_env={"env_vars": env} if env else None, logging_level="WARNING")
@@ -76,14 +87,14 @@ def run_on_ray(
             "`ray start --head --node-ip-address 127.0.0.1` or name its address (host:port)"
         ) from exc
     try:
-        return _run(ray, args, resolved, options, run_id)
+        return _run(ray, args, resolved, options, run_id, report)
     finally:
         ray.shutdown()
 
 
 def _run(
-    ray: Any, args: argparse.Namespace, resolved: ResolvedStack, options: RunOptions, run_id: str | None
-) -> tuple[list[ProcessResult], list[str], int]:
+    ray: Any, args: argparse.Namespace, resolved: ResolvedStack, options: RunOptions, run_id: str | None, report: Report
+) -> int:
     count = min(args.workers, options.sessions)
     worker_cls = ray.remote(num_cpus=1, max_restarts=0)(_Worker)
     actors = [worker_cls.remote(args.export, args.prometheus_host) for _ in range(count)]
@@ -116,12 +127,14 @@ def _run(
                 f"started {result.run.started}, peak held {result.peak}, still held {len(result.held)}, "
                 f"orphans {len(result.orphans or ())}"
             )
-        time.sleep(args.linger)  # the workers keep serving /metrics: the last values get scraped
+        code = report(results, lines, lost)
+        with contextlib.suppress(KeyboardInterrupt):  # a signal ends the wait, not the run's verdict
+            time.sleep(args.linger)  # the workers keep serving /metrics: the last values get scraped
         for actor in actors:
             with contextlib.suppress(Exception):  # a lost worker has nothing left to flush
                 for note in ray.get(actor.shutdown.remote(), timeout=10):
                     print(note, file=sys.stderr)
-        return results, lines, lost
+        return code
     finally:
         for actor in actors:
             ray.kill(actor)
