@@ -235,6 +235,7 @@ class LocalProvider:
             self._probe()
         self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, _Box] = {}
+        self._listed: set[str] = set()  # adopted only because list() found them: not this instance's to aclose
         self._watchdog = Watchdog(self._expire)
 
     def __repr__(self) -> str:
@@ -450,8 +451,13 @@ class LocalProvider:
         return _remove_box(box.outer, box.mounted, box.cgroups)
 
     async def aclose(self) -> None:
-        """Close every sandbox still open here, then raise one error naming those that failed."""
+        """Close every sandbox still open here, then raise one error naming those that failed.
+
+        Sandboxes this instance only found with ``list`` (and did not close) stay: they are their owners'.
+        """
         failures = []
+        for sandbox_id in self._listed:
+            self._boxes.pop(sandbox_id, None)
         for sandbox_id in list(self._boxes):
             try:
                 await self.close(SandboxHandle(sandbox_id, self.name))
@@ -687,6 +693,7 @@ class LocalProvider:
         if not await anyio.to_thread.run_sync(_is_real_directory, root):
             raise SandboxNotFoundError(f"LocalProvider.connect: sandbox {sandbox_id!r} no longer exists at {root}")
         await anyio.to_thread.run_sync(self._adopt, sandbox_id, outer, body)
+        self._listed.discard(sandbox_id)  # connected: this instance's to close
         return SandboxHandle(sandbox_id, self.name, {"root": str(root)})
 
     def _adopt(self, sandbox_id: str, outer: Path, record: Mapping[str, Any]) -> _Box:
@@ -728,6 +735,8 @@ class LocalProvider:
             box_metadata = {str(k): str(v) for k, v in (record.get("metadata") or {}).items()}
             if any(box_metadata.get(key) != value for key, value in wanted.items()):
                 continue
+            if sandbox_id not in self._boxes:
+                self._listed.add(sandbox_id)
             try:
                 box = self._adopt(sandbox_id, outer, record)
             except (SandboxError, ValueError, TypeError):
