@@ -140,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="port of /metrics with --export prometheus (default 9464)")  # fmt: skip
     run.add_argument("--prometheus-host", default="127.0.0.1", help="address of /metrics (default 127.0.0.1)")
     run.add_argument("--linger", type=_seconds, default=0.0, help="seconds to keep exporting after the run")
-    run.add_argument("--faults", default="", help="inject provider faults, e.g. create=0.1,close=0.05,exec=0.01")
+    run.add_argument("--faults", default="",
+                     help="inject provider faults, e.g. create=0.1,close=0.05,exec=0.01,lost_create=0.1")  # fmt: skip
     run.add_argument("--seed", type=_integer(), default=None, help="seed of the fault injector (printed when random)")
     run.add_argument(
         "--think",
