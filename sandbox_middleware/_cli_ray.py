@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from ._config import ResolvedStack
 __all__ = ["run_on_ray"]
 
 _CONNECT_TIMEOUT_S = 120.0
+_PROBE_TIMEOUT_S = 5.0
 
 
 class _Worker:
@@ -36,8 +38,6 @@ class _Worker:
         self.telemetry = start_telemetry(export, metrics_host, 0)  # port 0: a free one, listed by the driver
 
     def where(self) -> tuple[str, int, int | None]:
-        import socket
-
         return socket.gethostname(), os.getpid(), self.telemetry.metrics_port
 
     def run(self, resolved: ResolvedStack, options: RunOptions) -> ProcessResult:
@@ -63,6 +63,20 @@ def _import_ray(address: str) -> Any:
     return ray
 
 
+def _check_reachable(address: str) -> None:
+    """Fail fast on a host:port where no Ray head listens (ray.init would retry for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", or a ray:// client address: Ray resolves it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        raise UsageError(
+            f"argument --ray: cannot connect to a Ray cluster at {address}: {exc.strerror or exc}; start one "
+            "with `ray start --head --node-ip-address 127.0.0.1 --port PORT` or name its address (host:port)"
+        ) from exc
+
+
 def _shares(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if index < total % parts else 0) for index in range(parts)]
 
@@ -78,6 +92,7 @@ def run_on_ray(
     """Run the sessions on ``args.workers`` actors, ``report`` them, keep serving /metrics for
     ``args.linger`` seconds, and return the exit code ``report`` returned."""
     ray = _import_ray(args.ray)
+    _check_reachable(args.ray)
     env = {key: value for key, value in os.environ.items() if key.startswith("OTEL_")}
     try:
         ray.init(address=args.ray, runtime_env={"env_vars": env} if env else None, logging_level="WARNING")

@@ -3,6 +3,7 @@ crashed workers left, by id, and nothing of a live run."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from sandbox_middleware import LocalProvider, Middleware, OwnershipMiddleware, S
 
 from .test_cli import retries, row, run
 from .test_reaper import _crashed_worker
+from .vllm.server import free_port
 
 
 def _config(tmp_path: Path, base: Path) -> Path:
@@ -92,3 +94,14 @@ def test_reap_usage_errors(tmp_path: Path, sandbox_base: Path, arguments: list[s
     done = run("reap", str(_config(tmp_path, sandbox_base)), *arguments)
     assert done.returncode == 2
     assert message in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def test_ray_option_without_a_cluster_is_one_clear_error() -> None:
+    """--ray at an address where nothing listens fails at once (exit 2) naming the fix; without ray, the extra."""
+    done = run("run", "--ray", f"127.0.0.1:{free_port()}", "--sessions", "1")
+    assert done.returncode == 2
+    if importlib.util.find_spec("ray") is None:
+        assert "argument --ray: needs the 'ray' extra" in done.stderr
+    else:
+        assert "argument --ray: cannot connect to a Ray cluster at 127.0.0.1:" in done.stderr
+        assert "ray start --head" in done.stderr
