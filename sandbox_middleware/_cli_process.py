@@ -37,6 +37,8 @@ class RunOptions:
     think_s: float = 0.0
     faults: dict[str, float] = field(default_factory=dict)
     seed: int = 0
+    timeline: bool = False
+    """Record when each sandbox started and stopped (for the peak across a cluster's workers)."""
 
 
 @dataclass
@@ -117,7 +119,7 @@ def run_process(
         orphans.extend(await close_listed(provider, [(listing, reason) for listing in found],
                                           close_timeout_s=CLOSE_TIMEOUT_S))  # fmt: skip
 
-    run = RunState(options.sessions)
+    run = RunState(options.sessions, held_changes=[] if options.timeline else None)
     anyio.run(partial(workload, provider, run, concurrency=options.concurrency, commands=options.commands,
                       think_s=options.think_s, background=progress(accounting) if show_progress else None,
                       finish=close_orphans if can_look else None, handle_signals=handle_signals))  # fmt: skip
@@ -148,7 +150,7 @@ def combine(results: Sequence[ProcessResult], sessions: int) -> ProcessResult:
         run.interrupted_by = run.interrupted_by or part.run.interrupted_by
         for error, count in part.run.session_errors.items():
             run.session_errors[error] = run.session_errors.get(error, 0) + count
-    run.held_changes = sorted(change for part in results for change in part.run.held_changes)
+    run.held_changes = sorted(change for part in results for change in part.run.held_changes or ())
     peak = None
     if results and all(part.peak is not None for part in results):
         peak = max(_running_totals(run.held_changes), default=0)

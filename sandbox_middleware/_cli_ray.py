@@ -123,7 +123,7 @@ def _run(
         shares = zip(_shares(options.sessions, count), _shares(max(options.concurrency, count), count), strict=True)
         refs = [
             actor.run.remote(resolved, dataclasses.replace(options, sessions=sessions, concurrency=concurrency,
-                                                           seed=options.seed + index))
+                                                           seed=options.seed + index, timeline=True))
             for index, (actor, (sessions, concurrency)) in enumerate(zip(actors, shares, strict=True))
         ]  # fmt: skip
         results, lines, lost = [], [], 0

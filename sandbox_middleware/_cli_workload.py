@@ -49,9 +49,10 @@ class RunState:
     leftovers: list[Sandbox] = field(default_factory=list)
     """Sandboxes whose session could not close them; the cleanup pass tries again."""
     session_errors: dict[str, int] = field(default_factory=dict)
-    held_changes: list[tuple[float, int]] = field(default_factory=list)
-    """(wall time, +1 / -1) each time a session's sandbox started or stopped: a cluster's peak is
-    computed from every worker's changes merged in time order."""
+    held_changes: list[tuple[float, int]] | None = None
+    """When a list: (wall time, +1 / -1) each time a session's sandbox started or stopped, so that a
+    cluster's peak can be computed from every worker's changes merged in time order (Ray workers
+    only: it grows by two entries per session)."""
 
     @property
     def done(self) -> int:
@@ -136,7 +137,8 @@ async def _session(
     try:
         await sandbox.start()
         run.started += 1
-        run.held_changes.append((time.time(), 1))
+        if run.held_changes is not None:
+            run.held_changes.append((time.time(), 1))
         for step in range(commands):
             done = await sandbox.exec(f"echo step {step} >> result.txt && wc -c < input.txt >> result.txt")
             if done.return_code != 0:
@@ -165,7 +167,8 @@ async def _session(
 async def _stop(sandbox: Sandbox, run: RunState) -> None:
     """Stop a started sandbox (shielded, bounded) and note its release; raises what stop raised."""
     await sandbox.stop()
-    run.held_changes.append((time.time(), -1))
+    if run.held_changes is not None:
+        run.held_changes.append((time.time(), -1))
 
 
 async def _cleanup(run: RunState) -> None:
