@@ -243,6 +243,7 @@ def test_run_over_ray_aggregates_and_one_prometheus_sees_every_worker(
 def test_reap_closes_exactly_what_a_killed_worker_held(ray_address: str, tmp_path: Path, sandbox_base: Path) -> None:
     config = _config(tmp_path, sandbox_base)
     crash = {"sandbox_middleware.run_id": "crash"}
+    workdirs = set(Path(tempfile.gettempdir()).glob("sandbox-middleware-run-*"))
     running = _start(str(config), "--ray", ray_address, "--workers", "2", "--sessions", "8", "--concurrency", "8",
                      "--commands", "1", "--think", "10", "--run-id", "crash")  # fmt: skip
 
@@ -282,3 +283,8 @@ def test_reap_closes_exactly_what_a_killed_worker_held(ray_address: str, tmp_pat
     assert "LOST" in out and "sandbox-middleware reap CONFIG --run crash" in out
     assert row(out, "sessions ok / failed") == "4 / 0"
     assert _ground_truth(sandbox_base) == []
+    # The killed worker could not remove its workload directory (Ray's workers share this run's TMPDIR);
+    # the live one did.
+    left = set(Path(tempfile.gettempdir()).glob("sandbox-middleware-run-*")) - workdirs
+    assert len(left) == 1
+    shutil.rmtree(left.pop())
