@@ -44,6 +44,7 @@ from ._local_limits import (
     Limits,
     SandboxLimitError,
     Watchdog,
+    checked_limit,
     mount_tmpfs,
     positive_number,
     probe_tmpfs,
@@ -206,10 +207,8 @@ class LocalProvider:
             check_text(name, "pass_env entry")
         self._pass_env = tuple(pass_env)
         self._defaults: dict[str, float | None] = {
-            "memory_mib": positive_number(memory_mib, "memory_mib"),
-            "pids": positive_number(pids, "pids"),
-            "cpu": positive_number(cpu, "cpu"),
-            "disk_gib": positive_number(disk_gib, "disk_gib"),
+            name: checked_limit(name, value, name)
+            for name, value in (("memory_mib", memory_mib), ("pids", pids), ("cpu", cpu), ("disk_gib", disk_gib))
         }
         self._max_output = int(positive_number(max_output_bytes, "max_output_bytes", allow_none=False) or 0)
         self._max_transfer = int(positive_number(max_transfer_bytes, "max_transfer_bytes", allow_none=False) or 0)
