@@ -44,6 +44,7 @@ from ._local_limits import (
     Limits,
     SandboxLimitError,
     Watchdog,
+    as_float,
     checked_limit,
     mount_tmpfs,
     positive_number,
@@ -805,14 +806,10 @@ def _fspath(value: object, what: str) -> str:
 
 
 def _checked_timeout(timeout_s: object) -> float | None:
+    """Seconds, or None for no timeout (also for infinity, or an int too large for a float)."""
     if timeout_s is None:
         return None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
-        raise SandboxArgumentError(f"timeout_s must be a number of seconds or None, not {timeout_s!r:.80}")
-    try:
-        value = float(timeout_s)
-    except OverflowError:
-        return None  # larger than any deadline: no timeout
+    value = as_float(timeout_s, "timeout_s")
     if math.isnan(value) or value < 0:
         raise SandboxArgumentError(f"timeout_s must be a number of seconds >= 0, not {timeout_s!r:.80}")
     return None if math.isinf(value) else value

@@ -110,16 +110,21 @@ def checked_limit(name: str, value: object, what: str) -> float | None:
     return number
 
 
+def as_float(value: object, what: str) -> float:
+    """An int or float as a float (an int too large for one is infinity); else ``SandboxArgumentError``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SandboxArgumentError(f"{what} must be a number, not {type(value).__name__} ({value!r:.80})")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def positive_number(value: object, what: str, *, allow_none: bool = True, maximum: float = 2.0**53) -> float | None:
     """``value`` if it is a finite number in (0, maximum] (or None where allowed), else ``SandboxArgumentError``."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise SandboxArgumentError(f"{what} must be a number, not {type(value).__name__} ({value!r:.80})")
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
+    number = as_float(value, what)
     if not math.isfinite(number) or not 0 < number <= maximum:
         raise SandboxArgumentError(f"{what} must be a finite number above 0 and at most {maximum:g}, not {value!r:.80}")
     return number
