@@ -207,14 +207,17 @@ def _run_command(args: argparse.Namespace) -> int:
         if show_progress:
             draw(run, accounting, final=True)
         held = accounting.held() if accounting is not None else []
+        truly_alive = sorted(injector[0].alive) if injector else []
+        verdict = _exit_code(run, leaked=bool(held or truly_alive))
         title = (f"sandbox-middleware run: {args.sessions} sessions, concurrency {args.concurrency}, "
                  f"{args.commands} commands each, provider {resolved.provider.name}")  # fmt: skip
-        print(table(title, run, telemetry.table_reader, accounting, held), flush=True)
-        truly_alive = sorted(injector[0].alive) if injector else []
-        if truly_alive:
-            print(f"the provider still holds {len(truly_alive)} sandbox(es): {', '.join(truly_alive)}", flush=True)
-        _linger(args.linger)
-        return _exit_code(run, leaked=bool(held or truly_alive))
+        # The verdict is in: from here a signal ends the report or the linger, never changes the exit code.
+        with contextlib.suppress(KeyboardInterrupt, _Interrupted):
+            print(table(title, run, telemetry.table_reader, accounting, held), flush=True)
+            if truly_alive:
+                print(f"the provider still holds {len(truly_alive)} sandbox(es): {', '.join(truly_alive)}", flush=True)
+            time.sleep(args.linger)  # keep exporting
+        return verdict
     finally:
         for note in telemetry.shutdown():
             print(note, file=sys.stderr)
@@ -226,12 +229,6 @@ def _exit_code(run: RunState, *, leaked: bool) -> int:
     if run.interrupted_by is not None:
         return 128 + run.interrupted_by
     return EXIT_SESSIONS_FAILED if run.failed else EXIT_OK
-
-
-def _linger(seconds: float) -> None:
-    """Keep exporting for ``seconds``; a signal ends the wait, not the run's verdict."""
-    with contextlib.suppress(KeyboardInterrupt, _Interrupted):
-        time.sleep(seconds)
 
 
 def _find_accounting(provider: Any) -> ReleaseAccountingMiddleware | None:
