@@ -195,6 +195,39 @@ async def test_message_and_inline_conflict(mutate: Any, field: str) -> None:
         await complete(response)
 
 
+async def test_lower_source_without_log_probabilities_is_cross_checked_not_required() -> None:
+    """A complete message bundle beside vLLM inline ids with no logprobs (return_token_ids with
+    logprobs=false, through a proxy that adds the bundle) is accepted: the inline ids are checked
+    against the bundle and their missing log probabilities are not an error, since they did not win."""
+    response = message_bundle_response()
+    response["prompt_token_ids"] = list(INLINE["prompt_token_ids"])
+    response["choices"][0]["token_ids"] = list(INLINE["choices"][0]["token_ids"])
+    completion = await complete(response)
+    assert completion.bundle.source == "message"
+    assert completion.bundle.generation_token_ids == INLINE["choices"][0]["token_ids"]
+    response["choices"][0]["token_ids"][3] += 1
+    with pytest.raises(ConflictingTokenMetadataError, match=r"'message' source and the 'vllm' source .* at index 3"):
+        await complete(response)
+
+
+async def test_lower_partial_source_is_checked_on_what_it_carries() -> None:
+    """Inline prompt ids alone (no choice.token_ids) below a message bundle: compared, not an error."""
+    response = message_bundle_response()
+    response["prompt_token_ids"] = list(INLINE["prompt_token_ids"])
+    assert (await complete(response)).bundle.source == "message"
+    response["prompt_token_ids"][0] += 1
+    with pytest.raises(ConflictingTokenMetadataError, match=r"prompt_token_ids: .* at index 0"):
+        await complete(response)
+
+
+async def test_incomplete_winning_source_is_an_error() -> None:
+    """Inline ids that win (no bundle on the message) but lack log probabilities: MissingTokenMetadataError."""
+    response = copy.deepcopy(INLINE)
+    del response["choices"][0]["logprobs"]
+    with pytest.raises(MissingTokenMetadataError, match=r"inline ids but no choices\[0\]\.logprobs\.content"):
+        await complete(response)
+
+
 async def test_inline_ids_must_equal_logprob_ids() -> None:
     """choice.token_ids that differ from the logprob tokens are a conflict, at the first differing index."""
     response = copy.deepcopy(INLINE)

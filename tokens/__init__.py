@@ -4,6 +4,7 @@ from ._bundle import TokenBundle, TokenCompletion
 from ._chain import (
     DEFAULT_CHAIN,
     LOG_PROB_FLOOR,
+    Candidate,
     DynamoSource,
     Exchange,
     Handler,
@@ -22,24 +23,30 @@ from ._chain import (
     require_bundle,
 )
 from ._client import RetryPolicy, TokenClient, prepare_request, server_root
-from ._decode import DecodedResponse, MalformedResponseError, decode_response
+from ._decode import MAX_TOKEN_ID, DecodedResponse, decode_response
 from ._errors import (
     ConflictingTokenMetadataError,
     ContextLengthExceededError,
+    MalformedResponseError,
     MalformedTokenMetadataError,
     MissingTokenMetadataError,
     PartialTokenMetadataError,
+    ResponseTooLargeError,
     ServerResponseError,
     TokenCaptureError,
     TokenIdsIgnoredError,
     TokensError,
     UnsupportedRequestError,
 )
+from ._http import DEFAULT_MAX_RESPONSE_BYTES
 from ._trajectory import Drift, DriftPolicy, Segment, Trajectory, TrajectoryDriftError
 
 __all__ = [
     "DEFAULT_CHAIN",
+    "DEFAULT_MAX_RESPONSE_BYTES",
     "LOG_PROB_FLOOR",
+    "MAX_TOKEN_ID",
+    "Candidate",
     "ConflictingTokenMetadataError",
     "ContextLengthExceededError",
     "DecodedResponse",
@@ -55,6 +62,7 @@ __all__ = [
     "MessageBundleSource",
     "MissingTokenMetadataError",
     "PartialTokenMetadataError",
+    "ResponseTooLargeError",
     "RetryPolicy",
     "SGLangSource",
     "Segment",

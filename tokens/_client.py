@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import email.utils
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,24 +15,13 @@ import stamina
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import Span, TracerProvider
 
-from sandbox_middleware._telemetry import (
-    ERROR_TYPE_ATTR,
-    Instruments,
-    Tracing,
-    error_type,
-    record_error,
-    safely,
-)
+from _shared_telemetry import ERROR_TYPE_ATTR, Instruments, Tracing, error_type, guarded_span, safely
 
 from ._bundle import TokenBundle, TokenCompletion
 from ._chain import DEFAULT_CHAIN, ChainEntry, Exchange, build_chain
-from ._decode import decode_response
-from ._errors import (
-    ContextLengthExceededError,
-    MalformedTokenMetadataError,
-    ServerResponseError,
-    UnsupportedRequestError,
-)
+from ._decode import decode_response, decode_tokenize
+from ._errors import ServerResponseError, UnsupportedRequestError
+from ._http import ACCEPT_ENCODING, DEFAULT_MAX_RESPONSE_BYTES, read_body, redact, strip_credentials
 from ._telemetry import SCOPE, SOURCE_ATTR, TokenInstruments
 
 __all__ = ["RetryPolicy", "TokenClient", "prepare_request", "server_root"]
@@ -42,7 +30,6 @@ __all__ = ["RetryPolicy", "TokenClient", "prepare_request", "server_root"]
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 SPAN_NAME = "tokens.chat_completion"
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-_ids = msgspec.json.Decoder(list[int])
 
 
 @dataclass(frozen=True)
@@ -90,43 +77,6 @@ def prepare_request(body: Mapping[str, Any], *, request_token_ids: bool) -> dict
     return sent
 
 
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        return max(0.0, when.timestamp() - time.time())
-
-
-def _error_from(response: httpx.Response, what: str) -> ServerResponseError:
-    try:
-        body: Any = response.json()
-    except ValueError:
-        body = response.text
-    detail = body.get("error", body) if isinstance(body, dict) else body
-    message = detail.get("message") if isinstance(detail, dict) else None
-    text = str(message if message is not None else body)[:2000]
-    status = response.status_code
-    if status == 400 and (
-        "context length" in text or (isinstance(detail, dict) and detail.get("param") == "input_tokens")
-    ):
-        return ContextLengthExceededError(
-            f"{what}: the prompt does not fit the model's context: {text}", status_code=status, body=body
-        )
-    return ServerResponseError(
-        f"{what}: HTTP {status} from {response.request.url}: {text}",
-        status_code=status,
-        body=body,
-        retry_after=_retry_after(response) if status == 429 else None,
-    )
-
-
 class TokenClient:
     """An async client for OpenAI-compatible chat completions that returns exact token bundles.
 
@@ -141,6 +91,12 @@ class TokenClient:
     connect). Transient failures
     are retried per ``retry`` (``None`` disables retries). When inline ids were requested but the
     server sent none, ``TokenIdsIgnoredError`` is raised unless ``allow_tokenize_fallback``.
+
+    Hostile servers: each body (completion and ``/tokenize``) is read up to ``max_response_bytes``
+    after decompression (``ResponseTooLargeError`` beyond; default 64 MiB, see
+    ``DEFAULT_MAX_RESPONSE_BYTES``); a redirect is a ``ServerResponseError``, never followed; a
+    ``user:password@`` in ``base_url`` is sent as basic auth and never appears in a URL, a message,
+    a span or a log.
 
     Telemetry (``meter_provider`` / ``tracer_provider``, default the global ones):
     ``tokens.capture.source_total`` by ``tokens.source``, ``tokens.capture.error_total`` by
@@ -159,18 +115,26 @@ class TokenClient:
         timeout: httpx.Timeout | float | None = None,
         retry: RetryPolicy | None = RetryPolicy(),
         allow_tokenize_fallback: bool = False,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         meter_provider: MeterProvider | None = None,
         tracer_provider: TracerProvider | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(
-                f"TokenClient: base_url must be an http(s) URL such as http://host:8000/v1, not {base_url!r}"
+                "TokenClient: base_url must be an http(s) URL such as http://host:8000/v1, "
+                f"not {redact(repr(base_url))}"
             )
+        if isinstance(max_response_bytes, bool) or not isinstance(max_response_bytes, int) or max_response_bytes < 1:
+            raise ValueError(f"TokenClient: max_response_bytes must be a positive int, not {max_response_bytes!r}")
+        base_url, self._auth = strip_credentials(base_url)
         self.base_url = base_url.rstrip("/")
         self.tokenize_url = server_root(base_url) + "/tokenize"
         self.request_prompt_and_generation_token_ids = request_prompt_and_generation_token_ids
         self.retry = retry
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.max_response_bytes = max_response_bytes
+        self._headers = {"Content-Type": "application/json", "Accept-Encoding": ACCEPT_ENCODING}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
         self._owns_client = http_client is None
         # No timeout given: ours for a client we make, the injected client's own for one passed in.
         self._http = http_client if http_client is not None else httpx.AsyncClient(timeout=timeout or DEFAULT_TIMEOUT)
@@ -193,14 +157,14 @@ class TokenClient:
 
     async def _post(self, url: str, body: Mapping[str, Any], what: str) -> bytes:
         """POST ``body``; the raw response bytes on 2xx, a typed error otherwise, retried per policy."""
-        payload = msgspec.json.encode(body)
-        headers = {**self._headers, "Content-Type": "application/json"}
+        request = self._http.build_request(
+            "POST", url, content=msgspec.json.encode(body), headers=self._headers, timeout=self._timeout
+        )
 
         async def once() -> bytes:
-            response = await self._http.post(url, content=payload, headers=headers, timeout=self._timeout)
-            if response.status_code >= 400:
-                raise _error_from(response, what)
-            return response.content
+            auth: Any = self._auth if self._auth is not None else httpx.USE_CLIENT_DEFAULT
+            response = await self._http.send(request, stream=True, auth=auth, follow_redirects=False)
+            return await read_body(response, what, self.max_response_bytes)
 
         policy = self.retry
         if policy is None:
@@ -225,14 +189,7 @@ class TokenClient:
         if instruments is not None:
             elapsed_ms = (time.perf_counter() - started) * 1000.0
             safely("tokens.tokenize_fallback.duration_ms", instruments.tokenize_ms.record, elapsed_ms)
-        try:
-            tokens = msgspec.json.decode(data, type=dict[str, msgspec.Raw]).get("tokens")
-            if tokens is None:
-                raise MalformedTokenMetadataError("/tokenize response has no 'tokens' list")
-            result: list[int] = _ids.decode(tokens)
-        except msgspec.MsgspecError as exc:
-            raise MalformedTokenMetadataError(f"/tokenize response: 'tokens' is not a list of ids ({exc})") from exc
-        return result
+        return decode_tokenize(data)
 
     async def chat_completion(self, **body: Any) -> TokenCompletion:
         """Post a chat completion; the response with its bundle on ``choices[0].message``."""
@@ -240,13 +197,10 @@ class TokenClient:
         tracer = self._tracing.get()
         if tracer is None:
             return await self._complete(request)
-        with tracer.start_as_current_span(SPAN_NAME, record_exception=False, set_status_on_exception=False) as span:
-            try:
-                completion = await self._complete(request)
-            except Exception as exc:
-                safely(SPAN_NAME, record_error, span, exc)
-                raise
-            safely(SPAN_NAME, _mark_bundle, span, completion.bundle)
+        with guarded_span(tracer, SPAN_NAME) as span:
+            completion = await self._complete(request)
+            if span is not None:
+                safely(SPAN_NAME, _mark_bundle, span, completion.bundle)
             return completion
 
     async def _complete(self, request: dict[str, Any]) -> TokenCompletion:
