@@ -12,7 +12,6 @@ import sys
 import textwrap
 import zlib
 from collections.abc import AsyncIterator, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,15 +30,10 @@ from tokens import (
     TokenClient,
 )
 
+from .token_samples import BASE, CHAT, INLINE, LOGPROBS_ONLY, TOKENIZE, TOKENIZED
+
 pytestmark = pytest.mark.anyio
 
-FIXTURES = Path(__file__).parent / "fixtures" / "vllm-0.32"
-BASE = "http://vllm.test:8000/v1"
-CHAT = "http://vllm.test:8000/v1/chat/completions"
-TOKENIZE = "http://vllm.test:8000/tokenize"
-INLINE = json.loads((FIXTURES / "chat_inline_ids.response.json").read_text())
-LOGPROBS_ONLY = json.loads((FIXTURES / "chat_logprobs_only.response.json").read_text())
-TOKENIZED = json.loads((FIXTURES / "tokenize_chat.response.json").read_text())
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
 

@@ -1,6 +1,7 @@
 """Token capture for OpenAI-compatible chat completions: exact ids and log probabilities for RL."""
 
 from ._bundle import TokenBundle, TokenCompletion
+from ._capture import prepare_request, server_root
 from ._chain import (
     DEFAULT_CHAIN,
     LOG_PROB_FLOOR,
@@ -22,7 +23,7 @@ from ._chain import (
     extract_vllm_inline,
     require_bundle,
 )
-from ._client import RetryPolicy, TokenClient, prepare_request, server_root
+from ._client import RetryPolicy, TokenClient
 from ._decode import MAX_TOKEN_ID, DecodedResponse, decode_response
 from ._errors import (
     ConflictingTokenMetadataError,
@@ -40,6 +41,7 @@ from ._errors import (
 )
 from ._http import DEFAULT_MAX_RESPONSE_BYTES
 from ._trajectory import Drift, DriftPolicy, Segment, Trajectory, TrajectoryDriftError
+from ._transport import TokenCaptureTransport
 
 __all__ = [
     "DEFAULT_CHAIN",
@@ -69,6 +71,7 @@ __all__ = [
     "ServerResponseError",
     "TokenBundle",
     "TokenCaptureError",
+    "TokenCaptureTransport",
     "TokenClient",
     "TokenCompletion",
     "TokenIdsIgnoredError",

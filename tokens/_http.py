@@ -19,7 +19,7 @@ import msgspec
 
 from ._errors import ContextLengthExceededError, MalformedResponseError, ResponseTooLargeError, ServerResponseError
 
-__all__ = ["ACCEPT_ENCODING", "DEFAULT_MAX_RESPONSE_BYTES", "read_body", "redact", "strip_credentials"]
+__all__ = ["ACCEPT_ENCODING", "DEFAULT_MAX_RESPONSE_BYTES", "check_limit", "read_body", "redact", "strip_credentials"]
 
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 2**20
 """64 MiB. vLLM's answer to a 131,072-token prompt with 32,768 generated tokens, inline ids and
@@ -32,6 +32,13 @@ _ERROR_BODY_BYTES = 64 * 2**10  # an error's body is read only this far (message
 
 
 _URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]*@")
+
+
+def check_limit(owner: str, max_response_bytes: int) -> int:
+    """``max_response_bytes`` if it is a positive int; ``ValueError`` naming ``owner`` otherwise."""
+    if isinstance(max_response_bytes, bool) or not isinstance(max_response_bytes, int) or max_response_bytes < 1:
+        raise ValueError(f"{owner}: max_response_bytes must be a positive int, not {max_response_bytes!r}")
+    return max_response_bytes
 
 
 def redact(text: str | httpx.URL) -> str:
@@ -91,6 +98,10 @@ async def read_body(response: httpx.Response, what: str, limit: int) -> bytes:
 
 
 async def _read(response: httpx.Response, what: str, limit: int, *, truncate: bool) -> bytes:
+    if response.is_stream_consumed:  # built in memory, already read and decoded (httpx.MockTransport)
+        if len(response.content) > limit and not truncate:
+            raise _too_large(response, what, limit, "the body is larger")
+        return response.content[:limit]
     encoding = response.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("identity", "", "gzip", "deflate"):
         raise MalformedResponseError(

@@ -1,0 +1,113 @@
+"""``TokenCaptureTransport``: token capture inside any httpx-based client, the OpenAI SDK included."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import httpx
+import msgspec
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.trace import TracerProvider
+
+from ._capture import Capture, server_root
+from ._chain import ChainEntry
+from ._http import ACCEPT_ENCODING, DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body
+
+__all__ = ["TokenCaptureTransport"]
+
+CHAT_PATH = "/chat/completions"
+# Headers of the server's answer that describe bytes we replace (the body is re-encoded, uncompressed).
+_BODY_HEADERS = ("content-encoding", "content-length", "transfer-encoding")
+
+
+class TokenCaptureTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that captures token bundles from the chat completions passing through it.
+
+    ``inner`` (default: a plain ``httpx.AsyncHTTPTransport``) does the I/O. On a ``POST .../chat/completions``
+    the request is prepared as ``TokenClient`` prepares it (logprobs forced on, ``return_token_ids``
+    with ``request_prompt_and_generation_token_ids``) and the answer goes through the same
+    extraction chain (same machinery, same options, same telemetry). The response handed back
+    carries each choice's bundle on its message (``prompt_token_ids``, ``generation_token_ids``,
+    ``generation_log_probs``) with the transport fields removed, so the OpenAI SDK's
+    ``completion.choices[0].message.generation_token_ids`` holds the exact ids. ``/tokenize``, when
+    the fallback is needed, goes through ``inner`` with the request's headers (its credentials).
+
+    Everything else passes through untouched, and so does an HTTP error answer to a completion
+    (4xx, 5xx), for the client to raise and retry as it always does; a redirect is refused
+    (``ServerResponseError``), never followed. A capture failure is raised from the transport as
+    the typed ``tokens`` error: the OpenAI SDK wraps it as ``openai.APIConnectionError`` whose
+    ``__cause__`` is that error (and retries it like a connection error, per its ``max_retries``).
+    """
+
+    def __init__(
+        self,
+        inner: httpx.AsyncBaseTransport | None = None,
+        *,
+        request_prompt_and_generation_token_ids: bool = False,
+        middleware: Sequence[ChainEntry] | None = None,
+        allow_tokenize_fallback: bool = False,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        meter_provider: MeterProvider | None = None,
+        tracer_provider: TracerProvider | None = None,
+    ) -> None:
+        self.inner = inner if inner is not None else httpx.AsyncHTTPTransport()
+        self.max_response_bytes = check_limit("TokenCaptureTransport", max_response_bytes)
+        self._capture = Capture(
+            request_token_ids=request_prompt_and_generation_token_ids,
+            middleware=middleware,
+            allow_tokenize_fallback=allow_tokenize_fallback,
+            meter_provider=meter_provider,
+            tracer_provider=tracer_provider,
+        )
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method != "POST" or not request.url.path.endswith(CHAT_PATH):
+            return await self.inner.handle_async_request(request)
+        try:
+            body = msgspec.json.decode(await request.aread())
+        except (msgspec.MsgspecError, RecursionError):
+            return await self.inner.handle_async_request(request)  # not JSON: the server will say so
+        if not isinstance(body, dict):
+            return await self.inner.handle_async_request(request)
+        sent = self._capture.prepare(body)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("content-length", "accept-encoding")}
+        headers["accept-encoding"] = ACCEPT_ENCODING
+        prepared = httpx.Request(
+            "POST", request.url, headers=headers, content=msgspec.json.encode(sent), extensions=request.extensions
+        )
+        answer: list[httpx.Response] = []
+
+        async def fetch() -> bytes | None:
+            response = await self.inner.handle_async_request(prepared)
+            response.request = prepared
+            answer.append(response)
+            if response.status_code >= 400:
+                return None  # the client raises (and retries) HTTP errors as it always does
+            return await read_body(response, "chat completion", self.max_response_bytes)
+
+        root = server_root(str(request.url.copy_with(query=None))[: -len(CHAT_PATH)])
+        post = partial(self._post, headers)
+        completion = await self._capture.complete(
+            sent, fetch, partial(self._capture.tokenize, post, root + "/tokenize")
+        )
+        response = answer[0]
+        if completion is None:
+            return response
+        kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _BODY_HEADERS]
+        return httpx.Response(
+            response.status_code,
+            headers=kept,
+            content=msgspec.json.encode(completion.response),
+            extensions=response.extensions,
+        )
+
+    async def _post(self, headers: Mapping[str, str], url: str, body: Mapping[str, Any], what: str) -> bytes:
+        request = httpx.Request("POST", url, headers=headers, content=msgspec.json.encode(body))
+        response = await self.inner.handle_async_request(request)
+        response.request = request
+        return await read_body(response, what, self.max_response_bytes)
