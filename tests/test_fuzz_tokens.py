@@ -23,6 +23,7 @@ SAMPLES = [
         "vllm-0.32/chat_inline_ids.response.json",
         "vllm-0.32/chat_logprobs_only.response.json",
         "vllm-0.32/chat_turn2.response.json",
+        "vllm-0.32/chat_n2_inline_ids.response.json",
         "dynamo/chat_engine_data.response.json",
         "sglang/chat_return_token_ids.response.json",
     )
@@ -76,12 +77,14 @@ def check(data: bytes | str, request: dict[str, Any]) -> None:
             completion = await client.extract(request, data)
         except TokenCaptureError:
             return
-        bundle = completion.bundle
-        assert len(bundle.generation_token_ids) == len(bundle.generation_log_probs)
-        assert all(type(i) is int and 0 <= i <= MAX_TOKEN_ID for i in bundle.prompt_token_ids)
-        assert all(type(i) is int and 0 <= i <= MAX_TOKEN_ID for i in bundle.generation_token_ids)
-        assert all(type(x) is float and math.isfinite(x) for x in bundle.generation_log_probs)
-        assert completion.response["choices"][0]["message"]["generation_token_ids"] is bundle.generation_token_ids
+        assert len(completion.bundles) == len(completion.response["choices"])
+        for bundle, choice in zip(completion.bundles, completion.response["choices"], strict=True):
+            assert len(bundle.generation_token_ids) == len(bundle.generation_log_probs)
+            assert all(type(i) is int and 0 <= i <= MAX_TOKEN_ID for i in bundle.prompt_token_ids)
+            assert all(type(i) is int and 0 <= i <= MAX_TOKEN_ID for i in bundle.generation_token_ids)
+            assert all(type(x) is float and math.isfinite(x) for x in bundle.generation_log_probs)
+            assert choice["message"]["generation_token_ids"] is bundle.generation_token_ids
+            assert bundle.prompt_token_ids == completion.bundle.prompt_token_ids
 
     anyio.run(run)
 
@@ -127,8 +130,9 @@ def test_arbitrary_choice(capsys: pytest.CaptureFixture[str]) -> None:
 
 # Where the token metadata lives in the samples: mutations aim here, so most examples are real
 # responses with a damaged token source, not bodies rejected before extraction.
-TOKEN_ROOTS = (("prompt_token_ids",), ("choices", 0, "token_ids"), ("choices", 0, "prompt_token_ids"),
-               ("choices", 0, "logprobs"), ("choices", 0, "message"), ("nvext", "engine_data"), ("usage",))  # fmt: skip
+TOKEN_ROOTS = (("prompt_token_ids",), ("nvext", "engine_data"), ("usage",),
+               *(("choices", i, key) for i in (0, 1) for key in ("token_ids", "prompt_token_ids", "logprobs",
+                                                                  "message")))  # fmt: skip
 
 
 def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

@@ -377,9 +377,12 @@ async def test_request_knobs_forced(server: respx.MockRouter, top_logprobs: Any,
     assert sent["messages"] == REQUEST["messages"] and sent["max_tokens"] == REQUEST["max_tokens"]
 
 
-@pytest.mark.parametrize(("extra", "match"), [({"n": 2}, "n=2"), ({"n": True}, "n=True"), ({"stream": True}, "stream")])
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [({"n": 0}, "n=0"), ({"n": True}, "n=True"), ({"n": "2"}, "n='2'"), ({"stream": True}, "stream")],
+)
 async def test_unsupported_requests_send_nothing(server: respx.MockRouter, extra: dict[str, Any], match: str) -> None:
-    """n other than 1 and streaming are refused before any request."""
+    """An n that is not a positive int, and streaming, are refused before any request."""
     chat = server.post(CHAT).mock(return_value=httpx.Response(200, json=INLINE))
     async with TokenClient(BASE) as client:
         with pytest.raises(UnsupportedRequestError, match=match):

@@ -18,12 +18,12 @@ from opentelemetry.trace import Span, TracerProvider
 from _shared_telemetry import ERROR_TYPE_ATTR, Instruments, Tracing, error_type, guarded_span, safely
 
 from ._bundle import TokenBundle, TokenCompletion
-from ._chain import DEFAULT_CHAIN, ChainEntry, Exchange, build_chain
+from ._chain import DEFAULT_CHAIN, ChainEntry, Exchange, TokenizeFn, build_chain
 from ._decode import decode_response, decode_tokenize
-from ._errors import UnsupportedRequestError
+from ._errors import ConflictingTokenMetadataError, UnsupportedRequestError
 from ._telemetry import SCOPE, SOURCE_ATTR, TokenInstruments
 
-__all__ = ["Capture", "Post", "attach_bundle", "prepare_request", "server_root"]
+__all__ = ["Capture", "Post", "attach_bundles", "prepare_request", "server_root"]
 
 SPAN_NAME = "tokens.chat_completion"
 
@@ -40,14 +40,12 @@ def server_root(base_url: str) -> str:
 def prepare_request(body: Mapping[str, Any], *, request_token_ids: bool) -> dict[str, Any]:
     """The request as sent: logprobs forced on, one log probability per token, token ids as tokens.
 
-    Refuses (``UnsupportedRequestError``, before anything is sent) ``n`` other than 1 and streaming.
+    Refuses (``UnsupportedRequestError``, before anything is sent) streaming and an ``n`` that is
+    not a positive int.
     """
     n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise UnsupportedRequestError(
-            f"n={n!r}: token capture supports one choice per request; send n=1 (or omit it) and "
-            "issue separate requests for several samples"
-        )
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise UnsupportedRequestError(f"n={n!r}: the number of choices must be a positive int (or omitted)")
     if body.get("stream"):
         raise UnsupportedRequestError(
             "stream=true: token capture needs the whole response; send stream=false (or omit it)"
@@ -62,16 +60,41 @@ def prepare_request(body: Mapping[str, Any], *, request_token_ids: bool) -> dict
     return sent
 
 
-def attach_bundle(body: dict[str, Any], bundle: TokenBundle) -> dict[str, Any]:
-    """Place ``bundle`` on ``body["choices"][0]["message"]`` (the transport fields are already gone)."""
-    message = body["choices"][0]["message"]
-    message["prompt_token_ids"] = bundle.prompt_token_ids
-    message["generation_token_ids"] = bundle.generation_token_ids
-    message["generation_log_probs"] = bundle.generation_log_probs
-    if bundle.routed_experts is not None:
-        message["routed_experts"] = bundle.routed_experts
-        body["choices"][0].pop("routed_experts", None)
+def attach_bundles(body: dict[str, Any], bundles: Sequence[TokenBundle]) -> dict[str, Any]:
+    """Place each bundle on its choice's message (the transport fields are already gone)."""
+    for choice, bundle in zip(body["choices"], bundles, strict=True):
+        message = choice["message"]
+        message["prompt_token_ids"] = bundle.prompt_token_ids
+        message["generation_token_ids"] = bundle.generation_token_ids
+        message["generation_log_probs"] = bundle.generation_log_probs
+        if bundle.routed_experts is not None:
+            message["routed_experts"] = bundle.routed_experts
+            choice.pop("routed_experts", None)
     return body
+
+
+def _shared_prompt(bundles: Sequence[TokenBundle]) -> None:
+    """The choices of one request share its prompt: every choice's prompt ids must equal the first's."""
+    first = bundles[0].prompt_token_ids
+    for index, bundle in enumerate(bundles[1:], 1):
+        prompt = bundle.prompt_token_ids
+        if prompt is not first and prompt != first:
+            raise ConflictingTokenMetadataError(
+                f"choices[{index}] has other prompt ids than choices[0] ({bundle.source!r} source, "
+                f"{len(prompt)} vs {len(first)} ids); the choices of one request share one prompt"
+            )
+
+
+def _once(tokenize: TokenizeFn) -> TokenizeFn:
+    """``tokenize`` called at most once (one ``/tokenize`` request for a whole group of choices)."""
+    done: list[list[int]] = []
+
+    async def call(body: Mapping[str, Any]) -> list[int]:
+        if not done:
+            done.append(await tokenize(body))
+        return done[0]
+
+    return call
 
 
 class Capture:
@@ -96,8 +119,7 @@ class Capture:
         return prepare_request(body, request_token_ids=self.request_token_ids)
 
     async def complete(
-        self, request: Mapping[str, Any], fetch: Callable[[], Awaitable[bytes | None]], tokenize: Callable[
-            [Mapping[str, Any]], Awaitable[list[int]]]
+        self, request: Mapping[str, Any], fetch: Callable[[], Awaitable[bytes | None]], tokenize: TokenizeFn
     ) -> TokenCompletion | None:  # fmt: skip
         """Fetch the completion's body and extract its bundle, in a ``tokens.chat_completion`` span.
 
@@ -110,12 +132,11 @@ class Capture:
         with guarded_span(tracer, SPAN_NAME) as span:
             completion = await self._complete(request, fetch, tokenize)
             if span is not None and completion is not None:
-                safely(SPAN_NAME, _mark_bundle, span, completion.bundle)
+                safely(SPAN_NAME, _mark, span, completion)
             return completion
 
     async def _complete(
-        self, request: Mapping[str, Any], fetch: Callable[[], Awaitable[bytes | None]], tokenize: Callable[
-            [Mapping[str, Any]], Awaitable[list[int]]]
+        self, request: Mapping[str, Any], fetch: Callable[[], Awaitable[bytes | None]], tokenize: TokenizeFn
     ) -> TokenCompletion | None:  # fmt: skip
         try:
             data = await fetch()
@@ -124,15 +145,20 @@ class Capture:
             self._count("errors", {ERROR_TYPE_ATTR: error_type(exc)})
             raise
 
-    async def extract(
-        self, request: Mapping[str, Any], data: bytes | str,
-        tokenize: Callable[[Mapping[str, Any]], Awaitable[list[int]]] | None,
-    ) -> TokenCompletion:  # fmt: skip
-        """Run a response body through the extraction chain (``tokenize`` as its fallback)."""
+    async def extract(self, request: Mapping[str, Any], data: bytes | str,
+                      tokenize: TokenizeFn | None) -> TokenCompletion:  # fmt: skip
+        """Run a response body through the extraction chain once per choice (``tokenize`` as the
+        fallback, called at most once for the group)."""
         response = decode_response(data)
-        bundle = await self._chain(Exchange(request, response, tokenize, self.allow_tokenize_fallback))
-        self._count("sources", {SOURCE_ATTR: bundle.source})
-        return TokenCompletion(attach_bundle(response.body, bundle), bundle)
+        tokenize = None if tokenize is None else _once(tokenize)
+        bundles: list[TokenBundle] = []
+        for index in range(len(response.choices)):
+            exchange = Exchange(request, response, tokenize, self.allow_tokenize_fallback, index=index, group=bundles)
+            bundles.append(await self._chain(exchange))
+        _shared_prompt(bundles)
+        for bundle in bundles:
+            self._count("sources", {SOURCE_ATTR: bundle.source})
+        return TokenCompletion(attach_bundles(response.body, bundles), tuple(bundles))
 
     async def tokenize(self, post: Post, url: str, body: Mapping[str, Any]) -> list[int]:
         """``POST url`` (a server's ``/tokenize``) with ``body`` through ``post``; the prompt ids, timed."""
@@ -150,10 +176,13 @@ class Capture:
             safely(f"tokens counter {which}", getattr(instruments, which).add, 1, attributes)
 
 
-def _mark_bundle(span: Span, bundle: TokenBundle) -> None:
+def _mark(span: Span, completion: TokenCompletion) -> None:
+    """The first choice's source and counts, and how many choices there were."""
+    bundle = completion.bundle
     span.set_attribute(SOURCE_ATTR, bundle.source)
     span.set_attribute("tokens.exact", bundle.exact)
     span.set_attribute("tokens.prompt_count", len(bundle.prompt_token_ids))
     span.set_attribute("tokens.generation_count", len(bundle.generation_token_ids))
+    span.set_attribute("tokens.choices", len(completion.bundles))
     if bundle.floored_positions:
         span.set_attribute("tokens.floored_count", len(bundle.floored_positions))

@@ -88,7 +88,8 @@ class Candidate:
 @dataclass
 class Exchange:
     """One choice of a completion as the chain sees it: the request sent, the decoded response,
-    the choice's ``index``, and the bundle found so far."""
+    the choice's ``index``, the bundle found so far and the bundles of the choices before it.
+    The chain runs once per choice, in choice order."""
 
     request: Mapping[str, Any]
     response: DecodedResponse
@@ -97,6 +98,8 @@ class Exchange:
     """Whether a request that asked for inline ids may fall back to ``/tokenize`` when none came back."""
     found: TokenBundle | None = None
     index: int = 0
+    group: Sequence[TokenBundle] = ()
+    """The bundles of the choices before this one (``n`` > 1), in choice order."""
 
     def offer(self, candidate: Candidate) -> None:
         """The first source offered wins (it must be complete); every later one must agree with it
@@ -147,6 +150,11 @@ async def require_bundle(exchange: Exchange) -> TokenBundle:
 def _routed_experts(response: DecodedResponse, index: int) -> Any:
     routed = response.choices[index].get("routed_experts")
     return routed if routed is not None else response.messages[index].get("routed_experts")
+
+
+def _id_tokens(entries: list[Any]) -> bool:
+    """Whether logprob entries carry ids (``token_id:<int>``, as requested) rather than text."""
+    return not entries or entries[0].token.startswith("token_id:")
 
 
 def _lengths_match(ids: list[int], log_probs: list[float], ids_field: str, log_probs_field: str) -> None:
@@ -204,14 +212,18 @@ def extract_vllm_inline(response: DecodedResponse, index: int = 0) -> Candidate 
         )
         return Candidate("vllm", prompt, generation, None, problem, routed)
     assert generation is not None
-    from_logprobs = response.logprob_tokens(index)
-    if from_logprobs is None:
+    entries = response.logprob_entries(index)
+    if entries is None:
         problem = MissingTokenMetadataError(
             f"the response has vLLM inline ids but no {choice}.logprobs.content for their log probabilities; "
             "request logprobs=true (TokenClient does)"
         )
         return Candidate("vllm", prompt, generation, None, problem, routed)
-    ids, log_probs = from_logprobs
+    if not _id_tokens(entries):  # tokens as text: the inline ids are the ids, logprobs give the numbers
+        log_probs = [entry.logprob for entry in entries]
+        _lengths_match(generation, log_probs, f"{choice}.token_ids", f"{choice}.logprobs.content")
+        return Candidate("vllm", prompt, generation, log_probs, None, routed)
+    ids, log_probs = response.logprob_tokens(index) or ([], [])
     _lengths_match(generation, log_probs, f"{choice}.token_ids", f"{choice}.logprobs.content")
     if ids != generation:
         where = _first_difference(generation, ids)
@@ -223,7 +235,10 @@ def extract_vllm_inline(response: DecodedResponse, index: int = 0) -> Candidate 
 
 def extract_dynamo(response: DecodedResponse, index: int = 0) -> Candidate | None:
     """NVIDIA Dynamo's ``nvext.engine_data`` (requested with ``nvext: {extra_fields: ["engine_data"]}``):
-    ``prompt_token_ids``, ``completion_token_ids`` and ``completion_logprobs``; or None."""
+    ``prompt_token_ids``, ``completion_token_ids`` and ``completion_logprobs``; or None. It describes
+    one generation, so it is read for the first choice only."""
+    if index:
+        return None
     return _three_field_source(
         response, _DYNAMO_FIELDS, "dynamo",
         "Dynamo's engine_data must have all three (is the backend old, or were log probabilities not requested?)",
@@ -335,7 +350,7 @@ class LogprobsSource(TokenMiddleware):
         response, index = exchange.response, exchange.index
         if exchange.found is not None:
             entries = response.logprob_entries(index)
-            if entries is not None and (not entries or entries[0].token.startswith("token_id:")):  # not text tokens
+            if entries is not None and _id_tokens(entries):  # text tokens: nothing to compare ids with
                 ids, log_probs = response.logprob_tokens(index) or ([], [])
                 exchange.offer(Candidate("logprobs", None, ids, log_probs))
             return await self.inner(exchange)
@@ -362,23 +377,27 @@ LOG_PROB_FLOOR = -9999.0
 
 
 class UsageCheck(TokenMiddleware):
-    """After extraction: ``usage.prompt_tokens`` / ``usage.completion_tokens``, when present, must
-    equal the bundle's list lengths (``ConflictingTokenMetadataError``)."""
+    """After extraction: ``usage.prompt_tokens``, when present, must equal each choice's prompt
+    length, and ``usage.completion_tokens`` the generated ids of all choices together (checked at
+    the last choice); ``ConflictingTokenMetadataError`` otherwise."""
 
     async def __call__(self, exchange: Exchange) -> TokenBundle:
         bundle = await self.inner(exchange)
         usage = exchange.response.body.get("usage")
-        if isinstance(usage, dict):
-            for key, ids in (
-                ("prompt_tokens", bundle.prompt_token_ids),
-                ("completion_tokens", bundle.generation_token_ids),
-            ):
-                count = usage.get(key)
-                if isinstance(count, int) and not isinstance(count, bool) and count != len(ids):
-                    raise ConflictingTokenMetadataError(
-                        f"usage.{key} is {count} but the {bundle.source!r} source has {len(ids)} ids; the server's "
-                        "accounting and its token lists disagree"
-                    )
+        if not isinstance(usage, dict):
+            return bundle
+        checks = [("prompt_tokens", len(bundle.prompt_token_ids), "ids")]
+        if exchange.index == len(exchange.response.choices) - 1:
+            generated = len(bundle.generation_token_ids) + sum(len(b.generation_token_ids) for b in exchange.group)
+            where = "ids" if exchange.index == 0 else f"generated ids over {exchange.index + 1} choices"
+            checks.append(("completion_tokens", generated, where))
+        for key, length, what in checks:
+            count = usage.get(key)
+            if isinstance(count, int) and not isinstance(count, bool) and count != length:
+                raise ConflictingTokenMetadataError(
+                    f"usage.{key} is {count} but the {bundle.source!r} source has {length} {what}; the server's "
+                    "accounting and its token lists disagree"
+                )
         return bundle
 
 

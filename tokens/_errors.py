@@ -25,7 +25,7 @@ class TokensError(Exception):
 
 
 class UnsupportedRequestError(TokensError):
-    """The request asks for something token capture cannot serve (``n`` > 1, streaming); nothing was sent."""
+    """The request asks for something token capture cannot serve (streaming, a bad ``n``); nothing was sent."""
 
 
 class ServerResponseError(TokensError):
