@@ -40,6 +40,7 @@ from ._errors import (
     UnsupportedRequestError,
 )
 from ._http import DEFAULT_MAX_RESPONSE_BYTES
+from ._stream import TokenStream
 from ._trajectory import Drift, DriftPolicy, Segment, Trajectory, TrajectoryDriftError
 from ._transport import TokenCaptureTransport
 
@@ -76,6 +77,7 @@ __all__ = [
     "TokenCompletion",
     "TokenIdsIgnoredError",
     "TokenMiddleware",
+    "TokenStream",
     "TokensError",
     "Trajectory",
     "TrajectoryDriftError",

@@ -37,20 +37,25 @@ def server_root(base_url: str) -> str:
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
-def prepare_request(body: Mapping[str, Any], *, request_token_ids: bool) -> dict[str, Any]:
-    """The request as sent: logprobs forced on, one log probability per token, token ids as tokens.
+def prepare_request(body: Mapping[str, Any], *, request_token_ids: bool, streaming: bool = False) -> dict[str, Any]:
+    """The request as sent: logprobs forced on, one log probability per token, token ids as tokens;
+    for a stream (``streaming``), the final usage chunk too (it carries the bundles).
 
-    Refuses (``UnsupportedRequestError``, before anything is sent) streaming and an ``n`` that is
-    not a positive int.
+    Refuses (``UnsupportedRequestError``, before anything is sent) an ``n`` that is not a positive
+    int, and ``stream: true`` unless ``streaming``.
     """
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise UnsupportedRequestError(f"n={n!r}: the number of choices must be a positive int (or omitted)")
-    if body.get("stream"):
-        raise UnsupportedRequestError(
-            "stream=true: token capture needs the whole response; send stream=false (or omit it)"
-        )
     sent = dict(body)
+    if body.get("stream"):
+        if not streaming:
+            raise UnsupportedRequestError(
+                "stream=true: this call returns whole completions; send stream=false (or omit it), or stream "
+                "through TokenCaptureTransport"
+            )
+        options = body.get("stream_options")
+        sent["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     sent.pop("prompt_logprobs", None)
     sent["logprobs"] = True
     sent["top_logprobs"] = 0
@@ -115,8 +120,8 @@ class Capture:
         self._instruments = Instruments(TokenInstruments.create, meter_provider, SCOPE)
         self._tracing = Tracing(tracer_provider, SCOPE)
 
-    def prepare(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        return prepare_request(body, request_token_ids=self.request_token_ids)
+    def prepare(self, body: Mapping[str, Any], *, streaming: bool = False) -> dict[str, Any]:
+        return prepare_request(body, request_token_ids=self.request_token_ids, streaming=streaming)
 
     async def complete(
         self, request: Mapping[str, Any], fetch: Callable[[], Awaitable[bytes | None]], tokenize: TokenizeFn

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
@@ -20,6 +21,7 @@ from ._capture import Capture, server_root
 from ._chain import ChainEntry
 from ._errors import ServerResponseError
 from ._http import ACCEPT_ENCODING, DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body, redact, strip_credentials
+from ._stream import TokenStream, capture_stream
 
 __all__ = ["RetryPolicy", "TokenClient"]
 
@@ -158,6 +160,23 @@ class TokenClient:
         completion = await self._capture.complete(request, fetch, self.tokenize)
         assert completion is not None  # _post raises on every answer it does not return
         return completion
+
+    @contextlib.asynccontextmanager
+    async def stream_chat_completion(self, **body: Any) -> AsyncIterator[TokenStream]:
+        """Stream a chat completion (``stream: true`` is set): ``async with`` it, iterate the chunks
+        as they arrive, then read ``stream.completion`` for the bundles. Not retried."""
+        request = self._capture.prepare({**body, "stream": True}, streaming=True)
+        sent = self._http.build_request(
+            "POST", self.base_url + "/chat/completions", content=msgspec.json.encode(request),
+            headers={**self._headers, "Accept-Encoding": "identity"}, timeout=self._timeout,
+        )  # fmt: skip
+        auth: Any = self._auth if self._auth is not None else httpx.USE_CLIENT_DEFAULT
+        response = await self._http.send(sent, stream=True, auth=auth, follow_redirects=False)
+        try:
+            yield TokenStream(await capture_stream(response, request, self._capture, self.tokenize,
+                                                   self.max_response_bytes))  # fmt: skip
+        finally:
+            await response.aclose()
 
     async def extract(self, request: Mapping[str, Any], data: bytes | str) -> TokenCompletion:
         """Run a response body through the extraction chain (``/tokenize`` as its fallback)."""

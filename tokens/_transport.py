@@ -12,8 +12,9 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
 from ._capture import Capture, server_root
-from ._chain import ChainEntry
+from ._chain import ChainEntry, TokenizeFn
 from ._http import ACCEPT_ENCODING, DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body
+from ._stream import capture_stream
 
 __all__ = ["TokenCaptureTransport"]
 
@@ -74,12 +75,17 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
             return await self.inner.handle_async_request(request)  # not JSON: the server will say so
         if not isinstance(body, dict):
             return await self.inner.handle_async_request(request)
-        sent = self._capture.prepare(body)
+        streaming = bool(body.get("stream"))
+        sent = self._capture.prepare(body, streaming=streaming)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("content-length", "accept-encoding")}
-        headers["accept-encoding"] = ACCEPT_ENCODING
+        headers["accept-encoding"] = "identity" if streaming else ACCEPT_ENCODING
         prepared = httpx.Request(
             "POST", request.url, headers=headers, content=msgspec.json.encode(sent), extensions=request.extensions
         )
+        root = server_root(str(request.url.copy_with(query=None))[: -len(CHAT_PATH)])
+        tokenize = partial(self._capture.tokenize, partial(self._post, headers), root + "/tokenize")
+        if streaming:
+            return await self._stream(sent, prepared, tokenize)
         answer: list[httpx.Response] = []
 
         async def fetch() -> bytes | None:
@@ -105,6 +111,15 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
             content=msgspec.json.encode(completion.response),
             extensions=response.extensions,
         )
+
+    async def _stream(self, sent: dict[str, Any], prepared: httpx.Request, tokenize: TokenizeFn) -> httpx.Response:
+        response = await self.inner.handle_async_request(prepared)
+        response.request = prepared
+        if response.status_code >= 400:
+            return response  # the client raises (and retries) HTTP errors as it always does
+        stream = await capture_stream(response, sent, self._capture, tokenize, self.max_response_bytes)
+        kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _BODY_HEADERS]
+        return httpx.Response(response.status_code, headers=kept, stream=stream, extensions=response.extensions)
 
     async def _post(self, headers: Mapping[str, str], url: str, body: Mapping[str, Any], what: str) -> bytes:
         request = httpx.Request("POST", url, headers=headers, content=msgspec.json.encode(body))

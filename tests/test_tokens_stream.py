@@ -1,0 +1,147 @@
+"""Streaming through TokenCaptureTransport: every chunk passed on as it arrives, the bundles on the final chunk."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import respx
+
+from tokens import (
+    ConflictingTokenMetadataError,
+    MalformedTokenMetadataError,
+    PartialTokenMetadataError,
+    TokenCaptureTransport,
+    TokenClient,
+    TokensError,
+)
+
+from .token_samples import BASE, CHAT, FIXTURES
+
+pytestmark = pytest.mark.anyio
+
+SSE = (FIXTURES / "chat_stream_inline_ids.response.sse").read_bytes()
+EVENTS = [event + b"\n\n" for event in SSE.split(b"\n\n") if event.strip()]
+CHUNKS = [json.loads(event[6:]) for event in EVENTS if event != b"data: [DONE]\n\n"]
+MESSAGES = [{"role": "user", "content": "hi"}]
+SSE_HEADERS = {"content-type": "text/event-stream"}
+
+
+def as_id_tokens(events: list[bytes]) -> list[bytes]:
+    """The sample as a capture request gets it (return_tokens_as_token_ids): logprob tokens as token_id:<id>."""
+    out = []
+    for event in events:
+        if event.startswith(b"data: {"):
+            chunk = json.loads(event[6:])
+            for choice in chunk["choices"]:
+                if choice.get("logprobs"):
+                    for entry, token_id in zip(choice["logprobs"]["content"], choice["token_ids"], strict=True):
+                        entry["token"] = f"token_id:{token_id}"
+            event = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        out.append(event)
+    return out
+
+
+async def split_badly(events: list[bytes], log: list[str] | None = None) -> AsyncIterator[bytes]:
+    """The events, cut at awkward places (inside JSON, between the two newlines)."""
+    data = b"".join(events)
+    for start in range(0, len(data), 97):
+        if log is not None:
+            log.append(f"sent {start}")
+        yield data[start : start + 97]
+
+
+async def sdk_stream(events: list[bytes], log: list[str] | None = None) -> list[Any]:
+    transport = TokenCaptureTransport(request_prompt_and_generation_token_ids=True)
+    chunks = []
+    with respx.mock() as router:
+        route = router.post(CHAT).mock(
+            return_value=httpx.Response(200, headers=SSE_HEADERS, content=split_badly(events, log))
+        )
+        http = httpx.AsyncClient(transport=transport)
+        async with openai.AsyncOpenAI(base_url=BASE, api_key="-", http_client=http, max_retries=0) as client:
+            stream = await client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True)  # type: ignore[arg-type]
+            async for chunk in stream:
+                if log is not None:
+                    log.append("received")
+                chunks.append(chunk)
+    sent = json.loads(route.calls.last.request.content)
+    assert sent["stream"] is True and sent["stream_options"]["include_usage"] is True and sent["logprobs"] is True
+    return chunks
+
+
+async def test_sdk_stream_yields_every_chunk_then_the_bundles() -> None:
+    chunks = await sdk_stream(as_id_tokens(EVENTS))
+    assert len(chunks) == len(CHUNKS)
+    for got, sent in zip(chunks[:-1], CHUNKS[:-1], strict=True):
+        assert [c.delta.content for c in got.choices] == [c["delta"].get("content") for c in sent["choices"]]
+        assert [getattr(c, "token_ids", None) for c in got.choices] == [c.get("token_ids") for c in sent["choices"]]
+    final = chunks[-1]
+    assert final.choices == [] and final.usage is not None and final.usage.completion_tokens == 4
+    [bundle] = final.model_extra["token_bundles"]
+    assert bundle["prompt_token_ids"] == CHUNKS[0]["prompt_token_ids"]
+    assert bundle["generation_token_ids"] == [i for c in CHUNKS for ch in c["choices"] for i in ch.get("token_ids", [])]
+    assert bundle["generation_log_probs"] == [
+        e["logprob"] for c in CHUNKS for ch in c["choices"] for e in ((ch.get("logprobs") or {}).get("content") or [])
+    ]
+
+
+async def test_chunks_are_passed_on_as_they_arrive() -> None:
+    """The first chunk reaches the caller before the server has sent the rest."""
+    log: list[str] = []
+    await sdk_stream(as_id_tokens(EVENTS), log)
+    assert log.index("received") < len([entry for entry in log if entry.startswith("sent")]) - 1
+
+
+async def test_real_sample_with_text_tokens() -> None:
+    """The recorded stream itself (tokens as text): the inline ids give the bundle."""
+    chunks = await sdk_stream(EVENTS)
+    [bundle] = chunks[-1].model_extra["token_bundles"]
+    assert bundle["generation_token_ids"] == [1069, 654, 350, 831]
+
+
+async def stream_error(events: list[bytes]) -> BaseException:
+    with pytest.raises(Exception) as raised:
+        await sdk_stream(events)
+    error = raised.value
+    return error if isinstance(error, TokensError) else error.__cause__  # type: ignore[return-value]
+
+
+async def test_conflicting_stream_raises_the_typed_error_through_the_sdk() -> None:
+    events = as_id_tokens(EVENTS)
+    chunk = json.loads(events[2][6:])
+    chunk["choices"][0]["token_ids"] = [999]
+    events[2] = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    assert isinstance(await stream_error(events), ConflictingTokenMetadataError)
+
+
+async def test_truncated_and_malformed_streams() -> None:
+    truncated = await stream_error(as_id_tokens(EVENTS)[:-2])
+    assert isinstance(truncated, PartialTokenMetadataError) and "before 'data: [DONE]'" in str(truncated)
+    events = as_id_tokens(EVENTS)
+    chunk = json.loads(events[1][6:])
+    chunk["choices"][0]["token_ids"] = [True]
+    events[1] = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    assert isinstance(await stream_error(events), MalformedTokenMetadataError)
+
+
+async def test_token_client_streaming_call() -> None:
+    """TokenClient.stream_chat_completion: the chunks as they arrive, then the bundle as the call's result."""
+    async with TokenClient(BASE, request_prompt_and_generation_token_ids=True) as client:
+        with respx.mock() as router:
+            route = router.post(CHAT).mock(
+                return_value=httpx.Response(200, headers=SSE_HEADERS, content=split_badly(as_id_tokens(EVENTS)))
+            )
+            async with client.stream_chat_completion(model="tiny", messages=MESSAGES) as stream:
+                with pytest.raises(RuntimeError, match="read the stream to its end first"):
+                    _ = stream.completion
+                chunks = [chunk async for chunk in stream]
+    assert json.loads(route.calls.last.request.content)["stream"] is True
+    sent = [json.loads(event[6:]) for event in as_id_tokens(EVENTS)[:-2]]
+    assert chunks[:-1] == sent  # unchanged
+    assert stream.completion.bundle.generation_token_ids == [1069, 654, 350, 831]
+    assert chunks[-1]["token_bundles"][0]["generation_token_ids"] == [1069, 654, 350, 831]
