@@ -113,7 +113,7 @@ class Exchange:
             if mine is not None and mine is not theirs and mine != theirs:
                 raise ConflictingTokenMetadataError(
                     f"{name}: the {found.source!r} source and the {candidate.source!r} source in one response "
-                    f"disagree {_first_difference(theirs, mine)}; the response cannot be trusted for training"
+                    f"disagree {describe_difference(theirs, mine)}; the response cannot be trusted for training"
                 )
 
 
@@ -128,7 +128,7 @@ def first_difference(expected: Sequence[int], actual: Sequence[int]) -> int:
     return min(len(expected), len(actual))
 
 
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> str:
+def describe_difference(a: Sequence[int], b: Sequence[int]) -> str:
     index = first_difference(a, b)
     if index < min(len(a), len(b)):
         return f"at index {index} ({a[index]} vs {b[index]})"
@@ -226,7 +226,7 @@ def extract_vllm_inline(response: DecodedResponse, index: int = 0) -> Candidate 
     ids, log_probs = response.logprob_tokens(index) or ([], [])
     _lengths_match(generation, log_probs, f"{choice}.token_ids", f"{choice}.logprobs.content")
     if ids != generation:
-        where = _first_difference(generation, ids)
+        where = describe_difference(generation, ids)
         raise ConflictingTokenMetadataError(
             f"{choice}.token_ids and the ids in {choice}.logprobs.content disagree {where}"
         )
@@ -376,6 +376,23 @@ class LogprobsSource(TokenMiddleware):
 LOG_PROB_FLOOR = -9999.0
 
 
+def check_usage(usage: Any, bundle: TokenBundle, generated: int | None, what: str = "ids") -> None:
+    """``usage.prompt_tokens`` must equal the bundle's prompt length and, when ``generated`` is given,
+    ``usage.completion_tokens`` must equal it (``what`` says what was counted)."""
+    if not isinstance(usage, dict):
+        return
+    checks = [("prompt_tokens", len(bundle.prompt_token_ids), "ids")]
+    if generated is not None:
+        checks.append(("completion_tokens", generated, what))
+    for key, length, counted in checks:
+        count = usage.get(key)
+        if isinstance(count, int) and not isinstance(count, bool) and count != length:
+            raise ConflictingTokenMetadataError(
+                f"usage.{key} is {count} but the {bundle.source!r} source has {length} {counted}; the server's "
+                "accounting and its token lists disagree"
+            )
+
+
 class UsageCheck(TokenMiddleware):
     """After extraction: ``usage.prompt_tokens``, when present, must equal each choice's prompt
     length, and ``usage.completion_tokens`` the generated ids of all choices together (checked at
@@ -383,21 +400,10 @@ class UsageCheck(TokenMiddleware):
 
     async def __call__(self, exchange: Exchange) -> TokenBundle:
         bundle = await self.inner(exchange)
-        usage = exchange.response.body.get("usage")
-        if not isinstance(usage, dict):
-            return bundle
-        checks = [("prompt_tokens", len(bundle.prompt_token_ids), "ids")]
-        if exchange.index == len(exchange.response.choices) - 1:
-            generated = len(bundle.generation_token_ids) + sum(len(b.generation_token_ids) for b in exchange.group)
-            where = "ids" if exchange.index == 0 else f"generated ids over {exchange.index + 1} choices"
-            checks.append(("completion_tokens", generated, where))
-        for key, length, what in checks:
-            count = usage.get(key)
-            if isinstance(count, int) and not isinstance(count, bool) and count != length:
-                raise ConflictingTokenMetadataError(
-                    f"usage.{key} is {count} but the {bundle.source!r} source has {length} {what}; the server's "
-                    "accounting and its token lists disagree"
-                )
+        last = exchange.index == len(exchange.response.choices) - 1
+        generated = len(bundle.generation_token_ids) + sum(len(b.generation_token_ids) for b in exchange.group)
+        what = "ids" if exchange.index == 0 else f"generated ids over {exchange.index + 1} choices"
+        check_usage(exchange.response.body.get("usage"), bundle, generated if last else None, what)
         return bundle
 
 

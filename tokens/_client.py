@@ -22,6 +22,7 @@ from ._chain import ChainEntry
 from ._errors import ServerResponseError
 from ._http import ACCEPT_ENCODING, DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body, redact, strip_credentials
 from ._stream import TokenStream, capture_stream
+from ._token_in import extract_token_in, prepare_token_in
 
 __all__ = ["RetryPolicy", "TokenClient"]
 
@@ -160,6 +161,14 @@ class TokenClient:
         completion = await self._capture.complete(request, fetch, self.tokenize)
         assert completion is not None  # _post raises on every answer it does not return
         return completion
+
+    async def completion(self, prompt_token_ids: list[int], **body: Any) -> TokenCompletion:
+        """A token-in ``/v1/completions`` call: ``prompt_token_ids`` as the prompt; the bundles (one per
+        choice) placed on each choice. The server's echoed prompt ids must equal those sent
+        (``ConflictingTokenMetadataError`` says where they differ)."""
+        request = prepare_token_in(prompt_token_ids, body)
+        data = await self._post(self.base_url + "/completions", request, "token-in completion")
+        return extract_token_in(request, data)
 
     @contextlib.asynccontextmanager
     async def stream_chat_completion(self, **body: Any) -> AsyncIterator[TokenStream]:

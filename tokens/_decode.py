@@ -34,12 +34,20 @@ class _Logprobs(msgspec.Struct):
     content: list[_LogprobEntry] | None = None
 
 
+class _CompletionLogprobs(msgspec.Struct):
+    """The completions API's logprobs: parallel lists (``token_logprobs`` may not hold nulls here)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+
+
 _DECODE_ERRORS = (msgspec.MsgspecError, RecursionError)  # msgspec raises RecursionError on deep nesting
 _fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _choices = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
 _ids = msgspec.json.Decoder(list[TokenId] | None)
 _floats = msgspec.json.Decoder(list[float] | None)
 _logprobs = msgspec.json.Decoder(_Logprobs | None)
+_completion_logprobs = msgspec.json.Decoder(_CompletionLogprobs | None)
 _any = msgspec.json.Decoder()
 
 _TOKEN_PREFIX = "token_id:"
@@ -140,6 +148,11 @@ class DecodedResponse:
         logprobs: _Logprobs | None = self._typed(f"choices[{index}].logprobs", _logprobs)
         return None if logprobs is None else logprobs.content
 
+    def completion_logprobs(self, index: int = 0) -> tuple[list[str], list[float]] | None:
+        """``choices[index].logprobs`` of a ``/v1/completions`` answer: its tokens and log probabilities."""
+        logprobs: _CompletionLogprobs | None = self._typed(f"choices[{index}].logprobs", _completion_logprobs)
+        return None if logprobs is None else (logprobs.tokens, logprobs.token_logprobs)
+
     def logprob_tokens(self, index: int = 0) -> tuple[list[int], list[float]] | None:
         """Generation ids and log probabilities from ``choices[index].logprobs.content``; None if absent.
 
@@ -151,15 +164,8 @@ class DecodedResponse:
         entries = self.logprob_entries(index)
         result: tuple[list[int], list[float]] | None = None
         if entries is not None:
-            tokens = [entry.token for entry in entries]
-            joined = "\n".join(tokens)
-            # A token holding a newline would pass the pattern as two lines: count them too.
-            if tokens and (_TOKEN_LINES.fullmatch(joined) is None or joined.count("\n") != len(tokens) - 1):
-                raise _bad_token(tokens, index)
-            ids = [int(token[9:]) for token in tokens]
-            if ids and max(ids) > MAX_TOKEN_ID:
-                raise _bad_token(tokens, index)
-            result = (ids, [entry.logprob for entry in entries])
+            where = f"choices[{index}].logprobs.content[{{}}].token"
+            result = (token_ids_of([entry.token for entry in entries], where), [entry.logprob for entry in entries])
         self._logprob_tokens[index] = result
         return result
 
@@ -169,11 +175,24 @@ class DecodedResponse:
         return raw is not None and not (len(raw) == 4 and bytes(raw) == b"null")
 
 
-def _bad_token(tokens: list[str], index: int) -> MalformedTokenMetadataError:
+def token_ids_of(tokens: list[str], field: str) -> list[int]:
+    """The ids of tokens written ``token_id:<int>``; ``MalformedTokenMetadataError`` naming the first that is
+    not (``field`` with ``{}`` where its position goes)."""
+    joined = "\n".join(tokens)
+    # A token holding a newline would pass the pattern as two lines: count them too.
+    if tokens and (_TOKEN_LINES.fullmatch(joined) is None or joined.count("\n") != len(tokens) - 1):
+        raise _bad_token(tokens, field)
+    ids = [int(token[9:]) for token in tokens]
+    if ids and max(ids) > MAX_TOKEN_ID:
+        raise _bad_token(tokens, field)
+    return ids
+
+
+def _bad_token(tokens: list[str], field: str) -> MalformedTokenMetadataError:
     for position, token in enumerate(tokens):
         if _TOKEN.fullmatch(token) is None or int(token[len(_TOKEN_PREFIX) :]) > MAX_TOKEN_ID:
             return MalformedTokenMetadataError(
-                f"choices[{index}].logprobs.content[{position}].token: {token[:40]!r} is not 'token_id:<int>' with an "
+                f"{field.format(position)}: {token[:40]!r} is not 'token_id:<int>' with an "
                 f"id from 0 to {MAX_TOKEN_ID:,}; request return_tokens_as_token_ids=true (TokenClient does)"
             )
     raise AssertionError("unreachable: the joined tokens failed the pattern, so one token does")  # pragma: no cover
