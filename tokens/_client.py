@@ -155,7 +155,7 @@ class TokenClient:
         return await self._capture.tokenize(self._post, self.tokenize_url, body)
 
     async def chat_completion(self, **body: Any) -> TokenCompletion:
-        """Post a chat completion; the response with its bundle on ``choices[0].message``."""
+        """Post a chat completion; the response with each choice's bundle on its message."""
         request = self._capture.prepare(body)
         fetch = partial(self._post, self.base_url + "/chat/completions", request, "chat completion")
         completion = await self._capture.complete(request, fetch, self.tokenize)

@@ -113,16 +113,6 @@ class DecodedResponse:
         self._decoded: dict[str, Any] = {}
         self._logprob_tokens: dict[int, tuple[list[int], list[float]] | None] = {}
 
-    @property
-    def choice(self) -> dict[str, Any]:
-        """The first choice (``choices[0]``)."""
-        return self.choices[0]
-
-    @property
-    def message(self) -> dict[str, Any]:
-        """The first choice's message."""
-        return self.messages[0]
-
     def _typed(self, field: str, decoder: msgspec.json.Decoder[Any]) -> Any:
         if field in self._decoded:
             return self._decoded[field]
