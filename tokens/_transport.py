@@ -82,8 +82,12 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
         prepared = httpx.Request(
             "POST", request.url, headers=headers, content=msgspec.json.encode(sent), extensions=request.extensions
         )
-        root = server_root(str(request.url.copy_with(query=None))[: -len(CHAT_PATH)])
-        tokenize = partial(self._capture.tokenize, partial(self._post, headers), root + "/tokenize")
+        url = request.url
+
+        async def tokenize(body: Mapping[str, Any]) -> list[int]:  # the URL is worked out only when needed
+            root = server_root(str(url.copy_with(query=None))[: -len(CHAT_PATH)])
+            return await self._capture.tokenize(partial(self._post, headers), root + "/tokenize", body)
+
         if streaming:
             return await self._stream(sent, prepared, tokenize)
         answer: list[httpx.Response] = []
@@ -96,11 +100,7 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
                 return None  # the client raises (and retries) HTTP errors as it always does
             return await read_body(response, "chat completion", self.max_response_bytes)
 
-        root = server_root(str(request.url.copy_with(query=None))[: -len(CHAT_PATH)])
-        post = partial(self._post, headers)
-        completion = await self._capture.complete(
-            sent, fetch, partial(self._capture.tokenize, post, root + "/tokenize")
-        )
+        completion = await self._capture.complete(sent, fetch, tokenize)
         response = answer[0]
         if completion is None:
             return response
