@@ -16,24 +16,12 @@ from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tokens import ContextLengthExceededError, ServerResponseError, TokenCaptureTransport, TokenClient
 from tokens.testing import FAKE_VLLM_URL, FakeTokenizer, FakeVLLM
 
-from .token_samples import FIXTURES, sample
+from .token_samples import FIXTURES, keys, sample
 
 pytestmark = pytest.mark.anyio
 
 V1 = FAKE_VLLM_URL + "/v1"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What time is it in Oslo?"}]
-
-
-def keys(value: Any) -> Any:
-    """The field names of ``value`` at every level (a list by its first item). The completions API's
-    ``top_logprobs`` maps token texts to numbers: data, not fields, so only its kind is compared."""
-    if isinstance(value, dict):
-        nested = {key: "mapping" if key == "top_logprobs" else keys(item) for key, item in value.items()
-                  if isinstance(item, (dict, list))}  # fmt: skip
-        return nested | {"": sorted(value)}
-    if isinstance(value, list) and value and isinstance(value[0], dict):
-        return [keys(value[0])]
-    return None
 
 
 def ask(fake: FakeVLLM, path: str, body: Any) -> httpx.Response:
@@ -51,8 +39,9 @@ def ask(fake: FakeVLLM, path: str, body: Any) -> httpx.Response:
 def test_field_sets_equal_the_recorded_answers(name: str, path: str) -> None:
     """For each recorded request, the fake's answer has exactly the real answer's fields, at every level."""
     real, request = sample(f"{name}.response"), sample(f"{name}.request")
-    if name == "detokenize":
-        request["tokens"] = [t % FakeTokenizer.VOCAB_SIZE for t in request["tokens"]]  # the fake's vocabulary
+    for key in ("tokens", "prompt"):  # recorded ids, moved into the fake's vocabulary
+        if isinstance(request.get(key), list):
+            request[key] = [t % FakeTokenizer.VOCAB_SIZE for t in request[key]]
     fake = FakeVLLM(max_model_len=2048)(httpx.Request("POST", FAKE_VLLM_URL + path, json=request))
     assert fake.status_code == (400 if name.startswith("error") else 200)
     assert keys(fake.json()) == keys(real)
@@ -133,3 +122,19 @@ async def test_fixture_retries_and_the_sdk(fake_vllm: FakeVLLM) -> None:
 
 def test_fault_provider_fixture(fault_provider: FaultInjectingProvider) -> None:
     assert isinstance(fault_provider, FaultInjectingProvider) and fault_provider.alive == set()
+
+
+async def test_scripted_tool_call_through_the_sdk(fake_vllm: FakeVLLM) -> None:
+    """A scripted tool call: the SDK sees message.tool_calls; the bundle holds the ids of the generated call text."""
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    fake_vllm.reply_tool_call("get_time", {"tz": "Europe/Oslo"})
+    http = httpx.AsyncClient(transport=TokenCaptureTransport(request_prompt_and_generation_token_ids=True))
+    async with openai.AsyncOpenAI(base_url=V1, api_key="-", http_client=http) as sdk:
+        answer = await sdk.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, max_tokens=200)  # type: ignore[arg-type]
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls or []
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"tz": "Europe/Oslo"}  # type: ignore[union-attr]
+    text = FakeTokenizer().decode((choice.message.model_extra or {})["generation_token_ids"])
+    assert text.startswith("<tool_call>\n") and text.endswith("</tool_call><|im_end|>")
+    assert "tools: " in FakeTokenizer().decode((choice.message.model_extra or {})["prompt_token_ids"])

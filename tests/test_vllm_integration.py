@@ -11,6 +11,9 @@ import openai
 import pytest
 
 from tokens import TokenCaptureTransport, TokenClient, Trajectory
+from tokens.testing import FAKE_VLLM_URL, FakeVLLM
+
+from .token_samples import keys
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 
@@ -194,3 +197,47 @@ async def test_token_in_continues_a_two_turn_trajectory(vllm_base_url: str) -> N
     assert second.bundle.prompt_token_ids == [*prefix, *closing, *next_turn]
     assert trajectory.add(second) is None and trajectory.drifts == []
     assert await detokenize(vllm_base_url, second.bundle.generation_token_ids) == second.response["choices"][0]["text"]
+
+
+FIELD_SET_REQUESTS = [
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, "logprobs": True,
+                              "top_logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "n": 2, "logprobs": True}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4000}),
+    ("/v1/completions", {"prompt": [1, 100, 101, 102], "max_tokens": 3, "logprobs": 0, "return_token_ids": True}),
+    ("/v1/completions", {"prompt": [1, 10**6], "max_tokens": 3}),
+    ("/tokenize", {"messages": MESSAGES, "tools": TOOLS}),
+    ("/detokenize", {"tokens": [100, 101, 102]}),
+]  # fmt: skip
+
+
+FIELD_SET_IDS = ["chat", "chat-n2", "error", "token-in", "token-in-error", "tokenize", "detokenize"]
+
+
+@pytest.mark.parametrize(("path", "body"), FIELD_SET_REQUESTS, ids=FIELD_SET_IDS)
+async def test_fake_vllm_field_sets_equal_the_real_server(vllm_base_url: str, path: str, body: dict[str, Any]) -> None:
+    """tokens.testing.FakeVLLM answers with exactly the fields the real server sends, at every level."""
+    request = {"model": "tiny", "seed": 1, **body}
+    async with httpx.AsyncClient(timeout=120) as http:
+        real = await http.post(vllm_base_url.removesuffix("/v1") + path, json=request)
+    fake = FakeVLLM()(httpx.Request("POST", FAKE_VLLM_URL + path, json=request))
+    assert fake.status_code == real.status_code
+    assert keys(fake.json()) == keys(real.json())
+
+
+async def test_fake_vllm_stream_field_sets_equal_the_real_server(vllm_base_url: str) -> None:
+    request = {"model": "tiny", "messages": MESSAGES, "max_tokens": 3, "stream": True, "seed": 1, "logprobs": True,
+               "return_token_ids": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    async with httpx.AsyncClient(timeout=120) as http:
+        real = await http.post(vllm_base_url + "/chat/completions", json=request)
+    fake = FakeVLLM()(httpx.Request("POST", FAKE_VLLM_URL + "/v1/chat/completions", json=request))
+
+    def chunks(data: bytes) -> list[Any]:
+        return [keys(json.loads(event[6:])) for event in data.split(b"\n\n") if event.startswith(b"data: {")]
+
+    # The first and the final (usage) chunk have fixed fields; a token chunk's depend on the text (the
+    # server leaves out a delta's content while it holds back a partial character): each of the
+    # fake's token-chunk shapes must be one the server sent.
+    fake_chunks, real_chunks = chunks(fake.content), chunks(real.content)
+    assert (fake_chunks[0], fake_chunks[-1]) == (real_chunks[0], real_chunks[-1])
+    assert all(shape in real_chunks[1:-1] for shape in fake_chunks[1:-1])

@@ -22,6 +22,7 @@ import httpx
 __all__ = ["FakeTokenizer", "FakeVLLM"]
 
 SYSTEM_FINGERPRINT = "vllm-0.32.0-fake"
+TOOL_CALL = "<tool_call>\n{}\n</tool_call>"
 
 
 class FakeTokenizer:
@@ -95,6 +96,12 @@ class FakeVLLM:
         """Script the next answers' texts (one per choice or completion, in order)."""
         self._script.extend(texts)
 
+    def reply_tool_call(self, name: str, arguments: Mapping[str, Any]) -> None:
+        """Script the next chat answer as a call of tool ``name``: generated as Hermes' ``<tool_call>``
+        text, returned parsed as vLLM's ``hermes`` tool parser does (``message.tool_calls``, no content,
+        finish reason ``tool_calls``). Not compared with a recording (none has a tool call)."""
+        self._script.append(TOOL_CALL.format(json.dumps({"name": name, "arguments": dict(arguments)})))
+
     def fail_next(self, status: int = 503, *, retry_after: float | None = 1.0, times: int = 1) -> None:
         """The next ``times`` requests get ``status`` (429 or 503) with ``Retry-After``."""
         self._faults.extend(_Fault(status, retry_after) for _ in range(times))
@@ -160,11 +167,11 @@ class FakeVLLM:
             "id": f"chatcmpl-fake{next(self._ids):012x}", "object": "chat.completion", "created": 1795957000,
             "model": self.model,
             "choices": [
-                {"index": index, "message": _message(self.tokenizer.decode(_text_ids(ids))),
+                {"index": index, "message": _message(self.tokenizer.decode(_text_ids(ids)), index),
                  "logprobs": {"content": [self._entry(t, lp, as_ids) for t, lp in zip(ids, lps, strict=True)]}
                  if want_logprobs else None,
-                 "finish_reason": reason, "stop_reason": None, "token_ids": ids if inline else None,
-                 "routed_experts": None}
+                 "finish_reason": "tool_calls" if _tool_call(self.tokenizer.decode(_text_ids(ids))) and reason == "stop"
+                 else reason, "stop_reason": None, "token_ids": ids if inline else None, "routed_experts": None}
                 for index, (ids, lps, reason) in enumerate(choices)
             ],
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
@@ -177,6 +184,9 @@ class FakeVLLM:
     def _completions(self, body: dict[str, Any]) -> httpx.Response:
         given = body.get("prompt")
         if isinstance(given, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in given):
+            outside = [i for i in given if not 0 <= i < self.tokenizer.VOCAB_SIZE]
+            if outside:
+                return _error(400, f"Token id {outside[0]} is out of vocabulary", "BadRequestError", param="prompt")
             prompt = list(given)
         elif isinstance(given, str):
             prompt = self.tokenizer.encode(given)
@@ -288,9 +298,27 @@ def _text_ids(ids: Sequence[int]) -> list[int]:
     return [token for token in ids if token not in FakeTokenizer.SPECIAL]
 
 
-def _message(content: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
-            "function_call": None, "reasoning": None}  # fmt: skip
+def _tool_call(text: str) -> dict[str, Any] | None:
+    """The call in a complete ``<tool_call>`` text, else None."""
+    prefix, suffix = TOOL_CALL.split("{}")
+    if not (text.startswith(prefix) and text.endswith(suffix)):
+        return None
+    try:
+        call = json.loads(text[len(prefix) : -len(suffix)])
+    except ValueError:
+        return None
+    return call if isinstance(call, dict) and "name" in call else None
+
+
+def _message(content: str, index: int = 0) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
+                               "audio": None, "function_call": None, "reasoning": None}  # fmt: skip
+    call = _tool_call(content)
+    if call is not None:
+        function = {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}
+        message.update(content=None, tool_calls=[{"id": f"chatcmpl-tool-fake{index:08x}", "type": "function",
+                                                  "function": function}])  # fmt: skip
+    return message
 
 
 def _usage(prompt: int, completion: int, *, details: bool = True) -> dict[str, Any]:
