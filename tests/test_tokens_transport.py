@@ -78,8 +78,8 @@ async def test_tokenize_fallback_goes_through_the_inner_transport_with_the_crede
 
 
 async def test_capture_failure_reaches_the_sdk_caller_as_the_cause(server: respx.MockRouter) -> None:
-    """A conflicting response: the typed error itself (openai 2.x and later re-raise what is not an httpx
-    error; 1.x wrapped it as APIConnectionError with the typed error as __cause__), raised once, not retried."""
+    """A conflicting response: the typed error itself (openai 3.x re-raises what is not an httpx error;
+    1.x wrapped it as APIConnectionError with the typed error as __cause__), raised once, not retried."""
     response = copy.deepcopy(INLINE)
     response["choices"][0]["token_ids"][0] += 1
     chat = server.post(CHAT).mock(return_value=httpx.Response(200, json=response))

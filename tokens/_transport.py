@@ -38,8 +38,10 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
     Everything else passes through untouched, and so does an HTTP error answer to a completion
     (4xx, 5xx), for the client to raise and retry as it always does; a redirect is refused
     (``ServerResponseError``), never followed. A capture failure is raised from the transport as
-    the typed ``tokens`` error: the OpenAI SDK wraps it as ``openai.APIConnectionError`` whose
-    ``__cause__`` is that error (and retries it like a connection error, per its ``max_retries``).
+    the typed ``tokens`` error: the openai SDK tested here (3.x) re-raises it to the caller as it
+    is, not retried; older ones (1.x) wrapped any transport exception as
+    ``openai.APIConnectionError`` whose ``__cause__`` is that error, after their retries.
+    ``stream: true`` is captured too: chunks pass as they arrive, the bundles ride on the final one.
     """
 
     def __init__(
