@@ -13,12 +13,14 @@ import respx
 
 from tokens import (
     ConflictingTokenMetadataError,
+    MalformedResponseError,
     MalformedTokenMetadataError,
     PartialTokenMetadataError,
     TokenCaptureTransport,
     TokenClient,
     TokensError,
 )
+from tokens.testing import FAKE_VLLM_URL, FakeVLLM
 
 from .token_samples import BASE, CHAT, FIXTURES
 
@@ -145,3 +147,50 @@ async def test_token_client_streaming_call() -> None:
     assert chunks[:-1] == sent  # unchanged
     assert stream.completion.bundle.generation_token_ids == [1069, 654, 350, 831]
     assert chunks[-1]["token_bundles"][0]["generation_token_ids"] == [1069, 654, 350, 831]
+
+
+async def test_crlf_events_pass_unchanged() -> None:
+    """Events ended with CR LF CR LF (allowed by the SSE format) are recognised and passed on byte for byte."""
+    events = [event.replace(b"\n\n", b"\r\n\r\n") for event in as_id_tokens(EVENTS)]
+    transport = TokenCaptureTransport(request_prompt_and_generation_token_ids=True)
+    with respx.mock() as router:
+        router.post(CHAT).mock(return_value=httpx.Response(200, headers=SSE_HEADERS, content=split_badly(events)))
+        async with httpx.AsyncClient(transport=transport) as http:
+            body = {"model": "tiny", "messages": MESSAGES, "stream": True}
+            async with http.stream("POST", CHAT, json=body) as response:
+                received = b"".join([part async for part in response.aiter_bytes()])
+    final = [e for e in received.split(b"\r\n\r\n") if b"token_bundles" in e]
+    assert received.replace(final[0] + b"\r\n\r\n", b"").startswith(b"".join(events[:-2]))
+    assert json.loads(final[0][6:])["token_bundles"][0]["generation_token_ids"] == [1069, 654, 350, 831]
+
+
+async def test_streamed_group_against_the_fake(fake_vllm: FakeVLLM) -> None:
+    """n=3 streamed (the fake interleaves nothing: choice after choice): three bundles, one shared prompt."""
+    async with TokenClient(FAKE_VLLM_URL + "/v1", request_prompt_and_generation_token_ids=True) as client:
+        whole = await client.chat_completion(model="tiny", messages=MESSAGES, n=3, max_tokens=8, seed=4)
+        async with client.stream_chat_completion(model="tiny", messages=MESSAGES, n=3, max_tokens=8, seed=4) as stream:
+            chunks = [chunk async for chunk in stream]
+    streamed = stream.completion
+    assert len(streamed.bundles) == 3
+    assert [b.generation_token_ids for b in streamed.bundles] == [b.generation_token_ids for b in whole.bundles]
+    assert all(b.prompt_token_ids == whole.bundle.prompt_token_ids for b in streamed.bundles)
+    assert len(chunks[-1]["token_bundles"]) == 3
+
+
+async def test_an_event_without_end_is_refused_at_the_limit() -> None:
+    """A hostile stream that never ends its event: MalformedResponseError once max_response_bytes is passed."""
+
+    async def endless() -> AsyncIterator[bytes]:
+        yield EVENTS[0]
+        while True:
+            yield b"x" * 4096
+
+    transport = TokenCaptureTransport(max_response_bytes=2**20)
+    with respx.mock() as router:
+        router.post(CHAT).mock(return_value=httpx.Response(200, headers=SSE_HEADERS, content=endless()))
+        async with httpx.AsyncClient(transport=transport) as http:
+            body = {"model": "tiny", "messages": MESSAGES, "stream": True}
+            async with http.stream("POST", CHAT, json=body) as response:
+                with pytest.raises(MalformedResponseError, match="an event is over max_response_bytes=1,048,576"):
+                    async for _ in response.aiter_bytes():
+                        pass

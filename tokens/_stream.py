@@ -27,6 +27,7 @@ from ._http import read_body
 __all__ = ["CapturedStream", "StreamAccumulator", "TokenStream", "bundle_fields", "capture_stream"]
 
 _chunk = msgspec.json.Decoder(dict[str, Any])
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # before the stream's own is known
 
 
 @dataclass
@@ -46,18 +47,38 @@ class StreamAccumulator:
     head: dict[str, Any] = field(default_factory=dict)
     choices: dict[int, _Choice] = field(default_factory=dict)
     done: bool = False
-    _pending: bytes = b""
+    separator: bytes = b""
+    _held: list[bytes] = field(default_factory=list)
+    _held_bytes: int = 0
 
     def feed(self, data: bytes) -> list[bytes]:
-        """The complete events in ``data`` (with what was held before), each ``data:`` JSON event recorded."""
-        buffer = self._pending + data if self._pending else data
-        events = buffer.split(b"\n\n")
-        self._pending = events.pop()
-        if len(self._pending) > self.max_event_bytes:
+        """The complete events in ``data`` (with what was held before), byte for byte as received.
+
+        A piece in which no event ends is only held (no copy), so an event arriving in many pieces
+        costs its length once."""
+        held = self._held
+        ends = (self.separator,) if self.separator else _EVENT_ENDS
+        if not any(end in data for end in ends) and not (held and any(end in held[-1][-3:] + data[:3] for end in ends)):
+            return self._hold(data)  # no event ends in this piece
+        buffer = b"".join([*held, data]) if held else data
+        held.clear()
+        self._held_bytes = 0
+        if not self.separator:  # vLLM ends events with LF LF; the SSE format allows CR LF CR LF too
+            self.separator = b"\r\n\r\n" if b"\r\n\r\n" in buffer else b"\n\n"
+        events = buffer.split(self.separator)
+        rest = events.pop()
+        if rest:
+            self._hold(rest)
+        return [event + self.separator for event in events]
+
+    def _hold(self, piece: bytes) -> list[bytes]:
+        self._held.append(piece)
+        self._held_bytes += len(piece)
+        if self._held_bytes > self.max_event_bytes:
             raise MalformedResponseError(
                 f"stream: an event is over max_response_bytes={self.max_event_bytes:,} and has no end yet"
             )
-        return [event + b"\n\n" for event in events]
+        return []
 
     def record(self, event: bytes) -> dict[str, Any] | None:
         """Record one event; its decoded chunk when it is the final (usage) chunk, else None."""
@@ -160,7 +181,7 @@ async def captured_events(
                 if final is None:  # the server sent no usage chunk: the bundles get one of their own
                     final = {**accumulator.head, "object": "chat.completion.chunk", "choices": []}
                 final["token_bundles"] = bundle_fields(completion)
-                yield b"data: " + msgspec.json.encode(final) + b"\n\n"
+                yield b"data: " + msgspec.json.encode(final) + accumulator.separator
                 yield event, completion
                 return
             yield event
