@@ -20,6 +20,7 @@ from tokens import (
     TokenClient,
     TokensError,
 )
+from tokens._stream import StreamAccumulator
 from tokens.testing import FAKE_VLLM_URL, FakeVLLM
 
 from .token_samples import BASE, CHAT, FIXTURES
@@ -194,3 +195,17 @@ async def test_an_event_without_end_is_refused_at_the_limit() -> None:
                 with pytest.raises(MalformedResponseError, match="an event is over max_response_bytes=1,048,576"):
                     async for _ in response.aiter_bytes():
                         pass
+
+
+@pytest.mark.anyio(False)
+@pytest.mark.parametrize("ending", [b"\n\n", b"\r\n\r\n"])
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 97])
+def test_events_are_found_however_the_bytes_are_cut(ending: bytes, size: int) -> None:
+    """Cut into pieces of any size (an ending split over up to four pieces), the events come out whole and unchanged."""
+    events = [event.replace(b"\n\n", ending) for event in as_id_tokens(EVENTS)]
+    data = b"".join(events)
+    accumulator = StreamAccumulator(2**20)
+    out: list[bytes] = []
+    for start in range(0, len(data), size):
+        out += accumulator.feed(data[start : start + size])
+    assert out == events

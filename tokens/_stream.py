@@ -50,6 +50,7 @@ class StreamAccumulator:
     separator: bytes = b""
     _held: list[bytes] = field(default_factory=list)
     _held_bytes: int = 0
+    _tail: bytes = b""  # the last three bytes held
 
     def feed(self, data: bytes) -> list[bytes]:
         """The complete events in ``data`` (with what was held before), byte for byte as received.
@@ -58,11 +59,13 @@ class StreamAccumulator:
         costs its length once."""
         held = self._held
         ends = (self.separator,) if self.separator else _EVENT_ENDS
-        if not any(end in data for end in ends) and not (held and any(end in held[-1][-3:] + data[:3] for end in ends)):
+        edge = self._tail + data[:3]  # an ending split between pieces
+        if not any(end in data or end in edge for end in ends):
             return self._hold(data)  # no event ends in this piece
         buffer = b"".join([*held, data]) if held else data
         held.clear()
         self._held_bytes = 0
+        self._tail = b""
         if not self.separator:  # vLLM ends events with LF LF; the SSE format allows CR LF CR LF too
             self.separator = b"\r\n\r\n" if b"\r\n\r\n" in buffer else b"\n\n"
         events = buffer.split(self.separator)
@@ -74,6 +77,7 @@ class StreamAccumulator:
     def _hold(self, piece: bytes) -> list[bytes]:
         self._held.append(piece)
         self._held_bytes += len(piece)
+        self._tail = (self._tail + piece[-3:])[-3:]
         if self._held_bytes > self.max_event_bytes:
             raise MalformedResponseError(
                 f"stream: an event is over max_response_bytes={self.max_event_bytes:,} and has no end yet"
