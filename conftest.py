@@ -40,7 +40,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def left_behind(directory: Path) -> list[str]:
-    return sorted(entry.name for entry in directory.iterdir() if entry.name.startswith(LEFT_BEHIND))
+    """Leftovers in ``directory`` and in LocalProvider's default base_dir there (``llm-sandbox-middleware-UID``)."""
+    found = [entry.name for entry in directory.iterdir() if entry.name.startswith(LEFT_BEHIND)]
+    for base in directory.glob("llm-sandbox-middleware-*"):
+        found += [f"{base.name}/{entry.name}" for entry in base.iterdir() if entry.name.startswith(LEFT_BEHIND)]
+    return sorted(found)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -24,16 +24,19 @@ import pytest
 
 from sandbox_middleware import (
     LocalProvider,
+    OwnershipMiddleware,
     SandboxArgumentError,
     SandboxError,
     SandboxExpiredError,
     SandboxHandle,
     SandboxLimitError,
+    SandboxNotFoundError,
     SandboxPathError,
     SandboxSpec,
     SandboxStatus,
     SandboxTransferLimitError,
     SandboxValueError,
+    reap,
 )
 
 pytestmark = pytest.mark.anyio
@@ -731,7 +734,8 @@ async def test_host_kernel_settings_and_keyrings_are_out_of_reach(
         assert result.stderr.count("Read-only file system") == 2
         assert "keyctl -1 1" in result.stdout and "add_key -1 1" in result.stdout  # EPERM
     owner = (Path(handle.raw["root"]) / "mine").stat()
-    assert (owner.st_uid, owner.st_gid) == (65534, 65534)
+    assert owner.st_uid == owner.st_gid == local._boxes[handle.sandbox_id].uid
+    assert owner.st_uid not in (0, 65534)  # its own uid, shared with no account and no other sandbox
 
 
 @bwrap_only
@@ -850,3 +854,137 @@ async def test_descriptor_with_odd_mac_or_nesting_is_a_sandbox_error(provider: L
 def test_bad_provider_options_are_typed(options: dict[str, Any], argument: str) -> None:
     with pytest.raises(SandboxArgumentError, match=argument):
         LocalProvider(**options)
+
+
+# --- regressions from the second review ------------------------------------------------------------
+
+
+async def test_listing_takes_nothing_over(make: Callable[..., LocalProvider], sandbox_base: Path) -> None:
+    """Another provider's list(), a dry-run reap and its aclose() leave a live owner's sandboxes running."""
+    owner = make(isolation="none", base_dir=sandbox_base)
+    owned = await OwnershipMiddleware(owner, run_id="live").create(SandboxSpec())
+    plain = await owner.create(SandboxSpec())
+    other = make(isolation="none", base_dir=sandbox_base)
+    assert len(await other.list()) == 2
+    assert await reap(other, dry_run=True) == []
+    await other.aclose()
+    for handle in (owned, plain):
+        assert (await owner.exec(handle, "echo alive")).stdout == "alive\n"
+
+
+@as_root
+async def test_layout_gives_the_sandbox_uid_nothing_of_ours(
+    make: Callable[..., LocalProvider], sandbox_base: Path
+) -> None:
+    """The sandbox directory and its record are root's; box, tmp and shm are the sandbox uid's, 0700;
+    nothing is reachable for other users, and the mount is nosuid."""
+    local = make(isolation="bwrap", base_dir=sandbox_base)
+    handle = await local.create(SandboxSpec(env={"TOKEN": "secret"}))
+    outer = Path(handle.raw["root"]).parent
+    uid = local._boxes[handle.sandbox_id].uid
+    assert (outer.stat().st_uid, oct(outer.stat().st_mode & 0o777)) == (0, "0o711")
+    record = (outer / "meta.json").stat()
+    assert (record.st_uid, oct(record.st_mode & 0o777)) == (0, "0o600")
+    for name in ("box", "tmp", "shm"):
+        info = (outer / name).stat()
+        assert (info.st_uid, oct(info.st_mode & 0o777)) == (uid, "0o700"), name
+    mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {outer} " in line]
+    assert mounts and "nosuid" in mounts[0] and "nodev" in mounts[0]
+    unbounded = make(isolation="bwrap", base_dir=sandbox_base, disk_gib=None)
+    handle = await unbounded.create(SandboxSpec())
+    outer = Path(handle.raw["root"]).parent
+    mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {outer} " in line]
+    assert mounts and "nosuid" in mounts[0]
+
+
+async def test_planted_directories_are_ignored(make: Callable[..., LocalProvider], sandbox_base: Path) -> None:
+    """Entries in base_dir that are not ours (another owner, a symlink, a FIFO or deep JSON as the
+    record, a second copy of a live id) are neither listed nor reaped."""
+    local = make(isolation="none", base_dir=sandbox_base)
+    live = await OwnershipMiddleware(local, run_id="r").create(SandboxSpec())
+    record = {"metadata": {"sandbox_middleware.run_id": "r", "sandbox_middleware.owner.host": "h",
+                           "sandbox_middleware.owner.pid": "1", "sandbox_middleware.owner.started": "x"}}  # fmt: skip
+    copy = sandbox_base / f"{live.sandbox_id}-planted"  # a second directory claiming the live id
+    copy.mkdir(mode=0o711)
+    (copy / "meta.json").write_text(json.dumps(record))
+    (copy / "meta.json").chmod(0o600)
+    fifo = sandbox_base / "local-0000000000aa-fifo"
+    fifo.mkdir(mode=0o711)
+    os.mkfifo(fifo / "meta.json", 0o600)
+    deep = sandbox_base / "local-0000000000bb-deep"
+    deep.mkdir(mode=0o711)
+    (deep / "meta.json").write_text("[" * 100_000)
+    (deep / "meta.json").chmod(0o600)
+    foreign = sandbox_base / "local-0000000000cc-foreign"
+    foreign.mkdir(mode=0o711)
+    (foreign / "meta.json").write_text(json.dumps(record))
+    os.chown(foreign, 12345, 12345)
+    with anyio.fail_after(20):
+        assert await local.list() == []  # the live one is hidden by its planted twin, the rest are not ours
+        assert await reap(local, run_id="r", force=True) == []
+    assert (await local.exec(live, "echo alive")).stdout == "alive\n"
+    for planted in (copy, fifo, deep, foreign):
+        shutil.rmtree(planted)
+
+
+def test_base_dir_others_can_write_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(SandboxArgumentError, match="no one else can write"):
+        LocalProvider(isolation="none", base_dir=shared)
+
+
+@as_root
+async def test_aclose_keeps_the_shared_cgroup_parent(make: Callable[..., LocalProvider], sandbox_base: Path) -> None:
+    """One provider's aclose never breaks another's next create."""
+    first, second = make(isolation="none", base_dir=sandbox_base), make(isolation="none", base_dir=sandbox_base)
+    await second.create(SandboxSpec())
+    await second.aclose()
+    handle = await first.create(SandboxSpec())
+    assert (await first.exec(handle, "echo ok")).stdout == "ok\n"
+
+
+@bwrap_only
+async def test_vsock_is_refused(make: Callable[..., LocalProvider], sandbox_base: Path) -> None:
+    """AF_VSOCK, which no network namespace covers, cannot even be opened."""
+    local = make(isolation="bwrap", base_dir=sandbox_base)
+    handle = await local.create(SandboxSpec())
+    probe = (
+        "import socket\ntry:\n    socket.socket(40, socket.SOCK_STREAM)\n    print('opened')\n"
+        "except OSError as e:\n    print('refused', e.errno)\n"
+    )
+    other = "python3 -c 'import socket; socket.socket(); print(1)'"
+    result = await local.exec(handle, f"python3 -c {_quote(probe)}; {other}")
+    assert result.stdout.splitlines() == ["refused 1", "1"]  # EPERM; other families still work
+
+
+async def test_exec_after_close_is_not_found(provider: LocalProvider) -> None:
+    handle = await provider.create(SandboxSpec())
+    await provider.close(handle)
+    with pytest.raises(SandboxNotFoundError):
+        await provider.exec(handle, "true")
+
+
+@pytest.mark.parametrize("workdir", ["//etc", "//proc", "/usr/.", "/workspace/../etc"])
+async def test_reserved_workdirs_after_normalising(provider: LocalProvider, workdir: str) -> None:
+    with pytest.raises(SandboxArgumentError, match="system directory"):
+        await provider.create(SandboxSpec(workdir=workdir))
+
+
+async def test_fifo_upload_source_does_not_hang(provider: LocalProvider, tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    handle = await provider.create(SandboxSpec())
+    with anyio.fail_after(10), pytest.raises(SandboxError, match="not a regular file"):
+        await provider.upload_file(handle, fifo, "x")
+
+
+async def test_more_odd_inputs(provider: LocalProvider) -> None:
+    """A missing handle, metadata that is no mapping, and a GPU request are typed errors."""
+    with pytest.raises(SandboxArgumentError, match="handle"):
+        await provider.exec(None, "true")  # type: ignore[arg-type]
+    with pytest.raises(SandboxArgumentError, match="metadata"):
+        await provider.create(SandboxSpec(metadata=["x"]))  # type: ignore[arg-type]
+    with pytest.raises(SandboxLimitError, match="GPU"):
+        await provider.create(SandboxSpec(resources={"gpu": 1}))
