@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-LEFT_BEHIND = ("local-", "sandbox-middleware-")
+from tests.leftovers import left_behind
+
 _run_tmp: Path | None = None
 
 
@@ -37,14 +38,6 @@ def pytest_configure(config: pytest.Config) -> None:
     _run_tmp.chmod(0o711)  # bwrap sandboxes run as an unprivileged uid that must reach their base_dir here
     os.environ["TMPDIR"] = str(_run_tmp)
     tempfile.tempdir = str(_run_tmp)
-
-
-def left_behind(directory: Path) -> list[str]:
-    """Leftovers in ``directory`` and in LocalProvider's default base_dir there (``llm-sandbox-middleware-UID``)."""
-    found = [entry.name for entry in directory.iterdir() if entry.name.startswith(LEFT_BEHIND)]
-    for base in directory.glob("llm-sandbox-middleware-*"):
-        found += [f"{base.name}/{entry.name}" for entry in base.iterdir() if entry.name.startswith(LEFT_BEHIND)]
-    return sorted(found)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
