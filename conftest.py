@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-LEFT_BEHIND = ("local-", "sandbox-middleware-")
+from tests.leftovers import left_behind
+
 _run_tmp: Path | None = None
 
 
@@ -37,10 +38,6 @@ def pytest_configure(config: pytest.Config) -> None:
     _run_tmp.chmod(0o711)  # bwrap sandboxes run as an unprivileged uid that must reach their base_dir here
     os.environ["TMPDIR"] = str(_run_tmp)
     tempfile.tempdir = str(_run_tmp)
-
-
-def left_behind(directory: Path) -> list[str]:
-    return sorted(entry.name for entry in directory.iterdir() if entry.name.startswith(LEFT_BEHIND))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -48,6 +48,7 @@ async def main(rounds: int) -> None:
         sys.exit("bench/exec_cost.py needs bwrap (apt-get install -y bubblewrap)")
     with tempfile.TemporaryDirectory(prefix="sandbox-middleware-bench-") as where:
         base = Path(where)
+        os.chmod(where, 0o711)  # the sandboxes' own uids must reach their directories
         (base / "old" / "box").mkdir(parents=True)
         (base / "old" / "control").mkdir()
         hardened = LocalProvider(isolation="bwrap", base_dir=base / "new")

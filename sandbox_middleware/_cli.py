@@ -245,26 +245,29 @@ def _run_command(args: argparse.Namespace) -> int:
             return run_on_ray(args, resolved, options, run_id, report)
         result = run_process(resolved, options, telemetry, show_progress=show_progress)
         signal.signal(signal.SIGTERM, _raise_interrupted)  # the event loop put the default action back
-        code = report([result], [], 0)
-        _linger(args.linger)
-        return code
+        return report([result], [], 0)
     finally:
         for note in telemetry.shutdown() if telemetry is not None else ():
             print(note, file=sys.stderr)
 
 
 def _report(args: argparse.Namespace, provider: str, results: list[ProcessResult], lines: list[str], lost: int) -> int:
-    """Print the table of the run (of every worker's results) and return the exit code."""
+    """Print the table of the run (of every worker's results), keep exporting for ``--linger`` seconds,
+    and return the exit code."""
     result = results[0] if len(results) == 1 and not lines else combine(results, args.sessions)
+    unclosed = [entry for entry in result.orphans or () if not entry.closed]
+    verdict = _exit_code(result.run, leaked=bool(result.held or result.alive or unclosed or lost))  # lost: reap it
     over = f", over Ray with {args.workers} workers" if args.ray is not None else ""
     title = (f"sandbox-middleware run: {args.sessions} sessions, concurrency {args.concurrency}, "
              f"{args.commands} commands each, provider {provider}{over}")  # fmt: skip
-    print(table(title, result.run, result.points, peak=result.peak, held=result.held,
-                orphans=orphans_row(result.orphans), workers=lines), flush=True)  # fmt: skip
-    if result.alive:
-        print(f"the provider still holds {len(result.alive)} sandbox(es): {', '.join(result.alive)}", flush=True)
-    unclosed = [entry for entry in result.orphans or () if not entry.closed]
-    return _exit_code(result.run, leaked=bool(result.held or result.alive or unclosed or lost))  # lost: reap it
+    # The verdict is in: from here a signal ends the report or the linger, never changes the exit code.
+    with contextlib.suppress(KeyboardInterrupt, _Interrupted):
+        print(table(title, result.run, result.points, peak=result.peak, held=result.held,
+                    orphans=orphans_row(result.orphans), workers=lines), flush=True)  # fmt: skip
+        if result.alive:
+            print(f"the provider still holds {len(result.alive)} sandbox(es): {', '.join(result.alive)}", flush=True)
+        time.sleep(args.linger)  # keep exporting (over Ray: the workers keep serving /metrics)
+    return verdict
 
 
 def _reap_command(args: argparse.Namespace) -> int:
@@ -294,9 +297,3 @@ def _exit_code(run: RunState, *, leaked: bool) -> int:
     if run.interrupted_by is not None:
         return 128 + run.interrupted_by
     return EXIT_SESSIONS_FAILED if run.failed else EXIT_OK
-
-
-def _linger(seconds: float) -> None:
-    """Keep exporting for ``seconds``; a signal ends the wait, not the run's verdict."""
-    with contextlib.suppress(KeyboardInterrupt, _Interrupted):
-        time.sleep(seconds)

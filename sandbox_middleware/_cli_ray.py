@@ -16,7 +16,6 @@ import json
 import os
 import socket
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -83,14 +82,14 @@ def _shares(total: int, parts: int) -> list[int]:
 
 Report = Callable[[list[ProcessResult], list[str], int], int]
 """Prints the table from the workers' results, one line per worker and how many workers were lost
-(their sandboxes are left to ``reap``); returns the exit code."""
+(their sandboxes are left to ``reap``), lingers; returns the exit code."""
 
 
 def run_on_ray(
     args: argparse.Namespace, resolved: ResolvedStack, options: RunOptions, run_id: str | None, report: Report
 ) -> int:
-    """Run the sessions on ``args.workers`` actors, ``report`` them, keep serving /metrics for
-    ``args.linger`` seconds, and return the exit code ``report`` returned."""
+    """Run the sessions on ``args.workers`` actors and ``report`` them (the actors serve /metrics
+    until it returns); return the exit code ``report`` returned."""
     ray = _import_ray(args.ray)
     _check_reachable(args.ray)
     env = {key: value for key, value in os.environ.items() if key.startswith("OTEL_")}
@@ -143,8 +142,6 @@ def _run(
                 f"orphans {len(result.orphans or ())}"
             )
         code = report(results, lines, lost)
-        with contextlib.suppress(KeyboardInterrupt):  # a signal ends the wait, not the run's verdict
-            time.sleep(args.linger)  # the workers keep serving /metrics: the last values get scraped
         for actor in actors:
             with contextlib.suppress(Exception):  # a lost worker has nothing left to flush
                 for note in ray.get(actor.shutdown.remote(), timeout=10):

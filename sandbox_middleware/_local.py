@@ -10,9 +10,12 @@ import hmac
 import json
 import math
 import os
+import posixpath
 import re
+import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -44,6 +47,10 @@ from ._local_limits import (
     Limits,
     SandboxLimitError,
     Watchdog,
+    as_float,
+    bind_nosuid,
+    checked_limit,
+    is_mount_point,
     mount_tmpfs,
     positive_number,
     probe_tmpfs,
@@ -77,12 +84,16 @@ DEFAULT_VIEW_ROOT = "/workspace"
 # Absolute workdirs that would hide what commands need, or show the host's own.
 _RESERVED_VIEWS = ("/", "/proc", "/dev", "/sys", "/etc", "/tmp", *SYSTEM_DIRS)
 _MAX_TTL_S = 30 * 24 * 3600.0
+# Per-sandbox host uids come from here: far above any account or container range in common use.
+_UID_BASE, _UID_COUNT = 1_500_000_000, 1 << 24  # below 2**31: bwrap writes its uid map as a signed int
 # Joins the sandbox's cgroups, then becomes the command: nothing it starts is ever outside them.
-_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+_JOIN_FAILED = 125
+_JOIN = f'while [ "$1" != -- ]; do echo $$ > "$1" || exit {_JOIN_FAILED}; shift; done; shift; exec "$@"'
 _SANDBOX_ID = re.compile(r"local-[0-9a-f]{12}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _DESCRIPTOR_KEYS = (
     "provider", "sandbox_id", "root", "view_root", "env", "cwd", "ports", "expires_at", "limits", "metadata", "created",
+    "uid",
 )  # fmt: skip
 _RECORD = "meta.json"  # beside box/, out of the sandbox's view
 _MAX_ENV_NAME = 1024
@@ -107,6 +118,7 @@ class _Box:
     limits: Limits
     metadata: dict[str, str]
     created: float  # time.time() at create
+    uid: int | None  # the host uid its commands run as (None: this process's)
     groups: set[int] = field(default_factory=set)
     expired: bool = False
     closed: bool = False  # close() has begun
@@ -145,6 +157,7 @@ class _Box:
             "limits": self.limits.record(),
             "metadata": self.metadata,
             "created": self.created,
+            "uid": self.uid,
         }
 
 
@@ -184,7 +197,7 @@ class LocalProvider:
         ro_paths: Sequence[str] = (),
         limit_backend: LimitBackend = "auto",
         connect_key: bytes | None = None,
-        sandbox_uid: int = 65534,
+        sandbox_uid: int | None = None,
     ) -> None:
         # What pickling sends (a Ray actor builds its own provider from it): options, not sandboxes.
         self._options: dict[str, Any] = {
@@ -200,16 +213,17 @@ class LocalProvider:
                 f"LocalProvider: limit_backend must be 'auto', 'cgroup' or 'rlimit', not {limit_backend!r}"
             )
         self.isolation: Isolation = isolation
-        base = check_text(os.fspath(base_dir), "base_dir") if base_dir is not None else tempfile.gettempdir()
+        if base_dir is None:  # a private directory of ours, not the shared temp directory itself
+            base = os.path.join(tempfile.gettempdir(), f"llm-sandbox-middleware-{os.geteuid()}")
+        else:
+            base = check_text(_fspath(base_dir, "base_dir"), "base_dir")
         self._base = Path(base).resolve()
         for name in pass_env:
             check_text(name, "pass_env entry")
         self._pass_env = tuple(pass_env)
         self._defaults: dict[str, float | None] = {
-            "memory_mib": positive_number(memory_mib, "memory_mib"),
-            "pids": positive_number(pids, "pids"),
-            "cpu": positive_number(cpu, "cpu"),
-            "disk_gib": positive_number(disk_gib, "disk_gib"),
+            name: checked_limit(name, value, name)
+            for name, value in (("memory_mib", memory_mib), ("pids", pids), ("cpu", cpu), ("disk_gib", disk_gib))
         }
         self._max_output = int(positive_number(max_output_bytes, "max_output_bytes", allow_none=False) or 0)
         self._max_transfer = int(positive_number(max_transfer_bytes, "max_transfer_bytes", allow_none=False) or 0)
@@ -221,12 +235,17 @@ class LocalProvider:
                     f"LocalProvider: base_dir {self._base} lies in a directory every sandbox sees read-only; "
                     "sandboxes could read each other's files: choose a base_dir elsewhere"
                 )
-            if isinstance(sandbox_uid, bool) or not isinstance(sandbox_uid, int) or not 0 < sandbox_uid < 2**32 - 1:
+            if sandbox_uid is not None and (
+                isinstance(sandbox_uid, bool) or not isinstance(sandbox_uid, int) or not 0 < sandbox_uid < 2**32 - 1
+            ):
                 raise SandboxArgumentError(f"LocalProvider: sandbox_uid must be a non-root uid, not {sandbox_uid!r}")
-            self._bwrap = BwrapCommand(sandbox_uid=sandbox_uid, ro_paths=self._ro_paths)
-            if self._bwrap.uid is not None:
-                for path in (self._base, *map(Path, self._ro_paths)):
-                    _check_reachable(path, self._bwrap.uid)
+            self._bwrap = BwrapCommand(ro_paths=self._ro_paths)
+            if self._bwrap.drops_privileges:
+                for path in map(Path, self._ro_paths):
+                    _check_reachable(path)
+                _check_reachable(self._base)
+        self._sandbox_uid = sandbox_uid
+        _prepare_base(self._base)
         self._cgroups = CgroupBackend() if limit_backend != "rlimit" else None
         if limit_backend == "cgroup" and (self._cgroups is None or not self._cgroups.resources):
             raise SandboxLimitError("LocalProvider(limit_backend='cgroup'): no writable cgroup controllers here")
@@ -235,7 +254,6 @@ class LocalProvider:
             self._probe()
         self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, _Box] = {}
-        self._listed: set[str] = set()  # adopted only because list() found them: not this instance's to aclose
         self._watchdog = Watchdog(self._expire)
 
     def __repr__(self) -> str:
@@ -249,21 +267,26 @@ class LocalProvider:
     @property
     def _commands_run_as_root(self) -> bool:
         """Whether commands run as host root (RLIMIT_NPROC does not bind root)."""
-        return os.geteuid() == 0 and self._owner is None
+        return os.geteuid() == 0 and not (self._bwrap is not None and self._bwrap.drops_privileges)
 
-    @property
-    def _owner(self) -> int | None:
-        """The host uid that commands run as and the sandbox's files belong to, where it is not ours."""
-        return self._bwrap.uid if self._bwrap is not None else None
+    def _new_uid(self) -> int | None:
+        """The host uid a new sandbox's commands run as: its own (random in a high range, so no two
+        sandboxes and no host account share it), ``sandbox_uid`` if given; None: this process's."""
+        if self._bwrap is None or not self._bwrap.drops_privileges:
+            return None
+        if self._sandbox_uid is not None:
+            return self._sandbox_uid
+        return _UID_BASE + secrets.randbelow(_UID_COUNT)
 
     def _probe(self) -> None:
         """Start one command under bwrap in a scratch sandbox, so a machine where it cannot fails now."""
         assert self._bwrap is not None
         self._base.mkdir(parents=True, exist_ok=True)
         outer = Path(tempfile.mkdtemp(prefix="local-probe-", dir=self._base))
+        uid = self._new_uid()
         try:
-            _lay_out(outer, self._owner)
-            self._bwrap.probe(outer)
+            _lay_out(outer, uid)
+            self._bwrap.probe(outer, uid)
         finally:
             shutil.rmtree(outer, ignore_errors=True)
 
@@ -286,7 +309,12 @@ class LocalProvider:
     def _isolation_report(self) -> str:
         if self._bwrap is None:
             return "none (not a security boundary)"
-        who = f"host uid {self._bwrap.uid}" if self._bwrap.uid is not None else "this process's uid"
+        if not self._bwrap.drops_privileges:
+            who = "this process's uid"
+        elif self._sandbox_uid is not None:
+            who = f"host uid {self._sandbox_uid}"
+        else:
+            who = "an unprivileged host uid of its own per sandbox"
         seccomp = "seccomp filter" if self._bwrap.seccomp else "no seccomp filter (unknown architecture)"
         return f"bubblewrap as {who}, no capabilities, {seccomp}"
 
@@ -296,19 +324,19 @@ class LocalProvider:
         if spec.entrypoint:
             raise SandboxArgumentError("LocalProvider does not run spec.entrypoint; start the process with exec()")
         env = _checked_env(spec.env, "spec.env")
+        if not isinstance(spec.metadata, Mapping):
+            raise SandboxArgumentError(
+                f"spec.metadata must be a mapping of strings, not {type(spec.metadata).__name__}"
+            )
+        if getattr(spec.resources, "gpu", None):
+            raise SandboxLimitError("LocalProvider has no GPUs to give: drop spec.resources.gpu")
         ttl = positive_number(spec.ttl_s, "spec.ttl_s", maximum=_MAX_TTL_S)
         limits = Limits.resolve(self._defaults, spec.resources)
         self._refuse_unenforceable(limits)
         workdir = check_text(spec.workdir, "spec.workdir") if spec.workdir is not None else None
         cwd: tuple[str, ...] = ()
         if workdir is not None and PurePosixPath(workdir).is_absolute():
-            view_root = PurePosixPath(workdir)
-            sandbox_parts(workdir, (view_root,), "spec.workdir")  # NUL, '..', over-long names
-            if any(view_root == PurePosixPath(r) or (r != "/" and PurePosixPath(r) in view_root.parents)
-                   for r in _RESERVED_VIEWS):  # fmt: skip
-                raise SandboxArgumentError(
-                    f"spec.workdir {workdir!r} would cover a system directory commands need; use e.g. /workspace"
-                )
+            view_root = _view_root(workdir)
         else:
             view_root = PurePosixPath(DEFAULT_VIEW_ROOT)
             cwd = sandbox_parts(workdir, (), "spec.workdir") if workdir else ()
@@ -353,15 +381,18 @@ class LocalProvider:
         cgroups: list[Path] = []
         outer: Path | None = None
         mounted = False
+        uid = self._new_uid()
         try:
-            self._base.mkdir(parents=True, exist_ok=True)
             outer = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=self._base))
             if self._cgroups is not None:
                 cgroups = self._cgroups.create(sandbox_id, limits)
             if self._tmpfs and limits.disk_bytes is not None:
-                mount_tmpfs(outer, limits.disk_bytes, self._owner)
+                mount_tmpfs(outer, limits.disk_bytes)
                 mounted = True
-            _lay_out(outer, self._owner)
+            elif self._tmpfs:  # unbounded, still on a mount of its own: nosuid, nodev
+                bind_nosuid(outer)
+                mounted = True
+            _lay_out(outer, uid)
             box = _Box(
                 outer=outer,
                 view_root=view_root,
@@ -375,9 +406,10 @@ class LocalProvider:
                 limits=limits,
                 metadata=metadata,
                 created=time.time(),
+                uid=uid,
             )
-            (outer / _RECORD).write_text(json.dumps(box.record()))
-            with open_directory(box.root, cwd, "spec.workdir", create=True, owner=self._owner):
+            _write_private(outer, _RECORD, json.dumps(box.record()).encode())
+            with open_directory(box.root, cwd, "spec.workdir", create=True, owner=uid):
                 pass
             return box
         except BaseException as exc:
@@ -390,8 +422,8 @@ class LocalProvider:
             raise
 
     def _box(self, handle: SandboxHandle) -> _Box:
-        box = self._boxes.get(handle.sandbox_id)
-        if box is None:
+        box = self._boxes.get(_sandbox_id(handle))
+        if box is None or box.closed:
             raise SandboxNotFoundError(
                 f"LocalProvider: no live sandbox {handle.sandbox_id!r} (never created here, or closed)"
             )
@@ -419,17 +451,22 @@ class LocalProvider:
                 _kill_group(group)
 
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
-        box = self._boxes.get(handle.sandbox_id)
+        box = self._boxes.get(_sandbox_id(handle))
         if box is None:
             return SandboxStatus.STOPPED if handle.provider_name == self.name else SandboxStatus.UNKNOWN
         if box.broken:
             return SandboxStatus.ERROR
         if box.is_expired():
             return SandboxStatus.STOPPED
-        return SandboxStatus.RUNNING if await anyio.to_thread.run_sync(box.root.is_dir) else SandboxStatus.ERROR
+        return SandboxStatus.RUNNING if await anyio.to_thread.run_sync(_intact, box) else SandboxStatus.ERROR
 
     async def close(self, handle: SandboxHandle) -> None:
-        box = self._boxes.get(handle.sandbox_id)
+        """Kill, unmount and remove the sandbox. A handle from ``list()`` of a sandbox another process
+        made is taken over here first; closing an unknown or closed sandbox does nothing."""
+        sandbox_id = _sandbox_id(handle)
+        box = self._boxes.get(sandbox_id)
+        if box is None and handle.provider_name == self.name and _SANDBOX_ID.fullmatch(sandbox_id):
+            box = await anyio.to_thread.run_sync(self._find, sandbox_id)
         if box is None:
             return
         box.closed = True
@@ -451,20 +488,13 @@ class LocalProvider:
         return _remove_box(box.outer, box.mounted, box.cgroups)
 
     async def aclose(self) -> None:
-        """Close every sandbox still open here, then raise one error naming those that failed.
-
-        Sandboxes this instance only found with ``list`` (and did not close) stay: they are their owners'.
-        """
+        """Close every sandbox still open here, then raise one error naming those that failed."""
         failures = []
-        for sandbox_id in self._listed:
-            self._boxes.pop(sandbox_id, None)
         for sandbox_id in list(self._boxes):
             try:
                 await self.close(SandboxHandle(sandbox_id, self.name))
             except SandboxError as exc:
                 failures.append(str(exc))
-        if self._cgroups is not None and not self._boxes:
-            await anyio.to_thread.run_sync(self._cgroups.release)
         if failures:
             raise SandboxError(
                 f"LocalProvider.aclose: {len(failures)} sandboxes not fully removed: {'; '.join(failures)}"
@@ -528,7 +558,7 @@ class LocalProvider:
         if self._bwrap is not None:
             # The command's environment travels inside bwrap's options: the host-side helpers
             # (sh, setpriv, bwrap) run with HOST_ENV only, so no LD_PRELOAD or the like reaches them.
-            argv, fds = self._bwrap.argv(box.outer, box.view_root, box.view_root.joinpath(*parts), env, argv)
+            argv, fds = self._bwrap.argv(box.outer, box.view_root, box.view_root.joinpath(*parts), env, argv, box.uid)
             env, workdir = HOST_ENV, Path("/")
         if box.cgroups:
             argv = ["/bin/sh", "-c", _JOIN, "sh", *(str(group / "cgroup.procs") for group in box.cgroups), "--", *argv]
@@ -605,6 +635,11 @@ class LocalProvider:
         code = process.returncode if process.returncode is not None else -signal.SIGKILL
         if box.closed:
             return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="closed")
+        if code == _JOIN_FAILED and box.cgroups and not await anyio.to_thread.run_sync(_intact, box):
+            raise SandboxNotFoundError(
+                f"LocalProvider: sandbox {handle.sandbox_id!r} was removed from under this provider (closed or "
+                "reaped by another process); create a new one"
+            )
         if box.is_expired():
             return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="expired")
         if timed_out:
@@ -618,7 +653,7 @@ class LocalProvider:
         parts = sandbox_parts(target_path, box.roots, "target_path")
         source = Path(check_text(_fspath(source_path, "source_path"), "source_path"))
         try:
-            await anyio.to_thread.run_sync(upload, box.root, parts, target_path, source, self._owner)
+            await anyio.to_thread.run_sync(upload, box.root, parts, target_path, source, box.uid)
         except OSError as exc:
             raise SandboxError(
                 f"LocalProvider: cannot upload {source_path} to {target_path!r} in sandbox {handle.sandbox_id!r}: {exc}"
@@ -693,29 +728,41 @@ class LocalProvider:
         if not await anyio.to_thread.run_sync(_is_real_directory, root):
             raise SandboxNotFoundError(f"LocalProvider.connect: sandbox {sandbox_id!r} no longer exists at {root}")
         await anyio.to_thread.run_sync(self._adopt, sandbox_id, outer, body)
-        self._listed.discard(sandbox_id)  # connected: this instance's to close
         return SandboxHandle(sandbox_id, self.name, {"root": str(root)})
 
     def _adopt(self, sandbox_id: str, outer: Path, record: Mapping[str, Any]) -> _Box:
-        """Register a sandbox made by another provider instance (or process) from its record."""
+        """Register a sandbox made by another provider instance (or process) from its record.
+
+        Only ``connect`` (a signed descriptor) and ``close`` (of a listed handle) adopt; every field is
+        checked again, and its cgroups and mount are derived, never read from the record.
+        """
         box = self._boxes.get(sandbox_id)
         if box is not None:
             return box
-        expires_at = record.get("expires_at")
-        limits = record.get("limits") or [None, None, None, None]
+        expires_at, created, uid = record.get("expires_at"), record.get("created"), record.get("uid")
+        if uid is not None and (isinstance(uid, bool) or not isinstance(uid, int) or not 0 < uid < 2**32 - 1):
+            raise SandboxArgumentError(f"recorded uid {uid!r} is not an unprivileged uid")
+        metadata = record.get("metadata") or {}
+        if not isinstance(metadata, Mapping):
+            raise SandboxArgumentError("recorded metadata is not a mapping")
         box = _Box(
             outer=outer,
-            view_root=PurePosixPath(check_text(record.get("view_root", DEFAULT_VIEW_ROOT), "view_root")),
+            view_root=_view_root(check_text(record.get("view_root", DEFAULT_VIEW_ROOT), "recorded view_root")),
             isolated=self._bwrap is not None,
-            env=_checked_env(record.get("env") or {}, "env"),
+            env=_checked_env(record.get("env") or {}, "recorded env"),
             cwd=sandbox_parts("/".join(record.get("cwd") or ()), (), "cwd") if record.get("cwd") else (),
             ports=tuple(int(port) for port in record.get("ports") or ()),
             cgroups=self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else [],
-            mounted=os.path.ismount(outer),
-            deadline=None if expires_at is None else time.monotonic() + float(expires_at) - time.time(),
-            limits=Limits.from_record(limits),
-            metadata={str(key): str(value) for key, value in (record.get("metadata") or {}).items()},
-            created=float(record.get("created") or 0.0),
+            mounted=is_mount_point(outer),
+            deadline=None
+            if expires_at is None
+            else time.monotonic() + (positive_number(expires_at, "recorded expires_at") or 0.0) - time.time(),
+            limits=Limits.from_record(record.get("limits") or [None, None, None, None]),
+            metadata={
+                check_text(k, "recorded metadata"): check_text(v, "recorded metadata") for k, v in metadata.items()
+            },
+            created=positive_number(created, "recorded created") or 0.0,
+            uid=uid if self._bwrap is not None and self._bwrap.drops_privileges else None,
         )
         self._boxes[sandbox_id] = box
         if box.deadline is not None:
@@ -725,76 +772,155 @@ class LocalProvider:
     async def list(self, *, metadata: Mapping[str, str] | None = None) -> builtins.list[SandboxListing]:
         """Every sandbox in ``base_dir`` (made by any process) whose metadata has all of ``metadata``.
 
-        Found sandboxes are adopted, so ``close`` works on their handles here; each listing carries
-        the sandbox's metadata and creation time.
+        Listing changes nothing: a listed handle can be given to ``close`` (which takes the sandbox
+        over only then); to run commands in another process's sandbox, ``connect`` its descriptor.
         """
         wanted = dict(metadata or {})
         found = await anyio.to_thread.run_sync(self._scan)
         listings = []
         for sandbox_id, outer, record in found:
-            box_metadata = {str(k): str(v) for k, v in (record.get("metadata") or {}).items()}
+            recorded = record.get("metadata")
+            if not isinstance(recorded, Mapping):
+                continue
+            box_metadata = {str(key): str(value) for key, value in recorded.items()}
             if any(box_metadata.get(key) != value for key, value in wanted.items()):
                 continue
-            if sandbox_id not in self._boxes:
-                self._listed.add(sandbox_id)
-            try:
-                box = self._adopt(sandbox_id, outer, record)
-            except (SandboxError, ValueError, TypeError):
-                continue  # a record this provider did not write
-            handle = SandboxHandle(sandbox_id, self.name, {"root": str(box.root)})
-            listings.append(SandboxListing(handle, box_metadata, box.created))
+            created = record.get("created")
+            handle = SandboxHandle(sandbox_id, self.name, {"root": str(outer / "box")})
+            listings.append(SandboxListing(handle, box_metadata, created if isinstance(created, float) else None))
         return listings
 
     def _scan(self) -> builtins.list[tuple[str, Path, dict[str, Any]]]:
-        found = []
+        """The sandbox directories in base_dir with their records: ours only (this uid's, real
+        directories, a regular 0600 record of ours), each id at most once."""
+        found: dict[str, tuple[str, Path, dict[str, Any]] | None] = {}
+        uid = os.geteuid()
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self._base):
                 sandbox_id = entry.name[:18]
-                if not (_SANDBOX_ID.fullmatch(sandbox_id) and entry.is_dir(follow_symlinks=False)):
+                if not (_SANDBOX_ID.fullmatch(sandbox_id) and entry.name[18:19] == "-"):
                     continue
                 try:
-                    with open_directory(Path(entry.path), (), entry.name) as dir_fd:
-                        fd = os.open(_RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-                    with os.fdopen(fd, "rb") as file:
-                        record = json.loads(file.read(1 << 20))
-                except (OSError, SandboxError, ValueError):
+                    info = entry.stat(follow_symlinks=False)
+                    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+                        continue
+                    record = _read_record(Path(entry.path), uid)
+                except (OSError, SandboxError, ValueError, RecursionError):
                     continue  # being created or removed, or not ours
-                if isinstance(record, dict):
-                    found.append((sandbox_id, Path(entry.path), record))
-        return found
+                # The same id twice is a planted copy (or a bug): trust neither.
+                found[sandbox_id] = None if sandbox_id in found else (sandbox_id, Path(entry.path), record)
+        return [item for item in found.values() if item is not None]
+
+    def _find(self, sandbox_id: str) -> _Box | None:
+        """The sandbox ``sandbox_id`` of base_dir, adopted for ``close``; None if there is none."""
+        for found_id, outer, record in self._scan():
+            if found_id == sandbox_id:
+                try:
+                    return self._adopt(found_id, outer, record)
+                except (SandboxError, ValueError, TypeError):
+                    return None
+        return None
+
+
+def _read_record(outer: Path, uid: int) -> dict[str, Any]:
+    with open_directory(outer, (), outer.name) as dir_fd:
+        fd = os.open(_RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
+            raise ValueError("not a record of ours")
+        record = json.loads(file.read(1 << 20))
+    if not isinstance(record, dict):
+        raise ValueError("not a record")
+    return record
+
+
+def _view_root(workdir: str) -> PurePosixPath:
+    """An absolute workdir, normalised ('//etc/.' is '/etc'), refused where it would cover what
+    commands need or show the host's own."""
+    view = PurePosixPath("/" + posixpath.normpath(workdir).lstrip("/"))
+    sandbox_parts(str(view), (view,), "spec.workdir")  # NUL, over-long names
+    if any(view == PurePosixPath(r) or (r != "/" and PurePosixPath(r) in view.parents) for r in _RESERVED_VIEWS):
+        raise SandboxArgumentError(
+            f"spec.workdir {workdir!r} would cover a system directory commands need; use e.g. /workspace"
+        )
+    return view
+
+
+def _sandbox_id(handle: object) -> str:
+    sandbox_id = getattr(handle, "sandbox_id", None)
+    if not isinstance(sandbox_id, str):
+        raise SandboxArgumentError(f"handle must be a SandboxHandle with a string sandbox_id, not {handle!r:.80}")
+    return sandbox_id
+
+
+def _intact(box: _Box) -> bool:
+    return box.root.is_dir() and all(group.is_dir() for group in box.cgroups)
 
 
 def _restore(options: dict[str, Any]) -> LocalProvider:
     return LocalProvider(**options)
 
 
-def _lay_out(outer: Path, owner: int | None) -> None:
-    """The sandbox's directory: box/ (its files), tmp/ and shm/ (its /tmp, /dev/shm), etc/ (read-only)."""
-    if owner is not None:
-        os.chmod(outer, 0o711)  # reachable, not listable, by the sandbox's uid
-    for name in ("box", "tmp", "shm", "etc"):
-        (outer / name).mkdir()
-    for name in ("tmp", "shm"):
-        (outer / name).chmod(0o1777)
-    for name, text in OWN_ETC.items():
-        (outer / "etc" / name).write_text(text)
-    if owner is not None:
+def _lay_out(outer: Path, uid: int | None) -> None:
+    """The sandbox's directory: box/ (its files), tmp/ and shm/ (its /tmp, /dev/shm), etc/ (read-only).
+
+    ``outer`` and etc/ stay ours (root's), so nothing the sandbox's uid can do lands on a path this
+    process writes by name; box/, tmp/ and shm/ are the sandbox's alone (0700, its uid).
+    """
+    os.chmod(outer, 0o711)  # reachable, not listable
+    dir_fd = os.open(outer, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
         for name in ("box", "tmp", "shm"):
-            os.chown(outer / name, owner, owner)
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+            if uid is not None:
+                os.chown(name, uid, uid, dir_fd=dir_fd, follow_symlinks=False)
+        os.mkdir("etc", 0o755, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    for name, text in OWN_ETC.items():
+        _write_private(outer / "etc", name, text.encode(), mode=0o644)
 
 
-def _check_reachable(base: Path, uid: int) -> None:
-    """bwrap runs as ``uid`` and must reach ``base``: every existing parent needs search permission."""
-    for directory in reversed(base.parents):
+def _write_private(directory: Path, name: str, data: bytes, *, mode: int = 0o600) -> None:
+    """Create ``directory/name`` afresh (never through a symlink, never an existing file) and write it."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "wb") as file:
+        file.write(data)
+
+
+def _prepare_base(base: Path) -> None:
+    """Make ``base`` (0711) or check it: ours, a real directory, writable by nobody else, since
+    sandbox directories, their records and their mounts are made there."""
+    try:
+        base.mkdir(mode=0o711, parents=True, exist_ok=True)
+        info = os.lstat(base)
+    except OSError as exc:
+        raise SandboxArgumentError(f"LocalProvider: cannot make base_dir {base}: {exc}") from exc
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise SandboxArgumentError(
+            f"LocalProvider: base_dir {base} must be a directory of this user (uid {os.geteuid()}) that no one "
+            f"else can write to (it is uid {info.st_uid}, mode {oct(info.st_mode & 0o7777)}); others could plant "
+            "or swap sandbox directories there. Leave base_dir unset for a private one in the temp directory"
+        )
+
+
+def _check_reachable(path: Path) -> None:
+    """bwrap runs as the sandbox's own uid and must reach ``path``: every parent needs o+x."""
+    for directory in reversed(path.parents):
         try:
             info = directory.stat()
         except FileNotFoundError:
             return
-        if info.st_uid != uid and not info.st_mode & 0o001:
+        if not info.st_mode & 0o001:
             raise SandboxArgumentError(
-                f"LocalProvider: {base} (base_dir or ro_paths) is out of reach of the sandbox user (uid {uid}): "
-                f"{directory} has mode {oct(info.st_mode & 0o777)} without search permission for others; choose "
-                "a path whose parents all have o+x (the temp directory's do), or chmod o+x them"
+                f"LocalProvider: {path} (base_dir or ro_paths) is out of reach of the sandboxes' unprivileged "
+                f"uids: {directory} has mode {oct(info.st_mode & 0o777)} without search permission for others; "
+                "choose a path whose parents all have o+x (the temp directory's do), or chmod o+x them"
             )
 
 
@@ -815,14 +941,10 @@ def _fspath(value: object, what: str) -> str:
 
 
 def _checked_timeout(timeout_s: object) -> float | None:
+    """Seconds, or None for no timeout (also for infinity, or an int too large for a float)."""
     if timeout_s is None:
         return None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
-        raise SandboxArgumentError(f"timeout_s must be a number of seconds or None, not {timeout_s!r:.80}")
-    try:
-        value = float(timeout_s)
-    except OverflowError:
-        return None  # larger than any deadline: no timeout
+    value = as_float(timeout_s, "timeout_s")
     if math.isnan(value) or value < 0:
         raise SandboxArgumentError(f"timeout_s must be a number of seconds >= 0, not {timeout_s!r:.80}")
     return None if math.isinf(value) else value
@@ -852,7 +974,7 @@ def _is_real_directory(path: Path) -> bool:
 def _remove_box(outer: Path, mounted: bool, cgroups: list[Path]) -> list[str]:
     """Kill, unmount and delete a sandbox's directory and cgroups; returns what could not be removed."""
     failed = CgroupBackend.remove(cgroups) if cgroups else []
-    if mounted and os.path.ismount(outer):  # another process may have closed it already
+    if mounted and is_mount_point(outer):  # another process may have closed it already
         try:
             unmount(outer)
         except OSError as exc:

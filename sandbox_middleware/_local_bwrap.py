@@ -44,9 +44,11 @@ _DENIED = {
         # add_key request_key keyctl bpf perf_event_open userfaultfd io_uring_{setup,enter,register}
         # kexec_load kexec_file_load init_module finit_module delete_module
         (248, 249, 250, 321, 298, 323, 425, 426, 427, 246, 320, 175, 313, 176),
+        (41, 53),  # socket, socketpair: refused for AF_VSOCK, which no network namespace covers
     ),
-    "aarch64": (0xC00000B7, (217, 218, 219, 280, 241, 282, 425, 426, 427, 104, 294, 105, 273, 106)),
+    "aarch64": (0xC00000B7, (217, 218, 219, 280, 241, 282, 425, 426, 427, 104, 294, 105, 273, 106), (198, 199)),
 }
+_AF_VSOCK = 40
 _X32_SYSCALL_BIT = 0x40000000
 
 
@@ -59,20 +61,36 @@ def _seccomp_program() -> bytes | None:
     arch = _DENIED.get(platform.machine())
     if arch is None:
         return None
-    audit_arch, numbers = arch
+    audit_arch, numbers, sockets = arch
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     deny, allow = 0x00050000 | 1, 0x7FFF0000  # SECCOMP_RET_ERRNO | EPERM, SECCOMP_RET_ALLOW
-    count = len(numbers)
-    program = [
+    tail = [  # the last four instructions: index from the end
+        (ld, 0, 0, 16),  # -4 "family": seccomp_data.args[0], its low 32 bits
+        (jeq, 1, 0, _AF_VSOCK),  # -3
+        (ret, 0, 0, allow),  # -2
+        (ret, 0, 0, deny),  # -1 "deny"
+    ]
+    head = [
         (ld, 0, 0, 4),  # seccomp_data.arch
         (jeq, 1, 0, audit_arch),
         (ret, 0, 0, deny),  # another ABI (i386, x32 ...): nothing of it is allowed
         (ld, 0, 0, 0),  # seccomp_data.nr
-        (jge, count + 1, 0, _X32_SYSCALL_BIT),
-        *((jeq, count - index, 0, number) for index, number in enumerate(numbers)),
-        (ret, 0, 0, allow),
-        (ret, 0, 0, deny),
     ]
+    checks = [
+        (_X32_SYSCALL_BIT, jge, "deny"),
+        *((n, jeq, "deny") for n in numbers),
+        *((n, jeq, "family") for n in sockets),
+    ]
+    body = [*checks, None]  # None: allow
+    program = list(head)
+    for index, check in enumerate(body):
+        if check is None:
+            program.append((ret, 0, 0, allow))
+            continue
+        value, op, target = check
+        after = len(body) - index - 1  # instructions of the body after this one
+        program.append((op, after + (len(tail) - 1 if target == "deny" else 0), 0, value))
+    program += tail
     return b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
 
 
@@ -86,31 +104,26 @@ def _memfd(name: str, data: bytes) -> int:
 class BwrapCommand:
     """Builds (and at construction, tries) the command line of one sandboxed command.
 
-    ``uid``/``gid``: the unprivileged host ids commands run as when this process is root (the
-    sandbox's files belong to them); None when this process is not root and runs bwrap as itself.
+    As root, each command drops to the sandbox's own unprivileged host uid (``drops_privileges``);
+    otherwise bwrap runs as this process's user.
     """
 
-    def __init__(self, *, sandbox_uid: int, ro_paths: Sequence[str]) -> None:
+    def __init__(self, *, ro_paths: Sequence[str]) -> None:
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             raise BwrapUnavailableError(
                 "LocalProvider(isolation='bwrap'): no 'bwrap' executable on PATH; install "
                 "bubblewrap (apt-get install -y bubblewrap) or use isolation='none'"
             )
-        self._prefix = [bwrap]
-        self.uid: int | None = None
+        self._bwrap = bwrap
+        self._setpriv: str | None = None
         if os.geteuid() == 0:
-            setpriv = shutil.which("setpriv")
-            if setpriv is None:
+            self._setpriv = shutil.which("setpriv")
+            if self._setpriv is None:
                 raise BwrapUnavailableError(
                     "LocalProvider(isolation='bwrap') as root needs 'setpriv' (util-linux) to drop to an "
                     "unprivileged uid before bwrap; install util-linux"
                 )
-            self.uid = sandbox_uid
-            self._prefix = [
-                setpriv, f"--reuid={sandbox_uid}", f"--regid={sandbox_uid}", "--clear-groups",
-                "--inh-caps=-all", "--bounding-set=-all", bwrap,
-            ]  # fmt: skip
         self._ro_paths = tuple(ro_paths)
         self._seccomp = _seccomp_program()
         self._system = []
@@ -126,6 +139,19 @@ class BwrapCommand:
     def seccomp(self) -> bool:
         return self._seccomp is not None
 
+    @property
+    def drops_privileges(self) -> bool:
+        return self._setpriv is not None
+
+    def _prefix(self, uid: int | None) -> list[str]:
+        if self._setpriv is None:
+            return [self._bwrap]
+        assert uid is not None and uid != 0
+        return [
+            self._setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", self._bwrap,
+        ]  # fmt: skip
+
     def argv(
         self,
         outer: Path,
@@ -133,6 +159,7 @@ class BwrapCommand:
         cwd: PurePosixPath,
         env: Mapping[str, str],
         command: Sequence[str],
+        uid: int | None,
     ) -> tuple[list[str], list[int]]:
         """The argv and the descriptors to pass (the caller closes them once the process started)."""
         options = [
@@ -155,11 +182,11 @@ class BwrapCommand:
             fds.append(_memfd("sandbox-seccomp", self._seccomp))
             options += ["--add-seccomp-fd", str(fds[-1])]
         fds.append(_memfd("sandbox-args", b"".join(os.fsencode(option) + b"\0" for option in options)))
-        return [*self._prefix, "--args", str(fds[-1]), "--", *command], fds
+        return [*self._prefix(uid), "--args", str(fds[-1]), "--", *command], fds
 
-    def probe(self, outer: Path) -> None:
+    def probe(self, outer: Path, uid: int | None) -> None:
         """Run ``true`` the way commands will run, so a machine where it cannot fails at construction."""
-        argv, fds = self.argv(outer, PurePosixPath("/workspace"), PurePosixPath("/workspace"), {}, ["true"])
+        argv, fds = self.argv(outer, PurePosixPath("/workspace"), PurePosixPath("/workspace"), {}, ["true"], uid)
         try:
             result = subprocess.run(
                 argv, pass_fds=fds, env=HOST_ENV, stdin=subprocess.DEVNULL, capture_output=True, timeout=30,

@@ -186,10 +186,11 @@ def upload(root: Path, parts: Sequence[str], path: str, source: Path, owner: int
     """
     if not parts:
         raise SandboxError(f"target {path!r} names the sandbox root, not a file")
-    source_fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    source_fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not hang us
     try:
         if not stat.S_ISREG(os.fstat(source_fd).st_mode):
             raise SandboxError(f"source {source} is not a regular file")
+        os.set_blocking(source_fd, True)
         with open_directory(root, parts[:-1], path, create=True, owner=owner) as dir_fd:
             target_fd = _open_file(dir_fd, parts[-1], path, os.O_WRONLY | os.O_CREAT)
             try:

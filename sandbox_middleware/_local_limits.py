@@ -110,16 +110,21 @@ def checked_limit(name: str, value: object, what: str) -> float | None:
     return number
 
 
+def as_float(value: object, what: str) -> float:
+    """An int or float as a float (an int too large for one is infinity); else ``SandboxArgumentError``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SandboxArgumentError(f"{what} must be a number, not {type(value).__name__} ({value!r:.80})")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def positive_number(value: object, what: str, *, allow_none: bool = True, maximum: float = 2.0**53) -> float | None:
     """``value`` if it is a finite number in (0, maximum] (or None where allowed), else ``SandboxArgumentError``."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise SandboxArgumentError(f"{what} must be a number, not {type(value).__name__} ({value!r:.80})")
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
+    number = as_float(value, what)
     if not math.isfinite(number) or not 0 < number <= maximum:
         raise SandboxArgumentError(f"{what} must be a finite number above 0 and at most {maximum:g}, not {value!r:.80}")
     return number
@@ -223,6 +228,7 @@ class CgroupBackend:
             self._parents[controller.resource] = parent
         self.resources = frozenset(self._parents)
         self.version = "v1" if self._parents else None
+        self._cap_all_sandboxes({"memory": "memory.limit_in_bytes", "pids": "pids.max"})
 
     def _init_v2(self, root: Path, own: str) -> None:
         parent = root / own.lstrip("/") / _PARENT
@@ -236,6 +242,21 @@ class CgroupBackend:
         self._parents = dict.fromkeys(wanted, parent)
         self.resources = frozenset(wanted)
         self.version = "v2" if wanted else None
+        self._cap_all_sandboxes({"memory": "memory.max", "pids": "pids.max"})
+
+    def _cap_all_sandboxes(self, files: dict[str, str]) -> None:
+        """All sandboxes together may take at most half the machine's pids and 90% of its memory (set on
+        the shared parent where nobody has limited it yet), so many sandboxes at their own limits
+        cannot exhaust the host either."""
+        caps = {"memory": _total_memory() * 9 // 10, "pids": _pid_max() // 2}
+        for resource, name in files.items():
+            parent = self._parents.get(resource)
+            if parent is None or not caps[resource]:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                current = (parent / name).read_text().strip()
+                if current == "max" or int(current) >= 2**62:
+                    (parent / name).write_text(str(caps[resource]))
 
     def create(self, sandbox_id: str, limits: Limits) -> list[Path]:
         """Make the sandbox's groups with its limits; returns their directories."""
@@ -248,6 +269,7 @@ class CgroupBackend:
                     continue
                 group = parent / sandbox_id
                 if group not in groups:
+                    parent.mkdir(exist_ok=True)  # another process may have removed an empty one
                     group.mkdir()
                     groups[group] = None
                 if _limit_of(controller.resource, limits) is not None:
@@ -260,12 +282,6 @@ class CgroupBackend:
     def groups_of(self, sandbox_id: str) -> list[Path]:
         """The existing groups of sandbox ``sandbox_id`` (derived from its id, never taken from a record)."""
         return [group for group in dict.fromkeys(p / sandbox_id for p in self._parents.values()) if group.is_dir()]
-
-    def release(self) -> None:
-        """Remove the shared parent groups if no sandbox of any provider uses them any more."""
-        for parent in set(self._parents.values()):
-            with contextlib.suppress(OSError):
-                parent.rmdir()
 
     @staticmethod
     def kill(groups: list[Path]) -> None:
@@ -294,11 +310,26 @@ class CgroupBackend:
                     break
                 except FileNotFoundError:
                     break
-                except OSError:
-                    time.sleep(0.01)  # exiting processes leave the group a moment after SIGKILL
+                except OSError:  # exiting processes leave the group a moment after SIGKILL, or one forked
+                    CgroupBackend.kill([group])
+                    time.sleep(0.01)
             else:
                 failed.append(str(group))
         return failed
+
+
+def _total_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return 0
+
+
+def _pid_max() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return 0
 
 
 def _read_procs(group: Path) -> list[str]:
@@ -315,17 +346,29 @@ def _limit_of(resource: str, limits: Limits) -> float | None:
 # --- the bounded tmpfs ---------------------------------------------------------------------------
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+_MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MNT_DETACH = 2, 4, 32, 4096, 2
 
 
-def mount_tmpfs(target: Path, size: int, owner: int | None) -> None:
-    """Mount a tmpfs of ``size`` bytes at ``target``: the sandbox's whole writable space."""
-    inodes = max(65_536, size // 16_384)
-    ids = f",uid={owner},gid={owner}" if owner is not None else ""
-    options = f"size={size},nr_inodes={inodes},mode=0711{ids}".encode()
-    if _libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
+def _mount(source: bytes | None, target: Path, fstype: bytes | None, flags: int, options: bytes | None) -> None:
+    if _libc.mount(source, os.fsencode(target), fstype, flags, options) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), str(target))
+
+
+def mount_tmpfs(target: Path, size: int) -> None:
+    """Mount a tmpfs of ``size`` bytes at ``target`` (nosuid, nodev, root's): the sandbox's writable space."""
+    inodes = max(65_536, size // 16_384)
+    _mount(b"tmpfs", target, b"tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size},nr_inodes={inodes},mode=0711".encode())
+
+
+def bind_nosuid(target: Path) -> None:
+    """Make ``target`` a mount of its own with nosuid and nodev (no set-uid file planted there works)."""
+    _mount(os.fsencode(target), target, None, _MS_BIND, None)
+    try:
+        _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_NOSUID | _MS_NODEV, None)
+    except OSError:
+        unmount(target)
+        raise
 
 
 def unmount(target: Path) -> None:
@@ -335,11 +378,25 @@ def unmount(target: Path) -> None:
         raise OSError(code, os.strerror(code), str(target))
 
 
+def is_mount_point(path: Path) -> bool:
+    """Whether ``path`` is a mount point (``os.path.ismount`` misses a bind mount of a directory onto itself)."""
+    target = os.fsencode(path)
+    try:
+        with open("/proc/self/mountinfo", "rb") as mountinfo:
+            for line in mountinfo:
+                point = line.split(b" ", 5)[4]
+                if point.replace(b"\\040", b" ").replace(b"\\011", b"\t").replace(b"\\012", b"\n") == target:
+                    return True
+    except (OSError, IndexError):
+        return os.path.ismount(path)
+    return False
+
+
 def probe_tmpfs() -> bool:
     """Whether this process may mount a tmpfs (root, or CAP_SYS_ADMIN)."""
     with tempfile.TemporaryDirectory(prefix="sandbox-middleware-probe-") as where:
         try:
-            mount_tmpfs(Path(where), _MiB, None)
+            mount_tmpfs(Path(where), _MiB)
         except OSError:
             return False
         unmount(Path(where))

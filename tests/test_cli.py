@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from .leftovers import left_behind
 from .vllm.server import free_port
 
 CLI = [sys.executable, "-m", "sandbox_middleware"]
@@ -41,10 +42,6 @@ def row(output: str, label: str) -> str:
 def retries(output: str) -> dict[str, int]:
     create, close, other = row(output, "retries create / close / other").split(" / ")
     return {"create": int(create), "close": int(close), "other": int(other)}
-
-
-def sandbox_entries(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name.startswith(("local-", "sandbox-middleware-")))
 
 
 def test_default_run_leaks_nothing() -> None:
@@ -126,7 +123,7 @@ def test_signal_mid_run_closes_everything(number: signal.Signals, private_tmpdir
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not any(name.startswith("local-") for name in sandbox_entries(private_tmpdir)):
+        while not any("local-" in name for name in left_behind(private_tmpdir)):
             assert process.poll() is None and time.monotonic() < deadline, "no sandbox was created"
             time.sleep(0.05)
         process.send_signal(number)
@@ -143,7 +140,7 @@ def test_signal_mid_run_closes_everything(number: signal.Signals, private_tmpdir
     assert cancelled <= 8
     assert 0 < not_run < 100_000_000
     assert "Traceback" not in err, err
-    assert sandbox_entries(private_tmpdir) == []
+    assert left_behind(private_tmpdir) == []
 
 
 BAD_ARGUMENTS = [

@@ -24,16 +24,19 @@ import pytest
 
 from sandbox_middleware import (
     LocalProvider,
+    OwnershipMiddleware,
     SandboxArgumentError,
     SandboxError,
     SandboxExpiredError,
     SandboxHandle,
     SandboxLimitError,
+    SandboxNotFoundError,
     SandboxPathError,
     SandboxSpec,
     SandboxStatus,
     SandboxTransferLimitError,
     SandboxValueError,
+    reap,
 )
 
 pytestmark = pytest.mark.anyio
@@ -697,3 +700,291 @@ def test_cgroup_v2_layout(tmp_path: Path) -> None:
     assert (group / "pids.max").read_text() == "32"
     assert (group / "cpu.max").read_text() == "50000 100000"
     assert backend.groups_of("local-000000000001") == [group]
+
+
+# --- regressions from the attacker's review --------------------------------------------------------
+
+
+@bwrap_only
+@as_root
+async def test_host_kernel_settings_and_keyrings_are_out_of_reach(
+    make: Callable[..., LocalProvider], sandbox_base: Path
+) -> None:
+    """Commands run as an unprivileged host uid: /proc/sys is not writable, the kernel keyring calls
+    are denied (seccomp), / and /dev are read-only, and what they write belongs to that uid on the host."""
+    local = make(isolation="bwrap", base_dir=sandbox_base)
+    handle = await local.create(SandboxSpec())
+    setting = Path("/proc/sys/kernel/printk_ratelimit_burst")
+    before = setting.read_text()
+    probe = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print('keyctl', libc.syscall(250, 0, -3, 0), ctypes.get_errno())\n"  # KEYCTL_GET_KEYRING_ID
+        "print('add_key', libc.syscall(248, b'user', b'k', b'v', 1, -3), ctypes.get_errno())\n"
+    )
+    result = await local.exec(
+        handle,
+        f"echo 99 > {setting}; echo x > /new; echo x > /dev/new; touch mine; python3 -c {_quote(probe)}"
+        if os.uname().machine == "x86_64"
+        else f"echo 99 > {setting}; touch mine",
+    )
+    assert setting.read_text() == before
+    assert "Permission denied" in result.stderr
+    if os.uname().machine == "x86_64":
+        assert result.stderr.count("Read-only file system") == 2
+        assert "keyctl -1 1" in result.stdout and "add_key -1 1" in result.stdout  # EPERM
+    owner = (Path(handle.raw["root"]) / "mine").stat()
+    assert owner.st_uid == owner.st_gid == local._boxes[handle.sandbox_id].uid
+    assert owner.st_uid not in (0, 65534)  # its own uid, shared with no account and no other sandbox
+
+
+@bwrap_only
+async def test_command_env_never_reaches_host_helpers(
+    make: Callable[..., LocalProvider], sandbox_base: Path, tmp_path: Path
+) -> None:
+    """LD_PRELOAD and the like in spec.env or the call's env apply inside the sandbox only, never to
+    the host-side processes that set it up (sh, setpriv, bwrap)."""
+    local = make(isolation="bwrap", base_dir=sandbox_base)
+    handle = await local.create(SandboxSpec(env={"LD_PRELOAD": "/nonexistent/spec.so"}))
+    result = await local.exec(handle, 'echo "$LD_PRELOAD"', env={"LD_LIBRARY_PATH": "/workspace"})
+    assert result.return_code == 0
+    assert result.stdout == "/nonexistent/spec.so\n"
+    # a host helper given that LD_PRELOAD would print the loader's complaint before the command ran
+    assert "cannot be preloaded" in result.stderr  # bash inside loads it: the env is the command's own
+    assert result.stderr.count("cannot be preloaded") == 1
+
+
+async def test_cancelled_exec_leaves_no_process_group_to_signal_later(provider: LocalProvider) -> None:
+    """A cancelled command is killed and forgotten: nothing a later close could signal by a reused pid."""
+    handle = await provider.create(SandboxSpec())
+    for _ in range(5):
+        with anyio.move_on_after(0.2):
+            await provider.exec(handle, "sleep 30")
+    assert provider._boxes[handle.sandbox_id].groups == set()
+
+
+async def test_a_huge_ttl_does_not_stop_other_ttls(make: Callable[..., LocalProvider], sandbox_base: Path) -> None:
+    """A TTL near the maximum neither breaks the watchdog nor delays another sandbox's shorter TTL."""
+    local = make(isolation="none", base_dir=sandbox_base)
+    await local.create(SandboxSpec(ttl_s=29 * 24 * 3600))
+    short = await local.create(SandboxSpec(ttl_s=1))
+    pid = int((await local.exec(short, "setsid sleep 60 > /dev/null 2>&1 & echo $!")).stdout)
+    with anyio.fail_after(20):
+        while _alive(pid):
+            await anyio.sleep(0.1)
+
+
+async def test_close_during_exec_says_closed(provider: LocalProvider) -> None:
+    """A command running when its sandbox is closed returns error_type="closed", not "expired"."""
+    handle = await provider.create(SandboxSpec())
+    results = []
+
+    async def run() -> None:
+        results.append(await provider.exec(handle, "sleep 30"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run)
+        await anyio.sleep(0.5)
+        await provider.close(handle)
+    assert results[0].error_type == "closed"
+
+
+async def test_aclose_closes_every_sandbox_even_when_one_fails(
+    make: Callable[..., LocalProvider], sandbox_base: Path
+) -> None:
+    """A very deep tree may defeat removal (RecursionError before Python 3.13): it is reported as a
+    SandboxError, and aclose still closes every other sandbox."""
+    local = make(isolation="none", base_dir=sandbox_base, disk_gib=None)
+    deep, other = await local.create(SandboxSpec()), await local.create(SandboxSpec())
+    await local.exec(deep, "for i in $(seq 1500); do mkdir d && cd d || break; done")
+    try:
+        await local.aclose()
+    except SandboxError as exc:
+        assert deep.sandbox_id in str(exc)
+    assert not Path(other.raw["root"]).exists()
+    if Path(deep.raw["root"]).exists():  # left for the test to clean up, as the error said
+        await anyio.run_process(["rm", "-rf", str(Path(deep.raw["root"]).parent)])
+
+
+@pytest.mark.parametrize(
+    ("call", "argument"),
+    [
+        (lambda p, h: p.exec(h, "true", timeout_s="1"), "timeout_s"),
+        (lambda p, h: p.exec(h, "echo \ud800"), "command"),
+        (lambda p, h: p.exec(h, "true", env={"A": "\ud800"}), "env"),
+        (lambda p, h: p.exec(h, "true", cwd="\ud800"), "cwd"),
+        (lambda p, h: p.upload_file(h, 3, "a"), "source_path"),
+        (lambda p, h: p.download_file(h, "a", 3), "target_path"),
+        (lambda p, h: p.upload_file(h, Path("/etc/hostname"), "\ud800"), "target_path"),
+    ],
+)
+async def test_more_bad_arguments_are_typed(provider: LocalProvider, call: Any, argument: str) -> None:
+    handle = await provider.create(SandboxSpec())
+    with pytest.raises(SandboxArgumentError, match=argument):
+        await call(provider, handle)
+
+
+async def test_huge_timeout_means_none(provider: LocalProvider) -> None:
+    handle = await provider.create(SandboxSpec())
+    assert (await provider.exec(handle, "echo ok", timeout_s=10**400)).stdout == "ok\n"
+
+
+async def test_descriptor_with_odd_mac_or_nesting_is_a_sandbox_error(provider: LocalProvider) -> None:
+    handle = await provider.create(SandboxSpec())
+    genuine = await provider.serialize_handle(handle)
+    nested: dict[str, Any] = {}
+    for _ in range(100_000):
+        nested = {"x": nested}
+    for descriptor in ({**genuine, "mac": "é" * 64}, {**genuine, "env": nested}, {"mac": "0" * 64}):
+        with pytest.raises(SandboxError):
+            await provider.connect(descriptor)
+
+
+@pytest.mark.parametrize(
+    ("options", "argument"),
+    [
+        ({"memory_mib": 10**400}, "memory_mib"),
+        ({"pids": 0.5}, "pids"),
+        ({"base_dir": "/tmp/a\0b"}, "base_dir"),
+        ({"ro_paths": ["relative/path"]}, "ro_paths"),
+        ({"ro_paths": ["/does/not/exist"]}, "ro_paths"),
+        ({"sandbox_uid": 0}, "sandbox_uid"),
+    ],
+)
+def test_bad_provider_options_are_typed(options: dict[str, Any], argument: str) -> None:
+    with pytest.raises(SandboxArgumentError, match=argument):
+        LocalProvider(**options)
+
+
+# --- regressions from the second review ------------------------------------------------------------
+
+
+async def test_listing_takes_nothing_over(make: Callable[..., LocalProvider], sandbox_base: Path) -> None:
+    """Another provider's list(), a dry-run reap and its aclose() leave a live owner's sandboxes running."""
+    owner = make(isolation="none", base_dir=sandbox_base)
+    owned = await OwnershipMiddleware(owner, run_id="live").create(SandboxSpec())
+    plain = await owner.create(SandboxSpec())
+    other = make(isolation="none", base_dir=sandbox_base)
+    assert len(await other.list()) == 2
+    assert await reap(other, dry_run=True) == []
+    await other.aclose()
+    for handle in (owned, plain):
+        assert (await owner.exec(handle, "echo alive")).stdout == "alive\n"
+
+
+@as_root
+async def test_layout_gives_the_sandbox_uid_nothing_of_ours(
+    make: Callable[..., LocalProvider], sandbox_base: Path
+) -> None:
+    """The sandbox directory and its record are root's; box, tmp and shm are the sandbox uid's, 0700;
+    nothing is reachable for other users, and the mount is nosuid."""
+    local = make(isolation="bwrap", base_dir=sandbox_base)
+    handle = await local.create(SandboxSpec(env={"TOKEN": "secret"}))
+    outer = Path(handle.raw["root"]).parent
+    uid = local._boxes[handle.sandbox_id].uid
+    assert (outer.stat().st_uid, oct(outer.stat().st_mode & 0o777)) == (0, "0o711")
+    record = (outer / "meta.json").stat()
+    assert (record.st_uid, oct(record.st_mode & 0o777)) == (0, "0o600")
+    for name in ("box", "tmp", "shm"):
+        info = (outer / name).stat()
+        assert (info.st_uid, oct(info.st_mode & 0o777)) == (uid, "0o700"), name
+    mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {outer} " in line]
+    assert mounts and "nosuid" in mounts[0] and "nodev" in mounts[0]
+    unbounded = make(isolation="bwrap", base_dir=sandbox_base, disk_gib=None)
+    handle = await unbounded.create(SandboxSpec())
+    outer = Path(handle.raw["root"]).parent
+    mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {outer} " in line]
+    assert mounts and "nosuid" in mounts[0]
+
+
+async def test_planted_directories_are_ignored(make: Callable[..., LocalProvider], sandbox_base: Path) -> None:
+    """Entries in base_dir that are not ours (another owner, a symlink, a FIFO or deep JSON as the
+    record, a second copy of a live id) are neither listed nor reaped."""
+    local = make(isolation="none", base_dir=sandbox_base)
+    live = await OwnershipMiddleware(local, run_id="r").create(SandboxSpec())
+    record = {"metadata": {"sandbox_middleware.run_id": "r", "sandbox_middleware.owner.host": "h",
+                           "sandbox_middleware.owner.pid": "1", "sandbox_middleware.owner.started": "x"}}  # fmt: skip
+    copy = sandbox_base / f"{live.sandbox_id}-planted"  # a second directory claiming the live id
+    copy.mkdir(mode=0o711)
+    (copy / "meta.json").write_text(json.dumps(record))
+    (copy / "meta.json").chmod(0o600)
+    fifo = sandbox_base / "local-0000000000aa-fifo"
+    fifo.mkdir(mode=0o711)
+    os.mkfifo(fifo / "meta.json", 0o600)
+    deep = sandbox_base / "local-0000000000bb-deep"
+    deep.mkdir(mode=0o711)
+    (deep / "meta.json").write_text("[" * 100_000)
+    (deep / "meta.json").chmod(0o600)
+    foreign = sandbox_base / "local-0000000000cc-foreign"
+    foreign.mkdir(mode=0o711)
+    (foreign / "meta.json").write_text(json.dumps(record))
+    os.chown(foreign, 12345, 12345)
+    with anyio.fail_after(20):
+        assert await local.list() == []  # the live one is hidden by its planted twin, the rest are not ours
+        assert await reap(local, run_id="r", force=True) == []
+    assert (await local.exec(live, "echo alive")).stdout == "alive\n"
+    for planted in (copy, fifo, deep, foreign):
+        shutil.rmtree(planted)
+
+
+def test_base_dir_others_can_write_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(SandboxArgumentError, match="no one else can write"):
+        LocalProvider(isolation="none", base_dir=shared)
+
+
+@as_root
+async def test_aclose_keeps_the_shared_cgroup_parent(make: Callable[..., LocalProvider], sandbox_base: Path) -> None:
+    """One provider's aclose never breaks another's next create."""
+    first, second = make(isolation="none", base_dir=sandbox_base), make(isolation="none", base_dir=sandbox_base)
+    await second.create(SandboxSpec())
+    await second.aclose()
+    handle = await first.create(SandboxSpec())
+    assert (await first.exec(handle, "echo ok")).stdout == "ok\n"
+
+
+@bwrap_only
+async def test_vsock_is_refused(make: Callable[..., LocalProvider], sandbox_base: Path) -> None:
+    """AF_VSOCK, which no network namespace covers, cannot even be opened."""
+    local = make(isolation="bwrap", base_dir=sandbox_base)
+    handle = await local.create(SandboxSpec())
+    probe = (
+        "import socket\ntry:\n    socket.socket(40, socket.SOCK_STREAM)\n    print('opened')\n"
+        "except OSError as e:\n    print('refused', e.errno)\n"
+    )
+    other = "python3 -c 'import socket; socket.socket(); print(1)'"
+    result = await local.exec(handle, f"python3 -c {_quote(probe)}; {other}")
+    assert result.stdout.splitlines() == ["refused 1", "1"]  # EPERM; other families still work
+
+
+async def test_exec_after_close_is_not_found(provider: LocalProvider) -> None:
+    handle = await provider.create(SandboxSpec())
+    await provider.close(handle)
+    with pytest.raises(SandboxNotFoundError):
+        await provider.exec(handle, "true")
+
+
+@pytest.mark.parametrize("workdir", ["//etc", "//proc", "/usr/.", "/workspace/../etc"])
+async def test_reserved_workdirs_after_normalising(provider: LocalProvider, workdir: str) -> None:
+    with pytest.raises(SandboxArgumentError, match="system directory"):
+        await provider.create(SandboxSpec(workdir=workdir))
+
+
+async def test_fifo_upload_source_does_not_hang(provider: LocalProvider, tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    handle = await provider.create(SandboxSpec())
+    with anyio.fail_after(10), pytest.raises(SandboxError, match="not a regular file"):
+        await provider.upload_file(handle, fifo, "x")
+
+
+async def test_more_odd_inputs(provider: LocalProvider) -> None:
+    """A missing handle, metadata that is no mapping, and a GPU request are typed errors."""
+    with pytest.raises(SandboxArgumentError, match="handle"):
+        await provider.exec(None, "true")  # type: ignore[arg-type]
+    with pytest.raises(SandboxArgumentError, match="metadata"):
+        await provider.create(SandboxSpec(metadata=["x"]))  # type: ignore[arg-type]
+    with pytest.raises(SandboxLimitError, match="GPU"):
+        await provider.create(SandboxSpec(resources={"gpu": 1}))

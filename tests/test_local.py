@@ -205,7 +205,10 @@ async def test_list_finds_sandboxes_of_other_instances_by_metadata(tmp_path: Pat
     assert found.handle.sandbox_id == run_a.sandbox_id
     assert found.metadata == {"run": "a", "k": "1"}
     assert found.created_at is not None and found.created_at <= time.time()
-    assert (await finder.exec(found.handle, "cat f")).stdout == "kept\n"
+    await finder.aclose()  # listing took nothing over: closing the finder closes nothing
+    assert (await maker.exec(run_a, "cat f")).stdout == "kept\n"
+    with pytest.raises(SandboxNotFoundError):
+        await finder.exec(found.handle, "true")  # commands need connect(); close is what a listing is for
     await finder.close(found.handle)
     assert not Path(run_a.raw["root"]).exists()
     assert [listing.handle.sandbox_id for listing in await maker.list()] == [run_b.sandbox_id]

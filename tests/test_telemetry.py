@@ -13,6 +13,7 @@ from opentelemetry.metrics import MeterProvider, NoOpMeterProvider
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace import StatusCode
 
+import _shared_telemetry
 from sandbox_middleware import (
     MetricsMiddleware,
     Middleware,
@@ -22,7 +23,6 @@ from sandbox_middleware import (
     SandboxProvider,
     SandboxSpec,
     TracingMiddleware,
-    _telemetry,
     stack,
 )
 from sandbox_middleware.testing import FaultInjectingProvider, InjectedCreateError, InjectedFault
@@ -202,7 +202,7 @@ async def test_broken_telemetry_never_reaches_the_caller(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Raising instruments and span processors are logged once each and never raise into the caller."""
-    monkeypatch.setattr(_telemetry, "_reported", set())
+    monkeypatch.setattr(_shared_telemetry, "_reported", set())
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(RaisingProcessor())
     meter_provider = RaisingMeterProvider()

@@ -6,7 +6,6 @@ import copy
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +14,7 @@ import respx
 import stamina
 
 from tokens import (
+    DEFAULT_CHAIN,
     ConflictingTokenMetadataError,
     ContextLengthExceededError,
     DecodedResponse,
@@ -32,22 +32,11 @@ from tokens import (
     require_bundle,
 )
 
+from .token_samples import BASE, CHAT, INLINE, LOGPROBS_ONLY, TOKENIZE, TOKENIZED, sample
+
 pytestmark = pytest.mark.anyio
 
-FIXTURES = Path(__file__).parent / "fixtures" / "vllm-0.32"
-BASE = "http://vllm.test:8000/v1"
-CHAT = "http://vllm.test:8000/v1/chat/completions"
-TOKENIZE = "http://vllm.test:8000/tokenize"
-
-
-def sample(name: str) -> Any:
-    return json.loads((FIXTURES / f"{name}.json").read_text())
-
-
-INLINE = sample("chat_inline_ids.response")
-LOGPROBS_ONLY = sample("chat_logprobs_only.response")
 REQUEST = sample("chat_inline_ids.request")
-TOKENIZED = sample("tokenize_chat.response")
 USER_BODY = {k: v for k, v in REQUEST.items() if k not in ("logprobs", "top_logprobs", "return_tokens_as_token_ids",
                                                              "return_token_ids")}  # fmt: skip
 
@@ -192,6 +181,39 @@ async def test_message_and_inline_conflict(mutate: Any, field: str) -> None:
         response["choices"][0]["logprobs"] = copy.deepcopy(INLINE["choices"][0]["logprobs"])
     mutate(response)
     with pytest.raises(ConflictingTokenMetadataError, match="disagree"):
+        await complete(response)
+
+
+async def test_lower_source_without_log_probabilities_is_cross_checked_not_required() -> None:
+    """A complete message bundle beside vLLM inline ids with no logprobs (return_token_ids with
+    logprobs=false, through a proxy that adds the bundle) is accepted: the inline ids are checked
+    against the bundle and their missing log probabilities are not an error, since they did not win."""
+    response = message_bundle_response()
+    response["prompt_token_ids"] = list(INLINE["prompt_token_ids"])
+    response["choices"][0]["token_ids"] = list(INLINE["choices"][0]["token_ids"])
+    completion = await complete(response)
+    assert completion.bundle.source == "message"
+    assert completion.bundle.generation_token_ids == INLINE["choices"][0]["token_ids"]
+    response["choices"][0]["token_ids"][3] += 1
+    with pytest.raises(ConflictingTokenMetadataError, match=r"'message' source and the 'vllm' source .* at index 3"):
+        await complete(response)
+
+
+async def test_lower_partial_source_is_checked_on_what_it_carries() -> None:
+    """Inline prompt ids alone (no choice.token_ids) below a message bundle: compared, not an error."""
+    response = message_bundle_response()
+    response["prompt_token_ids"] = list(INLINE["prompt_token_ids"])
+    assert (await complete(response)).bundle.source == "message"
+    response["prompt_token_ids"][0] += 1
+    with pytest.raises(ConflictingTokenMetadataError, match=r"prompt_token_ids: .* at index 0"):
+        await complete(response)
+
+
+async def test_incomplete_winning_source_is_an_error() -> None:
+    """Inline ids that win (no bundle on the message) but lack log probabilities: MissingTokenMetadataError."""
+    response = copy.deepcopy(INLINE)
+    del response["choices"][0]["logprobs"]
+    with pytest.raises(MissingTokenMetadataError, match=r"inline ids but no choices\[0\]\.logprobs\.content"):
         await complete(response)
 
 
@@ -344,9 +366,12 @@ async def test_request_knobs_forced(server: respx.MockRouter, top_logprobs: Any,
     assert sent["messages"] == REQUEST["messages"] and sent["max_tokens"] == REQUEST["max_tokens"]
 
 
-@pytest.mark.parametrize(("extra", "match"), [({"n": 2}, "n=2"), ({"n": True}, "n=True"), ({"stream": True}, "stream")])
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [({"n": 0}, "n=0"), ({"n": True}, "n=True"), ({"n": "2"}, "n='2'"), ({"stream": True}, "stream")],
+)
 async def test_unsupported_requests_send_nothing(server: respx.MockRouter, extra: dict[str, Any], match: str) -> None:
-    """n other than 1 and streaming are refused before any request."""
+    """An n that is not a positive int, and streaming, are refused before any request."""
     chat = server.post(CHAT).mock(return_value=httpx.Response(200, json=INLINE))
     async with TokenClient(BASE) as client:
         with pytest.raises(UnsupportedRequestError, match=match):
@@ -480,3 +505,22 @@ async def test_timeouts_of_own_and_injected_clients(server: respx.MockRouter) ->
             await c.chat_completion(**USER_BODY)
         assert chat.calls.last.request.extensions["timeout"]["read"] == 30
         assert not http.is_closed
+
+
+@pytest.mark.parametrize("order", ["default", "reversed sources"])
+async def test_cross_checks_do_not_depend_on_the_chain_order(order: str) -> None:
+    """Chain sources in either order find the same conflict (no step relies on a flag another set)."""
+    response = message_bundle_response()
+    response["prompt_token_ids"] = list(INLINE["prompt_token_ids"])
+    response["choices"][0]["token_ids"] = list(INLINE["choices"][0]["token_ids"])
+    response["choices"][0]["logprobs"] = copy.deepcopy(INLINE["choices"][0]["logprobs"])
+    response["choices"][0]["logprobs"]["content"][1]["token"] = "token_id:5"
+    chain = list(DEFAULT_CHAIN)
+    if order != "default":
+        chain = [*chain[:2], *reversed(chain[2:-1]), chain[-1]]  # the /tokenize fallback stays last
+    async with TokenClient(BASE, middleware=chain) as client:
+        with pytest.raises(ConflictingTokenMetadataError, match="at index 1"):
+            await client.extract(REQUEST, json.dumps(response))
+        response["choices"][0]["logprobs"]["content"][1]["token"] = f"token_id:{INLINE['choices'][0]['token_ids'][1]}"
+        completion = await client.extract(REQUEST, json.dumps(response))
+    assert completion.bundle.generation_token_ids == INLINE["choices"][0]["token_ids"]

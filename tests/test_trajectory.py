@@ -21,7 +21,7 @@ def bundle(prompt: list[int], generation: list[int], base: float = -0.5) -> Toke
 def real(name: str) -> TokenBundle:
     found = extract_vllm_inline(decode_response((FIXTURES / f"{name}.response.json").read_bytes()))
     assert found is not None
-    return found
+    return found.bundle()
 
 
 def test_real_two_turn_vllm_sequence_is_append_only() -> None:
@@ -159,3 +159,22 @@ def test_floored_log_probs_are_not_trained_on() -> None:
     [segment] = trajectory.segments
     assert segment.loss_mask == [0, 0, 1, 0, 1, 0, 1]
     assert segment.log_probs[3] == -9999.0
+
+
+def test_boundary_token_replaced_by_a_non_boundary_token_is_drift() -> None:
+    """Only a boundary token may stand where the generated boundary token was: [..41, 3] then [..41, 99, ..]
+    is drift at the 3's index (the issue's case), and a prompt that stops before it is too."""
+    turn1 = bundle(SYSTEM_USER, [40, 41, EOS])
+    trajectory = Trajectory(boundary_token_ids={EOS, 4})
+    trajectory.add(turn1)
+    with pytest.raises(TrajectoryDriftError, match="at index 10") as raised:
+        trajectory.add(bundle([*SYSTEM_USER, 40, 41, 99, 2, 30], [43]))
+    assert raised.value.drift.expected[-1] == EOS and 99 in raised.value.drift.actual
+    for allowed in (EOS, 4):
+        tolerant = Trajectory(boundary_token_ids={EOS, 4})
+        tolerant.add(turn1)
+        assert tolerant.add(bundle([*SYSTEM_USER, 40, 41, allowed, 2, 30], [43])) is None
+    cut = Trajectory(boundary_token_ids={EOS, 4})
+    cut.add(turn1)
+    with pytest.raises(TrajectoryDriftError, match="at index 10"):
+        cut.add(bundle([*SYSTEM_USER, 40, 41], [43]))

@@ -1,9 +1,11 @@
 """Token capture for OpenAI-compatible chat completions: exact ids and log probabilities for RL."""
 
 from ._bundle import TokenBundle, TokenCompletion
+from ._capture import prepare_request, server_root
 from ._chain import (
     DEFAULT_CHAIN,
     LOG_PROB_FLOOR,
+    Candidate,
     DynamoSource,
     Exchange,
     Handler,
@@ -21,25 +23,33 @@ from ._chain import (
     extract_vllm_inline,
     require_bundle,
 )
-from ._client import RetryPolicy, TokenClient, prepare_request, server_root
-from ._decode import DecodedResponse, MalformedResponseError, decode_response
+from ._client import RetryPolicy, TokenClient
+from ._decode import MAX_TOKEN_ID, DecodedResponse, decode_response
 from ._errors import (
     ConflictingTokenMetadataError,
     ContextLengthExceededError,
+    MalformedResponseError,
     MalformedTokenMetadataError,
     MissingTokenMetadataError,
     PartialTokenMetadataError,
+    ResponseTooLargeError,
     ServerResponseError,
     TokenCaptureError,
     TokenIdsIgnoredError,
     TokensError,
     UnsupportedRequestError,
 )
+from ._http import DEFAULT_MAX_RESPONSE_BYTES
+from ._stream import TokenStream
 from ._trajectory import Drift, DriftPolicy, Segment, Trajectory, TrajectoryDriftError
+from ._transport import TokenCaptureTransport
 
 __all__ = [
     "DEFAULT_CHAIN",
+    "DEFAULT_MAX_RESPONSE_BYTES",
     "LOG_PROB_FLOOR",
+    "MAX_TOKEN_ID",
+    "Candidate",
     "ConflictingTokenMetadataError",
     "ContextLengthExceededError",
     "DecodedResponse",
@@ -55,16 +65,19 @@ __all__ = [
     "MessageBundleSource",
     "MissingTokenMetadataError",
     "PartialTokenMetadataError",
+    "ResponseTooLargeError",
     "RetryPolicy",
     "SGLangSource",
     "Segment",
     "ServerResponseError",
     "TokenBundle",
     "TokenCaptureError",
+    "TokenCaptureTransport",
     "TokenClient",
     "TokenCompletion",
     "TokenIdsIgnoredError",
     "TokenMiddleware",
+    "TokenStream",
     "TokensError",
     "Trajectory",
     "TrajectoryDriftError",

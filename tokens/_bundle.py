@@ -40,10 +40,19 @@ class TokenBundle:
 
 @dataclass(frozen=True, slots=True)
 class TokenCompletion:
-    """A chat completion response (dict) with its bundle on ``choices[0].message``, and the bundle."""
+    """A chat completion response (dict) with each choice's bundle on its message, and the bundles.
+
+    ``bundles`` holds one bundle per choice, in choice order (``n`` > 1 gives several, sharing the
+    prompt ids); ``bundle`` is the first choice's.
+    """
 
     response: dict[str, Any]
-    bundle: TokenBundle
+    bundles: tuple[TokenBundle, ...]
+
+    @property
+    def bundle(self) -> TokenBundle:
+        """The first choice's bundle (the only one unless ``n`` > 1)."""
+        return self.bundles[0]
 
     def __repr__(self) -> str:  # the response can be megabytes: never print it whole
-        return f"TokenCompletion(id={self.response.get('id')!r}, bundle={self.bundle!r})"
+        return f"TokenCompletion(id={self.response.get('id')!r}, bundles={list(self.bundles)!r})"

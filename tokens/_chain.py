@@ -2,8 +2,9 @@
 
 Each step wraps an inner handler (``async (Exchange) -> TokenBundle``), onion-shaped like the
 sandbox provider stack: the first entry of a chain is the outermost. A step looks for its own
-source in the response; the first source found wins (precedence = order), and every later source
-present must agree with it (``ConflictingTokenMetadataError``). The innermost handler,
+source in the response; the first source found wins (precedence = order) and must be complete, and
+every later source present must agree with it on the ids it carries (``ConflictingTokenMetadataError``),
+complete or not. The innermost handler,
 ``require_bundle``, returns the winner or raises ``MissingTokenMetadataError``.
 
 Extraction is done by small pure functions over the ``DecodedResponse``; the only HTTP is
@@ -26,12 +27,14 @@ from ._errors import (
     MalformedTokenMetadataError,
     MissingTokenMetadataError,
     PartialTokenMetadataError,
+    TokenCaptureError,
     TokenIdsIgnoredError,
 )
 
 __all__ = [
     "DEFAULT_CHAIN",
     "LOG_PROB_FLOOR",
+    "Candidate",
     "DynamoSource",
     "Exchange",
     "Handler",
@@ -55,9 +58,38 @@ logger = logging.getLogger("tokens")
 TokenizeFn = Callable[[Mapping[str, Any]], Awaitable[list[int]]]
 
 
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """What one token source in the response carries for one choice; a field it lacks is None.
+
+    ``problem`` (set when a field is missing) is the error raised if this source wins; a source of
+    lower precedence is only cross-checked on the ids it does carry.
+    """
+
+    source: str
+    prompt_token_ids: list[int] | None
+    generation_token_ids: list[int] | None
+    generation_log_probs: list[float] | None
+    problem: TokenCaptureError | None = None
+    routed_experts: Any = None
+
+    def bundle(self) -> TokenBundle:
+        """The bundle of a complete source; its ``problem`` otherwise."""
+        if self.problem is not None:
+            raise self.problem
+        assert self.prompt_token_ids is not None and self.generation_token_ids is not None
+        assert self.generation_log_probs is not None
+        return TokenBundle(
+            self.prompt_token_ids, self.generation_token_ids, self.generation_log_probs, self.source,
+            self.routed_experts,
+        )  # fmt: skip
+
+
 @dataclass
 class Exchange:
-    """One completion as the chain sees it: the request sent, the decoded response, the bundle so far."""
+    """One choice of a completion as the chain sees it: the request sent, the decoded response,
+    the choice's ``index``, the bundle found so far and the bundles of the choices before it.
+    The chain runs once per choice, in choice order."""
 
     request: Mapping[str, Any]
     response: DecodedResponse
@@ -65,19 +97,23 @@ class Exchange:
     allow_tokenize_fallback: bool = False
     """Whether a request that asked for inline ids may fall back to ``/tokenize`` when none came back."""
     found: TokenBundle | None = None
+    index: int = 0
+    group: Sequence[TokenBundle] = ()
+    """The bundles of the choices before this one (``n`` > 1), in choice order."""
 
-    def offer(self, bundle: TokenBundle) -> None:
-        """Take ``bundle`` if nothing was found yet; otherwise require it to agree with what was."""
+    def offer(self, candidate: Candidate) -> None:
+        """The first source offered wins (it must be complete); every later one must agree with it
+        on the ids it carries."""
         found = self.found
         if found is None:
-            self.found = bundle
+            self.found = candidate.bundle()
             return
         for name in ("prompt_token_ids", "generation_token_ids"):
-            mine, theirs = getattr(bundle, name), getattr(found, name)
-            if mine is not theirs and mine != theirs:
+            mine, theirs = getattr(candidate, name), getattr(found, name)
+            if mine is not None and mine is not theirs and mine != theirs:
                 raise ConflictingTokenMetadataError(
-                    f"{name}: the {found.source!r} source and the {bundle.source!r} source in one response "
-                    f"disagree {_first_difference(theirs, mine)}; the response cannot be trusted for training"
+                    f"{name}: the {found.source!r} source and the {candidate.source!r} source in one response "
+                    f"disagree {describe_difference(theirs, mine)}; the response cannot be trusted for training"
                 )
 
 
@@ -92,7 +128,7 @@ def first_difference(expected: Sequence[int], actual: Sequence[int]) -> int:
     return min(len(expected), len(actual))
 
 
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> str:
+def describe_difference(a: Sequence[int], b: Sequence[int]) -> str:
     index = first_difference(a, b)
     if index < min(len(a), len(b)):
         return f"at index {index} ({a[index]} vs {b[index]})"
@@ -102,17 +138,23 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> str:
 async def require_bundle(exchange: Exchange) -> TokenBundle:
     """The innermost handler: the bundle a source found, or ``MissingTokenMetadataError``."""
     if exchange.found is None:
+        choice = f"choices[{exchange.index}]"
         raise MissingTokenMetadataError(
-            "the response has no token source: no bundle on choices[0].message, no inline ids "
-            "(prompt_token_ids / choices[0].token_ids) and no choices[0].logprobs.content; request "
+            f"the response has no token source: no bundle on {choice}.message, no inline ids "
+            f"(prompt_token_ids / {choice}.token_ids) and no {choice}.logprobs.content; request "
             "logprobs=true (TokenClient does) or return_token_ids=true"
         )
     return exchange.found
 
 
-def _routed_experts(response: DecodedResponse) -> Any:
-    routed = response.choice.get("routed_experts")
-    return routed if routed is not None else response.message.get("routed_experts")
+def _routed_experts(response: DecodedResponse, index: int) -> Any:
+    routed = response.choices[index].get("routed_experts")
+    return routed if routed is not None else response.messages[index].get("routed_experts")
+
+
+def _id_tokens(entries: list[Any]) -> bool:
+    """Whether logprob entries carry ids (``token_id:<int>``, as requested) rather than text."""
+    return not entries or entries[0].token.startswith("token_id:")
 
 
 def _lengths_match(ids: list[int], log_probs: list[float], ids_field: str, log_probs_field: str) -> None:
@@ -123,70 +165,85 @@ def _lengths_match(ids: list[int], log_probs: list[float], ids_field: str, log_p
         )
 
 
-_MESSAGE_FIELDS = (
-    "choices[0].message.prompt_token_ids",
-    "choices[0].message.generation_token_ids",
-    "choices[0].message.generation_log_probs",
-)
-
-
-def _three_field_bundle(response: DecodedResponse, fields: tuple[str, str, str], source: str,
-                        hint: str) -> TokenBundle | None:  # fmt: skip
-    """A bundle from three held fields (prompt ids, generation ids, log probabilities): all or none."""
+def _three_field_source(response: DecodedResponse, fields: tuple[str, str, str], source: str, hint: str,
+                        index: int) -> Candidate | None:  # fmt: skip
+    """Three held fields (prompt ids, generation ids, log probabilities), or None if none is there."""
     present = [name for name in fields if response.present(name)]
     if not present:
         return None
-    if len(present) < len(fields):
-        missing = [name for name in fields if name not in present]
-        raise PartialTokenMetadataError(
-            f"the response carries {', '.join(present)} but not {', '.join(missing)}; {hint}"
-        )
     prompt = response.token_ids(fields[0])
     generation = response.token_ids(fields[1])
     log_probs = response.log_probs(fields[2])
-    assert prompt is not None and generation is not None and log_probs is not None
-    _lengths_match(generation, log_probs, fields[1], fields[2])
-    return TokenBundle(prompt, generation, log_probs, source, _routed_experts(response))
+    problem = None
+    if len(present) < len(fields):
+        missing = [name for name in fields if name not in present]
+        problem = PartialTokenMetadataError(
+            f"the response carries {', '.join(present)} but not {', '.join(missing)}; {hint}"
+        )
+    elif generation is not None and log_probs is not None:
+        _lengths_match(generation, log_probs, fields[1], fields[2])
+    return Candidate(source, prompt, generation, log_probs, problem, _routed_experts(response, index))
 
 
-def extract_message_bundle(response: DecodedResponse) -> TokenBundle | None:
-    """A complete bundle already on ``choices[0].message`` (as NeMo RL attaches it), or None."""
-    return _three_field_bundle(response, _MESSAGE_FIELDS, "message", "a bundle on the message must have all three")
+def extract_message_bundle(response: DecodedResponse, index: int = 0) -> Candidate | None:
+    """A bundle already on ``choices[index].message`` (as NeMo RL attaches it), or None."""
+    prefix = f"choices[{index}].message."
+    fields = (prefix + "prompt_token_ids", prefix + "generation_token_ids", prefix + "generation_log_probs")
+    return _three_field_source(response, fields, "message", "a bundle on the message must have all three", index)
 
 
-def extract_vllm_inline(response: DecodedResponse) -> TokenBundle | None:
+def extract_vllm_inline(response: DecodedResponse, index: int = 0) -> Candidate | None:
     """vLLM's inline ids (``return_token_ids``): top-level ``prompt_token_ids`` and
-    ``choices[0].token_ids``, log probabilities from ``choices[0].logprobs``; or None."""
+    ``choices[index].token_ids``, log probabilities from ``choices[index].logprobs``; or None."""
+    choice = f"choices[{index}]"
     has_prompt = response.present("prompt_token_ids")
     # choice.token_ids beside choice.prompt_token_ids is SGLang's shape, not half of vLLM's.
-    has_generation = response.present("choices[0].token_ids") and not response.present("choices[0].prompt_token_ids")
+    has_generation = response.present(f"{choice}.token_ids") and not response.present(f"{choice}.prompt_token_ids")
     if not (has_prompt or has_generation):
         return None
+    prompt = response.token_ids("prompt_token_ids")
+    generation = response.token_ids(f"{choice}.token_ids") if has_generation else None
+    routed = _routed_experts(response, index)
     if not (has_prompt and has_generation):
-        there, absent = (
-            ("prompt_token_ids", "choices[0].token_ids") if has_prompt else ("choices[0].token_ids", "prompt_token_ids")
-        )
-        raise PartialTokenMetadataError(
+        there, absent = ("prompt_token_ids", f"{choice}.token_ids") if has_prompt else (f"{choice}.token_ids",
+                                                                                      "prompt_token_ids")  # fmt: skip
+        problem: TokenCaptureError = PartialTokenMetadataError(
             f"the response has vLLM inline {there} but no {absent}; vLLM sends both with return_token_ids=true"
         )
-    prompt = response.token_ids("prompt_token_ids")
-    generation = response.token_ids("choices[0].token_ids")
-    assert prompt is not None and generation is not None
-    from_logprobs = response.logprob_tokens()
-    if from_logprobs is None:
-        raise MissingTokenMetadataError(
-            "the response has vLLM inline ids but no choices[0].logprobs.content for their log probabilities; "
+        return Candidate("vllm", prompt, generation, None, problem, routed)
+    assert generation is not None
+    entries = response.logprob_entries(index)
+    if entries is None:
+        problem = MissingTokenMetadataError(
+            f"the response has vLLM inline ids but no {choice}.logprobs.content for their log probabilities; "
             "request logprobs=true (TokenClient does)"
         )
-    ids, log_probs = from_logprobs
-    _lengths_match(generation, log_probs, "choices[0].token_ids", "choices[0].logprobs.content")
+        return Candidate("vllm", prompt, generation, None, problem, routed)
+    if not _id_tokens(entries):  # tokens as text: the inline ids are the ids, logprobs give the numbers
+        log_probs = [entry.logprob for entry in entries]
+        _lengths_match(generation, log_probs, f"{choice}.token_ids", f"{choice}.logprobs.content")
+        return Candidate("vllm", prompt, generation, log_probs, None, routed)
+    ids, log_probs = response.logprob_tokens(index) or ([], [])
+    _lengths_match(generation, log_probs, f"{choice}.token_ids", f"{choice}.logprobs.content")
     if ids != generation:
-        where = _first_difference(generation, ids)
+        where = describe_difference(generation, ids)
         raise ConflictingTokenMetadataError(
-            f"choices[0].token_ids and the ids in choices[0].logprobs.content disagree {where}"
+            f"{choice}.token_ids and the ids in {choice}.logprobs.content disagree {where}"
         )
-    response.logprobs_verified = True
-    return TokenBundle(prompt, generation, log_probs, "vllm", _routed_experts(response))
+    return Candidate("vllm", prompt, generation, log_probs, None, routed)
+
+
+def extract_dynamo(response: DecodedResponse, index: int = 0) -> Candidate | None:
+    """NVIDIA Dynamo's ``nvext.engine_data`` (requested with ``nvext: {extra_fields: ["engine_data"]}``):
+    ``prompt_token_ids``, ``completion_token_ids`` and ``completion_logprobs``; or None. It describes
+    one generation, so it is read for the first choice only."""
+    if index:
+        return None
+    return _three_field_source(
+        response, _DYNAMO_FIELDS, "dynamo",
+        "Dynamo's engine_data must have all three (is the backend old, or were log probabilities not requested?)",
+        index,
+    )  # fmt: skip
 
 
 _DYNAMO_FIELDS = (
@@ -196,38 +253,31 @@ _DYNAMO_FIELDS = (
 )
 
 
-def extract_dynamo(response: DecodedResponse) -> TokenBundle | None:
-    """NVIDIA Dynamo's ``nvext.engine_data`` (requested with ``nvext: {extra_fields: ["engine_data"]}``):
-    ``prompt_token_ids``, ``completion_token_ids`` and ``completion_logprobs``; or None."""
-    return _three_field_bundle(
-        response, _DYNAMO_FIELDS, "dynamo",
-        "Dynamo's engine_data must have all three (is the backend old, or were log probabilities not requested?)",
-    )  # fmt: skip
-
-
-def extract_sglang(response: DecodedResponse) -> TokenBundle | None:
-    """SGLang's inline ids (``return_token_ids``): ``choices[0].prompt_token_ids`` and
-    ``choices[0].token_ids``, log probabilities from ``choices[0].logprobs.content``; or None."""
-    has_prompt = response.present("choices[0].prompt_token_ids")
-    if not has_prompt:
+def extract_sglang(response: DecodedResponse, index: int = 0) -> Candidate | None:
+    """SGLang's inline ids (``return_token_ids``): ``choices[index].prompt_token_ids`` and
+    ``choices[index].token_ids``, log probabilities from ``choices[index].logprobs.content``; or None."""
+    choice = f"choices[{index}]"
+    if not response.present(f"{choice}.prompt_token_ids"):
         return None
-    if not response.present("choices[0].token_ids"):
-        raise PartialTokenMetadataError(
-            "the response has SGLang inline choices[0].prompt_token_ids but no choices[0].token_ids; "
+    prompt = response.token_ids(f"{choice}.prompt_token_ids")
+    generation = response.token_ids(f"{choice}.token_ids")
+    routed = _routed_experts(response, index)
+    if generation is None:
+        problem: TokenCaptureError = PartialTokenMetadataError(
+            f"the response has SGLang inline {choice}.prompt_token_ids but no {choice}.token_ids; "
             "SGLang sends both with return_token_ids=true"
         )
-    prompt = response.token_ids("choices[0].prompt_token_ids")
-    generation = response.token_ids("choices[0].token_ids")
-    assert prompt is not None and generation is not None
-    entries = response.logprob_entries()
+        return Candidate("sglang", prompt, None, None, problem, routed)
+    entries = response.logprob_entries(index)
     if entries is None:
-        raise MissingTokenMetadataError(
-            "the response has SGLang inline ids but no choices[0].logprobs.content for their log probabilities; "
+        problem = MissingTokenMetadataError(
+            f"the response has SGLang inline ids but no {choice}.logprobs.content for their log probabilities; "
             "request logprobs=true (TokenClient does)"
         )
+        return Candidate("sglang", prompt, generation, None, problem, routed)
     log_probs = [entry.logprob for entry in entries]
-    _lengths_match(generation, log_probs, "choices[0].token_ids", "choices[0].logprobs.content")
-    return TokenBundle(prompt, generation, log_probs, "sglang", _routed_experts(response))
+    _lengths_match(generation, log_probs, f"{choice}.token_ids", f"{choice}.logprobs.content")
+    return Candidate("sglang", prompt, generation, log_probs, None, routed)
 
 
 _TOKENIZE_FIELDS = ("model", "messages", "tools", "chat_template_kwargs", "mm_processor_kwargs",
@@ -255,12 +305,12 @@ class TokenMiddleware:
 class _PureSource(TokenMiddleware):
     """A step backed by one pure extraction function: offer what it finds, then go on."""
 
-    extract: Callable[[DecodedResponse], TokenBundle | None]
+    extract: Callable[[DecodedResponse, int], Candidate | None]
 
     async def __call__(self, exchange: Exchange) -> TokenBundle:
-        bundle = type(self).extract(exchange.response)
-        if bundle is not None:
-            exchange.offer(bundle)
+        candidate = type(self).extract(exchange.response, exchange.index)
+        if candidate is not None:
+            exchange.offer(candidate)
         return await self.inner(exchange)
 
 
@@ -289,7 +339,7 @@ class VLLMInlineSource(_PureSource):
 
 
 class LogprobsSource(TokenMiddleware):
-    """Generation ids and log probabilities from ``choices[0].logprobs.content``; the prompt ids from
+    """Generation ids and log probabilities from ``choices[i].logprobs.content``; the prompt ids from
     ``/tokenize`` (source ``tokenize``), called only when no source before it found a bundle.
 
     When an earlier source found the bundle, the logprob tokens are a cross-check of its
@@ -297,23 +347,14 @@ class LogprobsSource(TokenMiddleware):
     """
 
     async def __call__(self, exchange: Exchange) -> TokenBundle:
-        found = exchange.found
-        if found is not None:
-            if exchange.response.logprobs_verified:
-                # Already compared with the generation of a source that agreed with ``found``: each list once.
-                return await self.inner(exchange)
-            try:
-                from_logprobs = exchange.response.logprob_tokens()
-            except MalformedTokenMetadataError:
-                from_logprobs = None  # text tokens: nothing to compare ids with
-            if from_logprobs is not None and from_logprobs[0] != found.generation_token_ids:
-                where = _first_difference(found.generation_token_ids, from_logprobs[0])
-                raise ConflictingTokenMetadataError(
-                    f"generation_token_ids from the {found.source!r} source and the ids in "
-                    f"choices[0].logprobs.content disagree {where}"
-                )
+        response, index = exchange.response, exchange.index
+        if exchange.found is not None:
+            entries = response.logprob_entries(index)
+            if entries is not None and _id_tokens(entries):  # text tokens: nothing to compare ids with
+                ids, log_probs = response.logprob_tokens(index) or ([], [])
+                exchange.offer(Candidate("logprobs", None, ids, log_probs))
             return await self.inner(exchange)
-        from_logprobs = exchange.response.logprob_tokens()
+        from_logprobs = response.logprob_tokens(index)
         if from_logprobs is not None:
             if exchange.request.get("return_token_ids") and not exchange.allow_tokenize_fallback:
                 raise TokenIdsIgnoredError(
@@ -328,31 +369,41 @@ class LogprobsSource(TokenMiddleware):
                 )
             ids, log_probs = from_logprobs
             prompt = await exchange.tokenize(tokenize_body(exchange.request))
-            exchange.offer(TokenBundle(prompt, ids, log_probs, "tokenize", _routed_experts(exchange.response)))
+            exchange.offer(Candidate("tokenize", prompt, ids, log_probs, None, _routed_experts(response, index)))
         return await self.inner(exchange)
 
 
 LOG_PROB_FLOOR = -9999.0
 
 
+def check_usage(usage: Any, bundle: TokenBundle, generated: int | None, what: str = "ids") -> None:
+    """``usage.prompt_tokens`` must equal the bundle's prompt length and, when ``generated`` is given,
+    ``usage.completion_tokens`` must equal it (``what`` says what was counted)."""
+    if not isinstance(usage, dict):
+        return
+    checks = [("prompt_tokens", len(bundle.prompt_token_ids), "ids")]
+    if generated is not None:
+        checks.append(("completion_tokens", generated, what))
+    for key, length, counted in checks:
+        count = usage.get(key)
+        if isinstance(count, int) and not isinstance(count, bool) and count != length:
+            raise ConflictingTokenMetadataError(
+                f"usage.{key} is {count} but the {bundle.source!r} source has {length} {counted}; the server's "
+                "accounting and its token lists disagree"
+            )
+
+
 class UsageCheck(TokenMiddleware):
-    """After extraction: ``usage.prompt_tokens`` / ``usage.completion_tokens``, when present, must
-    equal the bundle's list lengths (``ConflictingTokenMetadataError``)."""
+    """After extraction: ``usage.prompt_tokens``, when present, must equal each choice's prompt
+    length, and ``usage.completion_tokens`` the generated ids of all choices together (checked at
+    the last choice); ``ConflictingTokenMetadataError`` otherwise."""
 
     async def __call__(self, exchange: Exchange) -> TokenBundle:
         bundle = await self.inner(exchange)
-        usage = exchange.response.body.get("usage")
-        if isinstance(usage, dict):
-            for key, ids in (
-                ("prompt_tokens", bundle.prompt_token_ids),
-                ("completion_tokens", bundle.generation_token_ids),
-            ):
-                count = usage.get(key)
-                if isinstance(count, int) and not isinstance(count, bool) and count != len(ids):
-                    raise ConflictingTokenMetadataError(
-                        f"usage.{key} is {count} but the {bundle.source!r} source has {len(ids)} ids; the server's "
-                        "accounting and its token lists disagree"
-                    )
+        last = exchange.index == len(exchange.response.choices) - 1
+        generated = len(bundle.generation_token_ids) + sum(len(b.generation_token_ids) for b in exchange.group)
+        what = "ids" if exchange.index == 0 else f"generated ids over {exchange.index + 1} choices"
+        check_usage(exchange.response.body.get("usage"), bundle, generated if last else None, what)
         return bundle
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
-import email.utils
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -14,35 +14,21 @@ import httpx
 import msgspec
 import stamina
 from opentelemetry.metrics import MeterProvider
-from opentelemetry.trace import Span, TracerProvider
+from opentelemetry.trace import TracerProvider
 
-from sandbox_middleware._telemetry import (
-    ERROR_TYPE_ATTR,
-    Instruments,
-    Tracing,
-    error_type,
-    record_error,
-    safely,
-)
+from ._bundle import TokenCompletion
+from ._capture import Capture, server_root
+from ._chain import ChainEntry
+from ._errors import ServerResponseError
+from ._http import ACCEPT_ENCODING, DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body, redact, strip_credentials
+from ._stream import TokenStream, capture_stream
+from ._token_in import extract_token_in, prepare_token_in
 
-from ._bundle import TokenBundle, TokenCompletion
-from ._chain import DEFAULT_CHAIN, ChainEntry, Exchange, build_chain
-from ._decode import decode_response
-from ._errors import (
-    ContextLengthExceededError,
-    MalformedTokenMetadataError,
-    ServerResponseError,
-    UnsupportedRequestError,
-)
-from ._telemetry import SCOPE, SOURCE_ATTR, TokenInstruments
-
-__all__ = ["RetryPolicy", "TokenClient", "prepare_request", "server_root"]
+__all__ = ["RetryPolicy", "TokenClient"]
 
 # Long generations (32K tokens) take minutes; connecting should not.
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
-SPAN_NAME = "tokens.chat_completion"
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-_ids = msgspec.json.Decoder(list[int])
 
 
 @dataclass(frozen=True)
@@ -59,74 +45,6 @@ class RetryPolicy:
     wait_jitter: float = 0.5
 
 
-def server_root(base_url: str) -> str:
-    """The server root for ``/tokenize``: ``base_url`` without a trailing slash or ``/v1``."""
-    root = base_url.rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
-
-
-def prepare_request(body: Mapping[str, Any], *, request_token_ids: bool) -> dict[str, Any]:
-    """The request as sent: logprobs forced on, one log probability per token, token ids as tokens.
-
-    Refuses (``UnsupportedRequestError``, before anything is sent) ``n`` other than 1 and streaming.
-    """
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise UnsupportedRequestError(
-            f"n={n!r}: token capture supports one choice per request; send n=1 (or omit it) and "
-            "issue separate requests for several samples"
-        )
-    if body.get("stream"):
-        raise UnsupportedRequestError(
-            "stream=true: token capture needs the whole response; send stream=false (or omit it)"
-        )
-    sent = dict(body)
-    sent.pop("prompt_logprobs", None)
-    sent["logprobs"] = True
-    sent["top_logprobs"] = 0
-    sent["return_tokens_as_token_ids"] = True
-    if request_token_ids:
-        sent["return_token_ids"] = True
-    return sent
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        return max(0.0, when.timestamp() - time.time())
-
-
-def _error_from(response: httpx.Response, what: str) -> ServerResponseError:
-    try:
-        body: Any = response.json()
-    except ValueError:
-        body = response.text
-    detail = body.get("error", body) if isinstance(body, dict) else body
-    message = detail.get("message") if isinstance(detail, dict) else None
-    text = str(message if message is not None else body)[:2000]
-    status = response.status_code
-    if status == 400 and (
-        "context length" in text or (isinstance(detail, dict) and detail.get("param") == "input_tokens")
-    ):
-        return ContextLengthExceededError(
-            f"{what}: the prompt does not fit the model's context: {text}", status_code=status, body=body
-        )
-    return ServerResponseError(
-        f"{what}: HTTP {status} from {response.request.url}: {text}",
-        status_code=status,
-        body=body,
-        retry_after=_retry_after(response) if status == 429 else None,
-    )
-
-
 class TokenClient:
     """An async client for OpenAI-compatible chat completions that returns exact token bundles.
 
@@ -141,6 +59,12 @@ class TokenClient:
     connect). Transient failures
     are retried per ``retry`` (``None`` disables retries). When inline ids were requested but the
     server sent none, ``TokenIdsIgnoredError`` is raised unless ``allow_tokenize_fallback``.
+
+    Hostile servers: each body (completion and ``/tokenize``) is read up to ``max_response_bytes``
+    after decompression (``ResponseTooLargeError`` beyond; default 64 MiB, see
+    ``DEFAULT_MAX_RESPONSE_BYTES``); a redirect is a ``ServerResponseError``, never followed; a
+    ``user:password@`` in ``base_url`` is sent as basic auth and never appears in a URL, a message,
+    a span or a log.
 
     Telemetry (``meter_provider`` / ``tracer_provider``, default the global ones):
     ``tokens.capture.source_total`` by ``tokens.source``, ``tokens.capture.error_total`` by
@@ -159,26 +83,35 @@ class TokenClient:
         timeout: httpx.Timeout | float | None = None,
         retry: RetryPolicy | None = RetryPolicy(),
         allow_tokenize_fallback: bool = False,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         meter_provider: MeterProvider | None = None,
         tracer_provider: TracerProvider | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(
-                f"TokenClient: base_url must be an http(s) URL such as http://host:8000/v1, not {base_url!r}"
+                "TokenClient: base_url must be an http(s) URL such as http://host:8000/v1, "
+                f"not {redact(repr(base_url))}"
             )
+        self.max_response_bytes = check_limit("TokenClient", max_response_bytes)
+        base_url, self._auth = strip_credentials(base_url)
         self.base_url = base_url.rstrip("/")
         self.tokenize_url = server_root(base_url) + "/tokenize"
         self.request_prompt_and_generation_token_ids = request_prompt_and_generation_token_ids
         self.retry = retry
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {"Content-Type": "application/json", "Accept-Encoding": ACCEPT_ENCODING}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
         self._owns_client = http_client is None
         # No timeout given: ours for a client we make, the injected client's own for one passed in.
         self._http = http_client if http_client is not None else httpx.AsyncClient(timeout=timeout or DEFAULT_TIMEOUT)
         self._timeout: Any = timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT
-        self._chain = build_chain(DEFAULT_CHAIN if middleware is None else middleware)
-        self.allow_tokenize_fallback = allow_tokenize_fallback
-        self._instruments = Instruments(TokenInstruments.create, meter_provider, SCOPE)
-        self._tracing = Tracing(tracer_provider, SCOPE)
+        self._capture = Capture(
+            request_token_ids=request_prompt_and_generation_token_ids,
+            middleware=middleware,
+            allow_tokenize_fallback=allow_tokenize_fallback,
+            meter_provider=meter_provider,
+            tracer_provider=tracer_provider,
+        )
 
     async def __aenter__(self) -> TokenClient:
         return self
@@ -193,14 +126,14 @@ class TokenClient:
 
     async def _post(self, url: str, body: Mapping[str, Any], what: str) -> bytes:
         """POST ``body``; the raw response bytes on 2xx, a typed error otherwise, retried per policy."""
-        payload = msgspec.json.encode(body)
-        headers = {**self._headers, "Content-Type": "application/json"}
+        request = self._http.build_request(
+            "POST", url, content=msgspec.json.encode(body), headers=self._headers, timeout=self._timeout
+        )
 
         async def once() -> bytes:
-            response = await self._http.post(url, content=payload, headers=headers, timeout=self._timeout)
-            if response.status_code >= 400:
-                raise _error_from(response, what)
-            return response.content
+            auth: Any = self._auth if self._auth is not None else httpx.USE_CLIENT_DEFAULT
+            response = await self._http.send(request, stream=True, auth=auth, follow_redirects=False)
+            return await read_body(response, what, self.max_response_bytes)
 
         policy = self.retry
         if policy is None:
@@ -219,76 +152,44 @@ class TokenClient:
 
     async def tokenize(self, body: Mapping[str, Any]) -> list[int]:
         """``POST {server root}/tokenize`` with ``body``; the prompt ids."""
-        started = time.perf_counter()
-        data = await self._post(self.tokenize_url, body, "/tokenize")
-        instruments = self._instruments.get()
-        if instruments is not None:
-            elapsed_ms = (time.perf_counter() - started) * 1000.0
-            safely("tokens.tokenize_fallback.duration_ms", instruments.tokenize_ms.record, elapsed_ms)
-        try:
-            tokens = msgspec.json.decode(data, type=dict[str, msgspec.Raw]).get("tokens")
-            if tokens is None:
-                raise MalformedTokenMetadataError("/tokenize response has no 'tokens' list")
-            result: list[int] = _ids.decode(tokens)
-        except msgspec.MsgspecError as exc:
-            raise MalformedTokenMetadataError(f"/tokenize response: 'tokens' is not a list of ids ({exc})") from exc
-        return result
+        return await self._capture.tokenize(self._post, self.tokenize_url, body)
 
     async def chat_completion(self, **body: Any) -> TokenCompletion:
-        """Post a chat completion; the response with its bundle on ``choices[0].message``."""
-        request = prepare_request(body, request_token_ids=self.request_prompt_and_generation_token_ids)
-        tracer = self._tracing.get()
-        if tracer is None:
-            return await self._complete(request)
-        with tracer.start_as_current_span(SPAN_NAME, record_exception=False, set_status_on_exception=False) as span:
-            try:
-                completion = await self._complete(request)
-            except Exception as exc:
-                safely(SPAN_NAME, record_error, span, exc)
-                raise
-            safely(SPAN_NAME, _mark_bundle, span, completion.bundle)
-            return completion
+        """Post a chat completion; the response with each choice's bundle on its message."""
+        request = self._capture.prepare(body)
+        fetch = partial(self._post, self.base_url + "/chat/completions", request, "chat completion")
+        completion = await self._capture.complete(request, fetch, self.tokenize)
+        assert completion is not None  # _post raises on every answer it does not return
+        return completion
 
-    async def _complete(self, request: dict[str, Any]) -> TokenCompletion:
+    async def completion(self, prompt_token_ids: list[int], **body: Any) -> TokenCompletion:
+        """A token-in ``/v1/completions`` call: ``prompt_token_ids`` as the prompt; the bundles (one per
+        choice) placed on each choice. The server's echoed prompt ids must equal those sent
+        (``ConflictingTokenMetadataError`` says where they differ)."""
+        request = prepare_token_in(prompt_token_ids, body)
+        data = await self._post(self.base_url + "/completions", request, "token-in completion")
+        return extract_token_in(request, data)
+
+    @contextlib.asynccontextmanager
+    async def stream_chat_completion(self, **body: Any) -> AsyncIterator[TokenStream]:
+        """Stream a chat completion (``stream: true`` is set): ``async with`` it, iterate the chunks
+        as they arrive, then read ``stream.completion`` for the bundles. Not retried."""
+        request = self._capture.prepare({**body, "stream": True}, streaming=True)
+        sent = self._http.build_request(
+            "POST", self.base_url + "/chat/completions", content=msgspec.json.encode(request),
+            headers={**self._headers, "Accept-Encoding": "identity"}, timeout=self._timeout,
+        )  # fmt: skip
+        auth: Any = self._auth if self._auth is not None else httpx.USE_CLIENT_DEFAULT
+        response = await self._http.send(sent, stream=True, auth=auth, follow_redirects=False)
         try:
-            data = await self._post(self.base_url + "/chat/completions", request, "chat completion")
-            return await self.extract(request, data)
-        except Exception as exc:
-            self._count("errors", {ERROR_TYPE_ATTR: error_type(exc)})
-            raise
+            yield TokenStream(await capture_stream(response, request, self._capture, self.tokenize,
+                                                   self.max_response_bytes))  # fmt: skip
+        finally:
+            await response.aclose()
 
     async def extract(self, request: Mapping[str, Any], data: bytes | str) -> TokenCompletion:
         """Run a response body through the extraction chain (``/tokenize`` as its fallback)."""
-        response = decode_response(data)
-        bundle = await self._chain(Exchange(request, response, self.tokenize, self.allow_tokenize_fallback))
-        self._count("sources", {SOURCE_ATTR: bundle.source})
-        return TokenCompletion(attach_bundle(response.body, bundle), bundle)
-
-    def _count(self, which: str, attributes: dict[str, str]) -> None:
-        instruments = self._instruments.get()
-        if instruments is not None:
-            safely(f"tokens counter {which}", getattr(instruments, which).add, 1, attributes)
-
-
-def attach_bundle(body: dict[str, Any], bundle: TokenBundle) -> dict[str, Any]:
-    """Place ``bundle`` on ``body["choices"][0]["message"]`` (the transport fields are already gone)."""
-    message = body["choices"][0]["message"]
-    message["prompt_token_ids"] = bundle.prompt_token_ids
-    message["generation_token_ids"] = bundle.generation_token_ids
-    message["generation_log_probs"] = bundle.generation_log_probs
-    if bundle.routed_experts is not None:
-        message["routed_experts"] = bundle.routed_experts
-        body["choices"][0].pop("routed_experts", None)
-    return body
-
-
-def _mark_bundle(span: Span, bundle: TokenBundle) -> None:
-    span.set_attribute(SOURCE_ATTR, bundle.source)
-    span.set_attribute("tokens.exact", bundle.exact)
-    span.set_attribute("tokens.prompt_count", len(bundle.prompt_token_ids))
-    span.set_attribute("tokens.generation_count", len(bundle.generation_token_ids))
-    if bundle.floored_positions:
-        span.set_attribute("tokens.floored_count", len(bundle.floored_positions))
+        return await self._capture.extract(request, data, self.tokenize)
 
 
 def _retryable(policy: RetryPolicy) -> Any:

@@ -7,9 +7,11 @@ from typing import Any
 __all__ = [
     "ConflictingTokenMetadataError",
     "ContextLengthExceededError",
+    "MalformedResponseError",
     "MalformedTokenMetadataError",
     "MissingTokenMetadataError",
     "PartialTokenMetadataError",
+    "ResponseTooLargeError",
     "ServerResponseError",
     "TokenCaptureError",
     "TokenIdsIgnoredError",
@@ -23,7 +25,7 @@ class TokensError(Exception):
 
 
 class UnsupportedRequestError(TokensError):
-    """The request asks for something token capture cannot serve (``n`` > 1, streaming); nothing was sent."""
+    """The request asks for something token capture cannot serve (streaming, a bad ``n``); nothing was sent."""
 
 
 class ServerResponseError(TokensError):
@@ -40,8 +42,21 @@ class ContextLengthExceededError(ServerResponseError):
     """The prompt (plus ``max_tokens``) does not fit the model's context; shorten it. Never retried."""
 
 
+class ResponseTooLargeError(TokensError):
+    """A response body is over ``max_response_bytes`` after decompression; reading stopped there."""
+
+    def __init__(self, message: str, *, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
 class TokenCaptureError(TokensError):
     """The response's token metadata cannot give an exact bundle."""
+
+
+class MalformedResponseError(TokenCaptureError):
+    """The response body is not what was asked for: not JSON, nested too deep, not an object, no
+    choices, an id that is not a 32-bit vocabulary index, a body that does not decompress."""
 
 
 class PartialTokenMetadataError(TokenCaptureError):
@@ -52,7 +67,7 @@ class ConflictingTokenMetadataError(TokenCaptureError):
     """Two token sources in one response disagree."""
 
 
-class MalformedTokenMetadataError(TokenCaptureError):
+class MalformedTokenMetadataError(MalformedResponseError):
     """Token metadata of the wrong shape or type (not a list, a bad entry, a boolean for a number...)."""
 
 
@@ -69,7 +84,9 @@ for _cls in (
     UnsupportedRequestError,
     ServerResponseError,
     ContextLengthExceededError,
+    ResponseTooLargeError,
     TokenCaptureError,
+    MalformedResponseError,
     PartialTokenMetadataError,
     ConflictingTokenMetadataError,
     MalformedTokenMetadataError,

@@ -1,7 +1,7 @@
 """Token-capture telemetry: which source gave each bundle, what failed, and what the fallback cost.
 
-Uses the same lazy, never-raising helpers as the sandbox middlewares (only the OpenTelemetry API;
-nothing is created or recorded without an SDK).
+Uses the lazy, never-raising helpers shared with the sandbox middlewares (``_shared_telemetry``:
+only the OpenTelemetry API; nothing is created or recorded without an SDK).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from opentelemetry.metrics import Counter, Histogram, Meter
 
-from sandbox_middleware._telemetry import DURATION_BUCKETS_MS
+from _shared_telemetry import DURATION_BUCKETS_MS
 
 __all__ = ["TokenInstruments"]
 

@@ -95,10 +95,12 @@ class Segment:
 class Trajectory:
     """Feed it each turn's ``TokenCompletion`` (or ``TokenBundle``) in order.
 
-    Each prompt must start with the previous prompt + generation. At the boundary, a generated
-    end-of-turn token in ``boundary_token_ids`` may be dropped or replaced by another boundary token
-    (templates re-render it); tokens the template appends after the generation (separators, the
-    next user or tool message) are prompt tokens with loss mask 0.
+    Each prompt must start with the previous prompt + generation, with one exception: when the
+    generation's last token is in ``boundary_token_ids``, the prompt may hold any token of
+    ``boundary_token_ids`` in its place (templates re-render an end-of-turn token, e.g.
+    ``<|endoftext|>`` as ``<|im_end|>``). Any other difference, a missing token included, is drift.
+    Tokens the template appends after the generation (separators, the next user or tool message)
+    are prompt tokens with loss mask 0.
 
     On a divergence, ``policy`` decides: ``error`` raises ``TrajectoryDriftError``; ``split``
     closes the segment and starts a new one from the new prompt; ``mask`` keeps one segment,
@@ -147,8 +149,7 @@ class Trajectory:
             matched = length
         else:
             matched = first_difference(expected, prompt)
-            boundary_end = matched == length - 1 and expected[-1] in self.boundary_token_ids and segment.loss_mask[-1]
-            if not boundary_end:
+            if not self._re_rendered_boundary(segment, prompt, matched):
                 drift = self._drift(number, matched, expected, prompt)
                 self.drifts.append(drift)
                 if self.policy == "error":
@@ -162,6 +163,18 @@ class Trajectory:
         segment._extend_generation(bundle)
         segment.turns += 1
         return self.drifts[-1] if self.drifts and self.drifts[-1].turn == number else None
+
+    def _re_rendered_boundary(self, segment: Segment, prompt: list[int], matched: int) -> bool:
+        """Whether the only difference is the generation's last token, a boundary token, written by
+        the template as a boundary token (itself or another): the one allowed difference."""
+        boundary = self.boundary_token_ids
+        return (
+            matched == len(segment.token_ids) - 1
+            and segment.loss_mask[-1] == 1
+            and segment.token_ids[-1] in boundary
+            and matched < len(prompt)
+            and prompt[matched] in boundary
+        )
 
     def _start(self, prompt: list[int], bundle: TokenBundle) -> None:
         segment = Segment()

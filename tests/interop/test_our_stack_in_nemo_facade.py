@@ -103,9 +103,10 @@ def test_sync_sandbox_drives_our_stack(tmp_path: Path, isolation: str, workdir: 
 
 async def test_nemo_facade_catches_our_create_failure_as_its_own(tmp_path: Path, sandbox_base: Path) -> None:
     """``except SandboxCreateError`` written against NeMo Gym catches our provider's create failure."""
-    blocker = sandbox_base.parent / "a-file"
-    blocker.write_text("base_dir cannot be made below a file")
-    sandbox = AsyncSandbox(our_stack(blocker / "boxes", attempts=1), SandboxSpec(), owns_provider=True)
+    provider = our_stack(sandbox_base, attempts=1)
+    sandbox_base.rmdir()  # the base_dir turns into a file: the next create cannot make its directory
+    sandbox_base.write_text("not a directory")
+    sandbox = AsyncSandbox(provider, SandboxSpec(), owns_provider=True)
     with pytest.raises(NemoCreateError, match="cannot create a sandbox"):
         await sandbox.start()
 

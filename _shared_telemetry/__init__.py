@@ -1,0 +1,229 @@
+"""OpenTelemetry for ``sandbox_middleware`` and ``tokens``: lazy providers and calls that never raise.
+
+Shared by both packages (neither imports the other's private modules). Only the OpenTelemetry API
+is used. With no SDK configured (the API's proxy or no-op providers) nothing is created or
+recorded; once an SDK provider is installed, globally or passed in, the instruments are created
+once per meter and reused by every instance. A telemetry call that raises (a broken exporter, a
+span processor that throws) is logged once and never reaches the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Generic, TypeVar
+
+from opentelemetry import context, metrics, trace
+from opentelemetry.environment_variables import OTEL_PYTHON_METER_PROVIDER, OTEL_PYTHON_TRACER_PROVIDER
+from opentelemetry.metrics import Meter, MeterProvider, NoOpMeterProvider
+from opentelemetry.trace import Span, StatusCode, Tracer, TracerProvider
+
+__all__ = [
+    "DURATION_BUCKETS_MS",
+    "ERROR_TYPE_ATTR",
+    "SCOPE",
+    "Instruments",
+    "Tracing",
+    "error_type",
+    "guarded_span",
+    "record_error",
+    "report_once",
+    "safely",
+]
+
+try:  # The API's placeholder before an SDK is installed; private, so its absence only costs speed.
+    from opentelemetry.metrics._internal import _ProxyMeterProvider
+
+    _NO_SDK_METER_PROVIDERS: tuple[type, ...] = (NoOpMeterProvider, _ProxyMeterProvider)
+except ImportError:  # pragma: no cover
+    _NO_SDK_METER_PROVIDERS = (NoOpMeterProvider,)
+_NO_SDK_TRACER_PROVIDERS = (trace.NoOpTracerProvider, trace.ProxyTracerProvider)
+
+
+def _public_tracer_provider() -> TracerProvider | None:
+    provider = trace.get_tracer_provider()
+    return None if isinstance(provider, _NO_SDK_TRACER_PROVIDERS) else provider
+
+
+def _public_meter_provider() -> MeterProvider | None:
+    provider = metrics.get_meter_provider()
+    return None if isinstance(provider, _NO_SDK_METER_PROVIDERS) else provider
+
+
+# Every operation asks "is an SDK installed yet?" The public getters answer by looking up an
+# environment variable on each call (hundreds of nanoseconds); the API modules' own globals answer
+# the same question for free. Read them where they exist and no provider is named in the environment.
+_trace_globals: Any = trace
+_metrics_globals: Any = sys.modules.get("opentelemetry.metrics._internal")
+_FAST_TRACE = hasattr(_trace_globals, "_TRACER_PROVIDER") and OTEL_PYTHON_TRACER_PROVIDER not in os.environ
+_FAST_METRICS = hasattr(_metrics_globals, "_METER_PROVIDER") and OTEL_PYTHON_METER_PROVIDER not in os.environ
+
+logger = logging.getLogger("sandbox_middleware.telemetry")
+
+SCOPE = "sandbox_middleware"
+"""The default instrumentation scope (``tokens`` passes its own)."""
+ERROR_TYPE_ATTR = "error.type"
+
+# Finer buckets for HTTP durations (the token client); the SDK's default buckets end at 10 s.
+DURATION_BUCKETS_MS: tuple[float, ...] = (
+    1, 5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000,
+    120_000, 300_000, 600_000, 1_200_000, 1_800_000,
+)  # fmt: skip
+
+B = TypeVar("B")
+P = TypeVar("P")
+
+_reported: set[str] = set()
+_instrument_cache: weakref.WeakKeyDictionary[Meter, dict[Callable[[Meter], Any], Any]] = weakref.WeakKeyDictionary()
+
+
+def report_once(what: str, exc: BaseException) -> None:
+    """Log a telemetry failure the first time ``what`` fails; the caller's operation goes on."""
+    if what not in _reported:
+        _reported.add(what)
+        logger.warning("telemetry failure in %s, ignored (logged once): %r", what, exc, exc_info=exc)
+
+
+def safely(what: str, fn: Callable[..., object], *args: Any) -> None:
+    """Call a telemetry function; if it raises, report it once under ``what`` and go on."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        report_once(what, exc)
+
+
+def record_error(span: Span, exc: Exception) -> None:
+    """Mark ``span`` failed by ``exc``: error status, the exception recorded, ``error.type`` set."""
+    span.set_attribute(ERROR_TYPE_ATTR, error_type(exc))
+    span.record_exception(exc)
+    span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+
+
+def error_type(exc: BaseException) -> str:
+    """The exception's qualified class name (``module.Class``; builtins unprefixed)."""
+    cls = type(exc)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _portable(provider: P, option: str) -> P:
+    """``provider`` if it may travel to another process (None: the global one there), else a TypeError."""
+    if provider is not None:
+        raise TypeError(
+            f"cannot pickle a layer built with an explicit {option}: OpenTelemetry providers belong to one "
+            f"process. Build the layer without {option} (the receiving process's global provider is used), "
+            "or build the stack in the receiving process from its configuration"
+        )
+    return provider
+
+
+class Instruments(Generic[B]):
+    """A middleware's instruments from ``meter_provider`` (default: the global one), or None.
+
+    ``factory`` builds the instrument bundle from a meter; it runs once per meter, whichever
+    middleware instance asks first. Returns None while no SDK is configured.
+    """
+
+    __slots__ = ("_bundle", "_factory", "_provider", "_scope")
+
+    def __init__(self, factory: Callable[[Meter], B], meter_provider: MeterProvider | None, scope: str = SCOPE) -> None:
+        self._factory = factory
+        self._provider = meter_provider
+        self._scope = scope
+        self._bundle: B | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Instruments belong to this process: the receiving one creates its own from the provider.
+        return (type(self), (self._factory, _portable(self._provider, "meter_provider"), self._scope))
+
+    def get(self) -> B | None:
+        bundle = self._bundle
+        if bundle is not None:
+            return bundle
+        provider = self._provider
+        if provider is None:
+            provider = _metrics_globals._METER_PROVIDER if _FAST_METRICS else _public_meter_provider()
+            if provider is None:
+                return None
+        if isinstance(provider, _NO_SDK_METER_PROVIDERS):
+            return None
+        try:
+            meter = provider.get_meter(self._scope)
+            per_meter = _instrument_cache.setdefault(meter, {})
+            bundle = per_meter.get(self._factory)
+            if bundle is None:
+                bundle = per_meter[self._factory] = self._factory(meter)
+        except Exception as exc:
+            report_once(f"creating instruments ({getattr(self._factory, '__qualname__', self._factory)})", exc)
+            return None
+        self._bundle = bundle
+        return bundle
+
+
+class Tracing:
+    """The tracer from ``tracer_provider`` (default: the global one), or None without an SDK."""
+
+    __slots__ = ("_provider", "_scope", "_tracer")
+
+    def __init__(self, tracer_provider: TracerProvider | None, scope: str = SCOPE) -> None:
+        self._provider = tracer_provider
+        self._scope = scope
+        self._tracer: Tracer | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (_portable(self._provider, "tracer_provider"), self._scope))
+
+    def get(self) -> Tracer | None:
+        tracer = self._tracer
+        if tracer is not None:
+            return tracer
+        provider = self._provider
+        if provider is None:
+            provider = _trace_globals._TRACER_PROVIDER if _FAST_TRACE else _public_tracer_provider()
+            if provider is None:
+                return None
+        if isinstance(provider, _NO_SDK_TRACER_PROVIDERS):
+            return None
+        try:
+            tracer = provider.get_tracer(self._scope)
+        except Exception as exc:
+            report_once("creating the tracer", exc)
+            return None
+        self._tracer = tracer
+        return tracer
+
+
+@contextmanager
+def guarded_span(tracer: Tracer, name: str, attributes: dict[str, Any] | None = None) -> Iterator[Span | None]:
+    """A span current for the block, with every SDK call guarded: the block always runs and its
+    result or exception is never changed by telemetry.
+
+    Yields None when the span could not be started (a span processor raising in ``on_start``). An
+    exception from the block marks the span failed (``record_error``) and propagates; ending the
+    span (a processor raising in ``on_end``) is reported once, never raised.
+    """
+    span: Span | None = None
+    token: object = None
+    try:
+        span = tracer.start_span(name, attributes=attributes)
+        token = context.attach(trace.set_span_in_context(span))
+    except Exception as exc:
+        report_once(f"starting span {name}", exc)
+    if span is None:
+        yield None
+        return
+    try:
+        yield span
+    except Exception as exc:
+        safely(f"span {name}", record_error, span, exc)
+        raise
+    finally:
+        try:
+            if token is not None:
+                context.detach(token)  # type: ignore[arg-type]
+            span.end()
+        except Exception as exc:
+            report_once(f"span {name}", exc)

@@ -1,0 +1,254 @@
+"""Capture from a streamed chat completion (``stream: true``, server-sent events).
+
+Each event is passed on unchanged as soon as it is complete; only the unfinished tail of the
+bytes received is held. Per event, the ids and log probabilities of each choice are appended to
+its lists (constant work per event, whatever the stream's length). At the end the lists are
+assembled into the shape of a whole response and run through the same extraction chain, so a
+partial, conflicting or truncated stream raises the same typed error a whole response would; the
+bundles ride on the final chunk (the usage chunk, which capture requests) as ``token_bundles``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import httpx
+import msgspec
+
+from ._bundle import TokenCompletion
+from ._capture import Capture
+from ._chain import TokenizeFn
+from ._errors import MalformedResponseError, PartialTokenMetadataError
+from ._http import read_body
+
+__all__ = ["CapturedStream", "StreamAccumulator", "TokenStream", "bundle_fields", "capture_stream"]
+
+_chunk = msgspec.json.Decoder(dict[str, Any])
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # before the stream's own is known
+
+
+@dataclass
+class _Choice:
+    token_ids: list[int] | None = None
+    entries: list[Any] | None = None
+    finish_reason: Any = None
+
+
+@dataclass
+class StreamAccumulator:
+    """The token fields of a stream's chunks, gathered per choice; ``whole()`` is the equivalent response."""
+
+    max_event_bytes: int
+    prompt_token_ids: Any = None
+    usage: Any = None
+    head: dict[str, Any] = field(default_factory=dict)
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    done: bool = False
+    separator: bytes = b""
+    _held: list[bytes] = field(default_factory=list)
+    _held_bytes: int = 0
+    _tail: bytes = b""  # the last three bytes held
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The complete events in ``data`` (with what was held before), byte for byte as received.
+
+        A piece in which no event ends is only held (no copy), so an event arriving in many pieces
+        costs its length once."""
+        held = self._held
+        ends = (self.separator,) if self.separator else _EVENT_ENDS
+        edge = self._tail + data[:3]  # an ending split between pieces
+        if not any(end in data or end in edge for end in ends):
+            return self._hold(data)  # no event ends in this piece
+        buffer = b"".join([*held, data]) if held else data
+        held.clear()
+        self._held_bytes = 0
+        self._tail = b""
+        if not self.separator:  # vLLM ends events with LF LF; the SSE format allows CR LF CR LF too
+            self.separator = b"\r\n\r\n" if b"\r\n\r\n" in buffer else b"\n\n"
+        events = buffer.split(self.separator)
+        rest = events.pop()
+        if rest:
+            self._hold(rest)
+        return [event + self.separator for event in events]
+
+    def _hold(self, piece: bytes) -> list[bytes]:
+        self._held.append(piece)
+        self._held_bytes += len(piece)
+        self._tail = (self._tail + piece[-3:])[-3:]
+        if self._held_bytes > self.max_event_bytes:
+            raise MalformedResponseError(
+                f"stream: an event is over max_response_bytes={self.max_event_bytes:,} and has no end yet"
+            )
+        return []
+
+    def record(self, event: bytes) -> dict[str, Any] | None:
+        """Record one event; its decoded chunk when it is the final (usage) chunk, else None."""
+        for line in event.splitlines():
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                return None
+            try:
+                chunk = _chunk.decode(payload)
+            except (msgspec.MsgspecError, RecursionError) as exc:
+                raise MalformedResponseError(f"stream: a chunk is not a JSON object ({exc})") from exc
+            return self._record(chunk)
+        return None
+
+    def _record(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        if not self.head:
+            self.head = {key: chunk.get(key) for key in ("id", "created", "model")}
+        if chunk.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = chunk["prompt_token_ids"]
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            raise MalformedResponseError("stream: a chunk has no 'choices' list")
+        for position, choice in enumerate(choices):
+            if not isinstance(choice, dict):
+                raise MalformedResponseError(f"stream: choices[{position}] is not an object")
+            index = choice.get("index", position)
+            state = self.choices.setdefault(index if isinstance(index, int) else position, _Choice())
+            ids = choice.get("token_ids")
+            if ids is not None:  # a wrong type is kept as it came, for the typed decoding to name
+                state.token_ids = [] if state.token_ids is None else state.token_ids
+                state.token_ids.extend(ids if isinstance(ids, list) else [ids])
+            logprobs = choice.get("logprobs")
+            content = logprobs.get("content") if isinstance(logprobs, dict) else None
+            if content is not None:
+                state.entries = [] if state.entries is None else state.entries
+                state.entries.extend(content if isinstance(content, list) else [content])
+            if choice.get("finish_reason") is not None:
+                state.finish_reason = choice["finish_reason"]
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+            if not choices:
+                return chunk
+        return None
+
+    def whole(self) -> bytes:
+        """The stream as one chat completion body, for the extraction chain."""
+        if not self.done:
+            raise PartialTokenMetadataError(
+                "stream: it ended before 'data: [DONE]' (truncated); the tokens received cannot be trusted"
+            )
+        if not self.choices:
+            raise MalformedResponseError("stream: no chunk carried a choice")
+        choices = []
+        for index in range(max(self.choices) + 1):
+            state = self.choices.get(index, _Choice())
+            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant"},
+                                      "finish_reason": state.finish_reason}  # fmt: skip
+            if state.token_ids is not None:
+                choice["token_ids"] = state.token_ids
+            if state.entries is not None:
+                choice["logprobs"] = {"content": state.entries}
+            choices.append(choice)
+        body: dict[str, Any] = {**self.head, "object": "chat.completion", "choices": choices}
+        if self.prompt_token_ids is not None:
+            body["prompt_token_ids"] = self.prompt_token_ids
+        if self.usage is not None:
+            body["usage"] = self.usage
+        try:
+            return msgspec.json.encode(body)
+        except (TypeError, msgspec.MsgspecError) as exc:  # e.g. a non-finite float: same error as a whole body
+            raise MalformedResponseError(f"stream: the chunks do not form a chat completion ({exc})") from exc
+
+
+def bundle_fields(completion: TokenCompletion) -> list[dict[str, Any]]:
+    """The bundles in the message-bundle shape, in choice order (what the final chunk carries)."""
+    return [
+        {"prompt_token_ids": b.prompt_token_ids, "generation_token_ids": b.generation_token_ids,
+         "generation_log_probs": b.generation_log_probs}
+        for b in completion.bundles
+    ]  # fmt: skip
+
+
+async def captured_events(
+    raw: AsyncIterator[bytes], accumulator: StreamAccumulator, finish: Callable[[bytes], Awaitable[TokenCompletion]]
+) -> AsyncIterator[bytes | tuple[bytes, TokenCompletion]]:
+    """Each complete event of ``raw`` as it arrives; the final usage chunk is re-encoded with
+    ``token_bundles`` once ``finish`` (the extraction chain) has run on the whole stream."""
+    final: dict[str, Any] | None = None
+    async for data in raw:
+        for event in accumulator.feed(data):
+            chunk = accumulator.record(event)
+            if chunk is not None:
+                final = chunk  # held: it gets the bundles, which need the [DONE] that follows
+                continue
+            if accumulator.done:
+                completion = await finish(accumulator.whole())
+                if final is None:  # the server sent no usage chunk: the bundles get one of their own
+                    final = {**accumulator.head, "object": "chat.completion.chunk", "choices": []}
+                final["token_bundles"] = bundle_fields(completion)
+                yield b"data: " + msgspec.json.encode(final) + accumulator.separator
+                yield event, completion
+                return
+            yield event
+    accumulator.whole()  # the stream ended without [DONE]: raises
+
+
+class CapturedStream(httpx.AsyncByteStream):
+    """The events of a streamed completion, passed on as they arrive, with the bundles on the final
+    chunk; ``completion`` holds them once the stream has ended."""
+
+    def __init__(self, response: httpx.Response, events: AsyncIterator[bytes | tuple[bytes, TokenCompletion]]) -> None:
+        self._response = response
+        self._events = events
+        self.completion: TokenCompletion | None = None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for event in self._events:
+            if isinstance(event, tuple):
+                event, self.completion = event
+            yield event
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+async def capture_stream(response: httpx.Response, sent: Mapping[str, Any], capture: Capture, tokenize: TokenizeFn,
+                         max_event_bytes: int) -> CapturedStream:  # fmt: skip
+    """Capture from a 2xx or 3xx streamed ``response`` to ``sent`` (a redirect raises, as for whole bodies)."""
+    if not 200 <= response.status_code < 300:
+        await read_body(response, "chat completion stream", max_event_bytes)  # raises the typed error
+    if response.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
+        await response.aclose()
+        raise MalformedResponseError("chat completion stream: the server compressed it although asked not to")
+
+    async def finish(data: bytes) -> TokenCompletion:
+        completion = await capture.complete(sent, partial(_ready, data), tokenize)
+        assert completion is not None
+        return completion
+
+    accumulator = StreamAccumulator(max_event_bytes)
+    return CapturedStream(response, captured_events(response.aiter_raw(), accumulator, finish))
+
+
+async def _ready(data: bytes) -> bytes:
+    return data
+
+
+class TokenStream:
+    """A streamed chat completion from ``TokenClient.stream_chat_completion``: iterate for the chunks
+    (decoded, as they arrive; the last one carries ``token_bundles``), then read ``completion``."""
+
+    def __init__(self, stream: CapturedStream) -> None:
+        self._stream = stream
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        async for event in self._stream:
+            for line in event.splitlines():
+                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                    yield _chunk.decode(line[5:])
+
+    @property
+    def completion(self) -> TokenCompletion:
+        """The bundles (``TokenCompletion.bundles``, one per choice) once the stream has been read to its end."""
+        if self._stream.completion is None:
+            raise RuntimeError("TokenStream.completion: read the stream to its end first (async for chunk in stream)")
+        return self._stream.completion

@@ -1,0 +1,130 @@
+"""``TokenCaptureTransport``: token capture inside any httpx-based client, the OpenAI SDK included."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import httpx
+import msgspec
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.trace import TracerProvider
+
+from ._capture import Capture, server_root
+from ._chain import ChainEntry, TokenizeFn
+from ._http import ACCEPT_ENCODING, DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body
+from ._stream import capture_stream
+
+__all__ = ["TokenCaptureTransport"]
+
+CHAT_PATH = "/chat/completions"
+# Headers of the server's answer that describe bytes we replace (the body is re-encoded, uncompressed).
+_BODY_HEADERS = ("content-encoding", "content-length", "transfer-encoding")
+
+
+class TokenCaptureTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that captures token bundles from the chat completions passing through it.
+
+    ``inner`` (default: a plain ``httpx.AsyncHTTPTransport``) does the I/O. On a ``POST .../chat/completions``
+    the request is prepared as ``TokenClient`` prepares it (logprobs forced on, ``return_token_ids``
+    with ``request_prompt_and_generation_token_ids``) and the answer goes through the same
+    extraction chain (same machinery, same options, same telemetry). The response handed back
+    carries each choice's bundle on its message (``prompt_token_ids``, ``generation_token_ids``,
+    ``generation_log_probs``) with the transport fields removed, so the OpenAI SDK's
+    ``completion.choices[0].message.generation_token_ids`` holds the exact ids. ``/tokenize``, when
+    the fallback is needed, goes through ``inner`` with the request's headers (its credentials).
+
+    Everything else passes through untouched, and so does an HTTP error answer to a completion
+    (4xx, 5xx), for the client to raise and retry as it always does; a redirect is refused
+    (``ServerResponseError``), never followed. A capture failure is raised from the transport as
+    the typed ``tokens`` error: the openai SDK tested here (3.x) re-raises it to the caller as it
+    is, not retried; older ones (1.x) wrapped any transport exception as
+    ``openai.APIConnectionError`` whose ``__cause__`` is that error, after their retries.
+    ``stream: true`` is captured too: chunks pass as they arrive, the bundles ride on the final one.
+    """
+
+    def __init__(
+        self,
+        inner: httpx.AsyncBaseTransport | None = None,
+        *,
+        request_prompt_and_generation_token_ids: bool = False,
+        middleware: Sequence[ChainEntry] | None = None,
+        allow_tokenize_fallback: bool = False,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        meter_provider: MeterProvider | None = None,
+        tracer_provider: TracerProvider | None = None,
+    ) -> None:
+        self.inner = inner if inner is not None else httpx.AsyncHTTPTransport()
+        self.max_response_bytes = check_limit("TokenCaptureTransport", max_response_bytes)
+        self._capture = Capture(
+            request_token_ids=request_prompt_and_generation_token_ids,
+            middleware=middleware,
+            allow_tokenize_fallback=allow_tokenize_fallback,
+            meter_provider=meter_provider,
+            tracer_provider=tracer_provider,
+        )
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method != "POST" or not request.url.path.endswith(CHAT_PATH):
+            return await self.inner.handle_async_request(request)
+        try:
+            body = msgspec.json.decode(await request.aread())
+        except (msgspec.MsgspecError, RecursionError):
+            return await self.inner.handle_async_request(request)  # not JSON: the server will say so
+        if not isinstance(body, dict):
+            return await self.inner.handle_async_request(request)
+        streaming = bool(body.get("stream"))
+        sent = self._capture.prepare(body, streaming=streaming)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("content-length", "accept-encoding")}
+        headers["accept-encoding"] = "identity" if streaming else ACCEPT_ENCODING
+        prepared = httpx.Request(
+            "POST", request.url, headers=headers, content=msgspec.json.encode(sent), extensions=request.extensions
+        )
+        url = request.url
+
+        async def tokenize(body: Mapping[str, Any]) -> list[int]:  # the URL is worked out only when needed
+            root = server_root(str(url.copy_with(query=None))[: -len(CHAT_PATH)])
+            return await self._capture.tokenize(partial(self._post, headers), root + "/tokenize", body)
+
+        if streaming:
+            return await self._stream(sent, prepared, tokenize)
+        answer: list[httpx.Response] = []
+
+        async def fetch() -> bytes | None:
+            response = await self.inner.handle_async_request(prepared)
+            response.request = prepared
+            answer.append(response)
+            if response.status_code >= 400:
+                return None  # the client raises (and retries) HTTP errors as it always does
+            return await read_body(response, "chat completion", self.max_response_bytes)
+
+        completion = await self._capture.complete(sent, fetch, tokenize)
+        response = answer[0]
+        if completion is None:
+            return response
+        kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _BODY_HEADERS]
+        return httpx.Response(
+            response.status_code,
+            headers=kept,
+            content=msgspec.json.encode(completion.response),
+            extensions=response.extensions,
+        )
+
+    async def _stream(self, sent: dict[str, Any], prepared: httpx.Request, tokenize: TokenizeFn) -> httpx.Response:
+        response = await self.inner.handle_async_request(prepared)
+        response.request = prepared
+        if response.status_code >= 400:
+            return response  # the client raises (and retries) HTTP errors as it always does
+        stream = await capture_stream(response, sent, self._capture, tokenize, self.max_response_bytes)
+        kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _BODY_HEADERS]
+        return httpx.Response(response.status_code, headers=kept, stream=stream, extensions=response.extensions)
+
+    async def _post(self, headers: Mapping[str, str], url: str, body: Mapping[str, Any], what: str) -> bytes:
+        request = httpx.Request("POST", url, headers=headers, content=msgspec.json.encode(body))
+        response = await self.inner.handle_async_request(request)
+        response.request = request
+        return await read_body(response, what, self.max_response_bytes)

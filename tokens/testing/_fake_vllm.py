@@ -1,0 +1,335 @@
+"""A fake vLLM 0.32 OpenAI-compatible server for tests: one handler for respx and ``httpx.MockTransport``.
+
+It tokenizes with a small deterministic byte tokenizer and a chat template of its own, and serves
+``/v1/chat/completions`` (inline ids, logprobs, ``n``, ``stream``, tools), ``/v1/completions``
+(text or token-id prompts), ``/tokenize`` and ``/detokenize`` consistently with each other. Its
+bodies have exactly the field sets of real vLLM 0.32 answers (checked against recorded ones), and
+its errors are vLLM's (context length, ``max_tokens``, bad request; 429 and 503 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import httpx
+
+__all__ = ["FakeTokenizer", "FakeVLLM"]
+
+SYSTEM_FINGERPRINT = "vllm-0.32.0-fake"
+TOOL_CALL = "<tool_call>\n{}\n</tool_call>"
+
+
+class FakeTokenizer:
+    """Bytes as ids (id = byte + 3) and three special tokens: 0 ``<pad>``, 1 ``<|im_start|>``, 2 ``<|im_end|>``.
+
+    The chat template: each message as ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` (tools, when
+    given, as a system message listing their JSON first), then ``<|im_start|>assistant\\n``.
+    """
+
+    PAD, IM_START, IM_END = 0, 1, 2
+    OFFSET = 3
+    VOCAB_SIZE = OFFSET + 256
+    SPECIAL: ClassVar[Mapping[int, str]] = {0: "<pad>", 1: "<|im_start|>", 2: "<|im_end|>"}
+
+    def encode(self, text: str) -> list[int]:
+        return [byte + self.OFFSET for byte in text.encode()]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out = bytearray()
+        for token in ids:
+            out += self.SPECIAL[token].encode() if token in self.SPECIAL else bytes([token - self.OFFSET])
+        return out.decode("utf-8", "replace")
+
+    def token_bytes(self, token: int) -> list[int]:
+        return list(self.SPECIAL[token].encode()) if token in self.SPECIAL else [token - self.OFFSET]
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:  # fmt: skip
+        ids: list[int] = []
+        turns = list(messages)
+        if tools:
+            turns.insert(0, {"role": "system", "content": "tools: " + json.dumps(list(tools), sort_keys=True)})
+        for message in turns:
+            content = message.get("content")
+            text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+            ids += [self.IM_START, *self.encode(f"{message.get('role')}\n{text}"), self.IM_END, *self.encode("\n")]
+        if add_generation_prompt:
+            ids += [self.IM_START, *self.encode("assistant\n")]
+        return ids
+
+
+@dataclass
+class _Fault:
+    status: int
+    retry_after: float | None
+
+
+@dataclass
+class FakeVLLM:
+    """A fake vLLM server: ``respx_mock.route(host=...).mock(side_effect=fake)`` or
+    ``httpx.MockTransport(fake)``.
+
+    ``replies`` are scripted answer texts, used in order (then the default: a deterministic text
+    from the prompt, the seed and the choice index). ``fail_next(status, retry_after)`` makes the
+    next requests answer 429 or 503. ``requests`` keeps every request body received, by path.
+    """
+
+    model: str = "tiny"
+    max_model_len: int = 2048
+    replies: Sequence[str] = ()
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    requests: list[tuple[str, Any]] = field(default_factory=list)
+    _script: deque[str] = field(default_factory=deque, repr=False)
+    _faults: deque[_Fault] = field(default_factory=deque, repr=False)
+    _ids: Iterator[int] = field(default_factory=itertools.count, repr=False)
+
+    def __post_init__(self) -> None:
+        self._script.extend(self.replies)
+
+    def reply(self, *texts: str) -> None:
+        """Script the next answers' texts (one per choice or completion, in order)."""
+        self._script.extend(texts)
+
+    def reply_tool_call(self, name: str, arguments: Mapping[str, Any]) -> None:
+        """Script the next chat answer as a call of tool ``name``: generated as Hermes' ``<tool_call>``
+        text, returned parsed as vLLM's ``hermes`` tool parser does (``message.tool_calls``, no content,
+        finish reason ``tool_calls``). Not compared with a recording (none has a tool call)."""
+        self._script.append(TOOL_CALL.format(json.dumps({"name": name, "arguments": dict(arguments)})))
+
+    def fail_next(self, status: int = 503, *, retry_after: float | None = 1.0, times: int = 1) -> None:
+        """The next ``times`` requests get ``status`` (429 or 503) with ``Retry-After``."""
+        self._faults.extend(_Fault(status, retry_after) for _ in range(times))
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        try:
+            body = json.loads(request.content or b"null")
+        except ValueError:
+            return _error(400, "Invalid JSON in the request body", "BadRequestError")
+        self.requests.append((path, body))
+        if self._faults:
+            fault = self._faults.popleft()
+            headers = {} if fault.retry_after is None else {"retry-after": f"{fault.retry_after:g}"}
+            kind = "RateLimitError" if fault.status == 429 else "ServiceUnavailableError"
+            return _error(fault.status, "The server is busy; retry later", kind, headers=headers)
+        if request.method == "GET" and path.endswith("/v1/models"):
+            model = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm"}
+            return httpx.Response(200, json={"object": "list", "data": [model]})
+        routes = {"/v1/chat/completions": self._chat, "/v1/completions": self._completions,
+                  "/tokenize": self._tokenize, "/detokenize": self._detokenize}  # fmt: skip
+        handler = routes.get(path)
+        if handler is None or request.method != "POST":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if not isinstance(body, dict):
+            return _error(400, "The request body must be a JSON object", "BadRequestError")
+        return handler(body)
+
+    # -- endpoints --------------------------------------------------------------------------
+
+    def _tokenize(self, body: dict[str, Any]) -> httpx.Response:
+        if "messages" in body:
+            ids = self.tokenizer.apply_chat_template(body["messages"], body.get("tools"),
+                                                     body.get("add_generation_prompt", True))  # fmt: skip
+        else:
+            ids = self.tokenizer.encode(str(body.get("prompt", "")))
+        return httpx.Response(200, json={"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                                         "token_strs": None})  # fmt: skip
+
+    def _detokenize(self, body: dict[str, Any]) -> httpx.Response:
+        tokens = body.get("tokens")
+        vocabulary = range(self.tokenizer.VOCAB_SIZE)
+        if not isinstance(tokens, list) or not all(type(t) is int and t in vocabulary for t in tokens):
+            return _error(400, f"'tokens' must be a list of ids below {self.tokenizer.VOCAB_SIZE}", "BadRequestError",
+                          param="tokens")  # fmt: skip
+        return httpx.Response(200, json={"prompt": self.tokenizer.decode(tokens)})
+
+    def _chat(self, body: dict[str, Any]) -> httpx.Response:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return _error(400, "'messages' must be a non-empty list", "BadRequestError", param="messages")
+        prompt = self.tokenizer.apply_chat_template(messages, body.get("tools"))
+        problem = self._check_lengths(prompt, body)
+        if problem is not None:
+            return problem
+        choices = self._generate(prompt, body)
+        inline = bool(body.get("return_token_ids"))
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        want_logprobs = bool(body.get("logprobs"))
+        if body.get("stream"):
+            return self._stream(prompt, choices, inline, as_ids, want_logprobs, body)
+        answer = {
+            "id": f"chatcmpl-fake{next(self._ids):012x}", "object": "chat.completion", "created": 1795957000,
+            "model": self.model,
+            "choices": [
+                {"index": index, "message": _message(self.tokenizer.decode(_text_ids(ids)), index),
+                 "logprobs": {"content": [self._entry(t, lp, as_ids) for t, lp in zip(ids, lps, strict=True)]}
+                 if want_logprobs else None,
+                 "finish_reason": "tool_calls" if _tool_call(self.tokenizer.decode(_text_ids(ids))) and reason == "stop"
+                 else reason, "stop_reason": None, "token_ids": ids if inline else None, "routed_experts": None}
+                for index, (ids, lps, reason) in enumerate(choices)
+            ],
+            "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "usage": _usage(len(prompt), sum(len(ids) for ids, _, _ in choices)),
+            "prompt_logprobs": None, "prompt_token_ids": prompt if inline else None, "prompt_text": None,
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+        }  # fmt: skip
+        return httpx.Response(200, json=answer)
+
+    def _completions(self, body: dict[str, Any]) -> httpx.Response:
+        given = body.get("prompt")
+        if isinstance(given, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in given):
+            outside = [i for i in given if not 0 <= i < self.tokenizer.VOCAB_SIZE]
+            if outside:
+                return _error(400, f"Token id {outside[0]} is out of vocabulary", "BadRequestError", param="prompt")
+            prompt = list(given)
+        elif isinstance(given, str):
+            prompt = self.tokenizer.encode(given)
+        else:
+            return _error(400, "'prompt' must be a string or a list of token ids", "BadRequestError", param="prompt")
+        problem = self._check_lengths(prompt, body)
+        if problem is not None:
+            return problem
+        inline = bool(body.get("return_token_ids"))
+        want_logprobs = body.get("logprobs") is not None
+        choices = []
+        generated = self._generate(prompt, body)
+        for index, (ids, lps, reason) in enumerate(generated):
+            pieces = [self.tokenizer.decode([t]) for t in ids]
+            offsets = list(itertools.accumulate([0, *map(len, pieces[:-1])])) if pieces else []
+            choices.append({
+                "index": index, "text": "".join(pieces),
+                "logprobs": {"text_offset": offsets, "token_logprobs": lps, "tokens": pieces,
+                             "top_logprobs": [{p: lp} for p, lp in zip(pieces, lps, strict=True)]}
+                if want_logprobs else None,
+                "finish_reason": reason, "stop_reason": None, "token_ids": ids if inline else None,
+                "prompt_logprobs": None, "prompt_token_ids": prompt if inline else None, "routed_experts": None,
+            })  # fmt: skip
+        answer = {
+            "id": f"cmpl-fake{next(self._ids):012x}", "object": "text_completion", "created": 1795979193,
+            "model": self.model, "choices": choices, "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "usage": _usage(len(prompt), sum(len(ids) for ids, _, _ in generated)),
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+        }  # fmt: skip
+        return httpx.Response(200, json=answer)
+
+    # -- generation -------------------------------------------------------------------------
+
+    def _check_lengths(self, prompt: list[int], body: Mapping[str, Any]) -> httpx.Response | None:
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        if max_tokens > self.max_model_len:
+            return _error(400, f"max_tokens={max_tokens} cannot be greater than max_model_len={self.max_model_len}. "
+                               f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
+                          "BadRequestError", param="max_tokens")  # fmt: skip
+        if len(prompt) + 1 > self.max_model_len:
+            return _error(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                               f"prompt contains at least {len(prompt)} input tokens, which exceeds this limit even "
+                               "without any output tokens. Please reduce the length of the input prompt. "
+                               f"(parameter=input_tokens, value={len(prompt)})",
+                          "BadRequestError", param="input_tokens")  # fmt: skip
+        return None
+
+    def _generate(self, prompt: list[int], body: Mapping[str, Any]) -> list[tuple[list[int], list[float], str]]:
+        """Per choice: generated ids, their log probabilities and the finish reason (deterministic)."""
+        n = body.get("n") or 1
+        max_tokens = min(body.get("max_tokens") or body.get("max_completion_tokens") or 16,
+                         self.max_model_len - len(prompt))  # fmt: skip
+        seed = body.get("seed") or 0
+        out = []
+        for index in range(n):
+            if self._script:
+                text = self._script.popleft()
+            else:
+                digest = hashlib.sha256(f"{prompt}|{seed}|{index}".encode()).hexdigest()
+                text = " ".join(digest[i : i + 4] for i in range(0, 16, 4))
+            ids = [*self.tokenizer.encode(text), FakeTokenizer.IM_END]
+            reason = "stop" if len(ids) <= max_tokens else "length"
+            ids = ids[:max_tokens]
+            lps = [-((token * 7919 + position * 104729 + index) % 997) / 100.0 - 0.01 for position, token in
+                   enumerate(ids)]  # fmt: skip
+            out.append((ids, lps, reason))
+        return out
+
+    def _entry(self, token: int, logprob: float, as_ids: bool) -> dict[str, Any]:
+        text = f"token_id:{token}" if as_ids else self.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": self.tokenizer.token_bytes(token), "top_logprobs": []}
+
+    def _stream(self, prompt: list[int], choices: list[tuple[list[int], list[float], str]], inline: bool,
+                as_ids: bool, want_logprobs: bool, body: Mapping[str, Any]) -> httpx.Response:  # fmt: skip
+        ident = f"chatcmpl-fake{next(self._ids):012x}"
+        head = {"id": ident, "object": "chat.completion.chunk", "created": 1795979193, "model": self.model}
+        events = []
+        first: dict[str, Any] = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}
+                                                     for i in range(len(choices))]}  # fmt: skip
+        if inline:
+            first.update(prompt_token_ids=prompt, prompt_text=None)
+        events.append(first)
+        for index, (ids, lps, reason) in enumerate(choices):
+            for position, (token, logprob) in enumerate(zip(ids, lps, strict=True)):
+                last = position == len(ids) - 1
+                choice: dict[str, Any] = {
+                    "index": index, "delta": {"content": self.tokenizer.decode(_text_ids([token]))},
+                    "logprobs": {"content": [self._entry(token, logprob, as_ids)]} if want_logprobs else None,
+                    "finish_reason": reason if last else None,
+                }  # fmt: skip
+                if last:
+                    choice["stop_reason"] = None
+                if inline:
+                    choice["token_ids"] = [token]
+                events.append({**head, "choices": [choice]})
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            events.append({**head, "choices": [], "usage": _usage(len(prompt), sum(len(c[0]) for c in choices),
+                                                                  details=False),
+                           "system_fingerprint": SYSTEM_FINGERPRINT})  # fmt: skip
+        data = b"".join(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n" for event in events)
+        return httpx.Response(200, headers={"content-type": "text/event-stream; charset=utf-8"},
+                              content=data + b"data: [DONE]\n\n")  # fmt: skip
+
+
+def _text_ids(ids: Sequence[int]) -> list[int]:
+    """The ids that are text (the end-of-turn token is not part of the message content)."""
+    return [token for token in ids if token not in FakeTokenizer.SPECIAL]
+
+
+def _tool_call(text: str) -> dict[str, Any] | None:
+    """The call in a complete ``<tool_call>`` text, else None."""
+    prefix, suffix = TOOL_CALL.split("{}")
+    if not (text.startswith(prefix) and text.endswith(suffix)):
+        return None
+    try:
+        call = json.loads(text[len(prefix) : -len(suffix)])
+    except ValueError:
+        return None
+    return call if isinstance(call, dict) and "name" in call else None
+
+
+def _message(content: str, index: int = 0) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
+                               "audio": None, "function_call": None, "reasoning": None}  # fmt: skip
+    call = _tool_call(content)
+    if call is not None:
+        function = {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}
+        message.update(content=None, tool_calls=[{"id": f"chatcmpl-tool-fake{index:08x}", "type": "function",
+                                                  "function": function}])  # fmt: skip
+    return message
+
+
+def _usage(prompt: int, completion: int, *, details: bool = True) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                             "completion_tokens": completion}  # fmt: skip
+    if details:
+        usage.update(prompt_tokens_details=None, completion_tokens_details=None)
+    return usage
+
+
+def _error(status: int, message: str, kind: str, *, param: str | None = None,
+           headers: Mapping[str, str] | None = None) -> httpx.Response:  # fmt: skip
+    return httpx.Response(status, headers=headers, json={"error": {"message": message, "type": kind, "param": param,
+                                                                   "code": status}})  # fmt: skip
