@@ -97,7 +97,6 @@ _DESCRIPTOR_KEYS = (
 )  # fmt: skip
 _RECORD = "meta.json"  # beside box/, out of the sandbox's view
 _MAX_ENV_NAME = 1024
-_CLOSE_KILL_ATTEMPTS = 3
 
 
 class SandboxExpiredError(SandboxNotFoundError):

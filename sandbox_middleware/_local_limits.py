@@ -87,9 +87,10 @@ class Limits:
     @classmethod
     def from_record(cls, values: Any) -> Limits:
         """The limits from ``record()``, each checked again (a record is read from disk)."""
-        memory, pids, cpu, disk = (positive_number(value, "recorded limit") for value in list(values)[:4])
-        if len(list(values)) != 4:
+        values = list(values)
+        if len(values) != 4:
             raise SandboxArgumentError("a recorded sandbox's limits must be four values")
+        memory, pids, cpu, disk = (positive_number(value, "recorded limit") for value in values)
         return cls(
             memory_bytes=None if memory is None else int(memory),
             pids=None if pids is None else int(pids),

@@ -20,13 +20,12 @@ from typing import Any
 from ._core import ProviderMiddleware
 from ._protocol import SandboxHandle, SandboxProvider, SandboxSpec
 
-__all__ = ["OWNER_KEYS", "RUN_KEY", "Owner", "OwnershipMiddleware"]
+__all__ = ["RUN_KEY", "Owner", "OwnershipMiddleware"]
 
 RUN_KEY = "sandbox_middleware.run_id"
 _HOST_KEY = "sandbox_middleware.owner.host"
 _PID_KEY = "sandbox_middleware.owner.pid"
 _STARTED_KEY = "sandbox_middleware.owner.started"
-OWNER_KEYS = (_HOST_KEY, _PID_KEY, _STARTED_KEY)
 
 
 def _boot_id() -> str:
