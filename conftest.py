@@ -26,7 +26,7 @@ pytest_plugins = ["sandbox_middleware.testing.fixtures"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("chaos", "the chaos test (tests/test_chaos.py)")
+    group = parser.getgroup("chaos", "the chaos test (tests/sandbox/test_chaos.py)")
     group.addoption("--chaos-sessions", type=int, default=2000, help="sessions in the chaos test (default 2000)")
     group.addoption("--chaos-concurrency", type=int, default=200, help="sessions at once (default 200)")
     group.addoption("--chaos-seed", type=int, default=None, help="seed to reproduce a chaos run (printed by each run)")

@@ -3,14 +3,6 @@
 from ._budget import RetryBudget
 from ._config import ConfigError, ResolvedStack, build_provider, load_config, resolve_config
 from ._core import Middleware, ProviderMiddleware, stack
-from ._local import (
-    BwrapUnavailableError,
-    LocalProvider,
-    SandboxArgumentError,
-    SandboxExpiredError,
-    SandboxLimitError,
-    SandboxTransferLimitError,
-)
 from ._metrics import MetricsMiddleware
 from ._ownership import OwnershipMiddleware
 from ._protocol import (
@@ -52,6 +44,14 @@ from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
 from ._retry import DEFAULT_RETRY_ON, RetryMiddleware
 from ._sandbox import Sandbox, SandboxNotStartedError
 from ._tracing import TracingMiddleware
+from .providers.local._provider import (
+    BwrapUnavailableError,
+    LocalProvider,
+    SandboxArgumentError,
+    SandboxExpiredError,
+    SandboxLimitError,
+    SandboxTransferLimitError,
+)
 
 __all__ = [
     "CAPABILITIES",

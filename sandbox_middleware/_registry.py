@@ -166,7 +166,7 @@ def _qualname(obj: Any) -> str:
 
 
 def _local() -> Any:
-    from ._local import LocalProvider
+    from .providers.local import LocalProvider
 
     return LocalProvider
 

@@ -1,30 +1,12 @@
-"""Token capture for OpenAI-compatible chat completions: exact ids and log probabilities for RL."""
+"""Token capture for OpenAI-compatible chat completions: exact ids and log probabilities for RL.
 
+The chain's extension API (``Exchange``, ``Candidate``, the sources and ``extract_*`` steps) is the
+public module ``tokens.chain``.
+"""
+
+from . import chain
 from ._bundle import TokenBundle, TokenCompletion
-from ._capture import prepare_request, server_root
-from ._chain import (
-    DEFAULT_CHAIN,
-    LOG_PROB_FLOOR,
-    Candidate,
-    DynamoSource,
-    Exchange,
-    Handler,
-    LogProbFloorCheck,
-    LogprobsSource,
-    MessageBundleSource,
-    SGLangSource,
-    TokenMiddleware,
-    UsageCheck,
-    VLLMInlineSource,
-    build_chain,
-    extract_dynamo,
-    extract_message_bundle,
-    extract_sglang,
-    extract_vllm_inline,
-    require_bundle,
-)
 from ._client import RetryPolicy, TokenClient
-from ._decode import MAX_TOKEN_ID, DecodedResponse, decode_response
 from ._errors import (
     ConflictingTokenMetadataError,
     ContextLengthExceededError,
@@ -45,29 +27,17 @@ from ._trajectory import Drift, DriftPolicy, Segment, Trajectory, TrajectoryDrif
 from ._transport import TokenCaptureTransport
 
 __all__ = [
-    "DEFAULT_CHAIN",
     "DEFAULT_MAX_RESPONSE_BYTES",
-    "LOG_PROB_FLOOR",
-    "MAX_TOKEN_ID",
-    "Candidate",
     "ConflictingTokenMetadataError",
     "ContextLengthExceededError",
-    "DecodedResponse",
     "Drift",
     "DriftPolicy",
-    "DynamoSource",
-    "Exchange",
-    "Handler",
-    "LogProbFloorCheck",
-    "LogprobsSource",
     "MalformedResponseError",
     "MalformedTokenMetadataError",
-    "MessageBundleSource",
     "MissingTokenMetadataError",
     "PartialTokenMetadataError",
     "ResponseTooLargeError",
     "RetryPolicy",
-    "SGLangSource",
     "Segment",
     "ServerResponseError",
     "TokenBundle",
@@ -76,21 +46,10 @@ __all__ = [
     "TokenClient",
     "TokenCompletion",
     "TokenIdsIgnoredError",
-    "TokenMiddleware",
     "TokenStream",
     "TokensError",
     "Trajectory",
     "TrajectoryDriftError",
     "UnsupportedRequestError",
-    "UsageCheck",
-    "VLLMInlineSource",
-    "build_chain",
-    "decode_response",
-    "extract_dynamo",
-    "extract_message_bundle",
-    "extract_sglang",
-    "extract_vllm_inline",
-    "prepare_request",
-    "require_bundle",
-    "server_root",
+    "chain",
 ]

@@ -1,0 +1,187 @@
+"""The ``run`` command's workload: rollout-shaped sessions pulled by a fixed pool of workers.
+
+SIGINT and SIGTERM stop it: no new session starts, sessions in flight are cancelled, and every
+sandbox they hold is closed (shielded from cancellation, bounded in time) before it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from .._protocol import SandboxError, SandboxProvider, SandboxSpec
+from .._sandbox import Sandbox
+
+__all__ = ["CLEANUP_TIMEOUT_S", "CLOSE_TIMEOUT_S", "CommandFailedError", "RunState", "workload"]
+
+CLOSE_TIMEOUT_S = 30.0
+"""How long one session waits for its sandbox to close."""
+CLEANUP_TIMEOUT_S = 60.0
+"""How long the cleanup pass at the end (or after a signal) keeps trying to close what is left."""
+CLEANUP_ROUNDS = 3
+
+
+class CommandFailedError(SandboxError):
+    """A workload command exited non-zero."""
+
+
+@dataclass
+class RunState:
+    """What the workload did so far; the progress bar and the table read it."""
+
+    sessions: int
+    ok: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    """Sessions in flight when a signal arrived."""
+    started: int = 0
+    handed_out: int = 0
+    interrupted_by: signal.Signals | None = None
+    leftovers: list[Sandbox] = field(default_factory=list)
+    """Sandboxes whose session could not close them; the cleanup pass tries again."""
+    session_errors: dict[str, int] = field(default_factory=dict)
+    held_changes: list[tuple[float, int]] | None = None
+    """When a list: (wall time, +1 / -1) each time a session's sandbox started or stopped, so that a
+    cluster's peak can be computed from every worker's changes merged in time order (Ray workers
+    only: it grows by two entries per session)."""
+
+    @property
+    def done(self) -> int:
+        return self.ok + self.failed + self.cancelled
+
+    @property
+    def not_run(self) -> int:
+        return self.sessions - self.handed_out
+
+
+async def workload(
+    provider: SandboxProvider,
+    run: RunState,
+    *,
+    concurrency: int,
+    commands: int,
+    think_s: float = 0.0,
+    background: Callable[[RunState], Coroutine[Any, Any, None]] | None = None,
+    finish: Callable[[], Awaitable[None]] | None = None,
+    handle_signals: bool = True,
+) -> None:
+    """Run ``run.sessions`` sessions, ``concurrency`` at a time, then close what is left and the provider.
+
+    Each session waits ``think_s`` after each command (the model writing its next turn).
+    ``background`` (the progress bar) runs alongside until the end; ``finish`` (looking for
+    orphans) runs after the cleanup pass, before the provider is closed. ``handle_signals=False``
+    leaves SIGINT and SIGTERM to the host process (a Ray worker).
+    """
+    with anyio.open_signal_receiver(*((signal.SIGINT, signal.SIGTERM) if handle_signals else ())) as signals:
+        async with anyio.create_task_group() as watchers:
+            work = anyio.CancelScope()
+            watchers.start_soon(_stop_on_signal, signals, run, work)
+            if background is not None:
+                watchers.start_soon(background, run)
+            try:
+                with tempfile.TemporaryDirectory(prefix="sandbox-middleware-run-") as tmp:
+                    with work:
+                        await _pool(provider, run, Path(tmp), concurrency, commands, think_s)
+                    with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+                        await _cleanup(run)
+                if finish is not None:
+                    with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+                        await finish()
+            finally:
+                with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+                    await provider.aclose()
+                watchers.cancel_scope.cancel()
+
+
+async def _stop_on_signal(signals: AsyncIterator[signal.Signals], run: RunState, work: anyio.CancelScope) -> None:
+    async for number in signals:
+        if run.interrupted_by is None:
+            run.interrupted_by = signal.Signals(number)
+            print(f"\n{run.interrupted_by.name}: starting no new sessions; creates in flight finish (so their "
+                  "sandboxes are not orphaned), then every sandbox held is closed", file=sys.stderr)  # fmt: skip
+            work.cancel()
+        else:
+            print(f"{signal.Signals(number).name} again: still closing sandboxes", file=sys.stderr)
+
+
+async def _pool(
+    provider: SandboxProvider, run: RunState, workdir: Path, concurrency: int, commands: int, think_s: float
+) -> None:
+    """``concurrency`` workers each take the next session until none is left: memory does not grow with it."""
+    source = workdir / "input.txt"
+    source.write_text("rollout input\n" * 64)
+
+    async def worker(result: Path) -> None:
+        while run.handed_out < run.sessions:
+            run.handed_out += 1
+            await _session(provider, commands, think_s, source, result, run)
+
+    async with anyio.create_task_group() as tg:
+        for number in range(min(concurrency, run.sessions)):
+            tg.start_soon(worker, workdir / f"result-{number}.txt")  # each worker's result overwrites its last
+
+
+async def _session(
+    provider: SandboxProvider, commands: int, think_s: float, source: Path, result: Path, run: RunState
+) -> None:
+    sandbox = Sandbox(provider, SandboxSpec(), local_files={"input.txt": source}, close_timeout_s=CLOSE_TIMEOUT_S)
+    try:
+        await sandbox.start()
+        run.started += 1
+        if run.held_changes is not None:
+            run.held_changes.append((time.time(), 1))
+        for step in range(commands):
+            done = await sandbox.exec(f"echo step {step} >> result.txt && wc -c < input.txt >> result.txt")
+            if done.return_code != 0:
+                raise CommandFailedError(f"step {step} exited {done.return_code}: {done.stderr}")
+            if think_s:
+                await anyio.sleep(think_s)
+        if commands:
+            await sandbox.download("result.txt", result)
+        await _stop(sandbox, run)
+        run.ok += 1
+    except anyio.get_cancelled_exc_class():
+        run.cancelled += 1
+        raise
+    except Exception as exc:
+        run.failed += 1
+        key = type(exc).__name__
+        run.session_errors[key] = run.session_errors.get(key, 0) + 1
+    finally:
+        if sandbox.started:
+            try:
+                await _stop(sandbox, run)  # shielded and bounded: runs even while the session is cancelled
+            except Exception:  # counted by the metrics layer; the cleanup pass tries again
+                run.leftovers.append(sandbox)
+
+
+async def _stop(sandbox: Sandbox, run: RunState) -> None:
+    """Stop a started sandbox (shielded, bounded) and note its release; raises what stop raised."""
+    await sandbox.stop()
+    if run.held_changes is not None:
+        run.held_changes.append((time.time(), -1))
+
+
+async def _cleanup(run: RunState) -> None:
+    """Stop what a session could not, a few rounds, as an operator's cleanup pass would."""
+    for _ in range(CLEANUP_ROUNDS):
+        pending = [sandbox for sandbox in run.leftovers if sandbox.started]
+        if not pending:
+            return
+        async with anyio.create_task_group() as tg:
+            for sandbox in pending:
+                tg.start_soon(_stop_quietly, sandbox, run)
+
+
+async def _stop_quietly(sandbox: Sandbox, run: RunState) -> None:
+    with contextlib.suppress(Exception):  # counted by the metrics layer; retried in the next round
+        await _stop(sandbox, run)

@@ -1,0 +1,208 @@
+"""How LocalProvider starts a command under bubblewrap, with no privilege on the host.
+
+As root, bwrap alone would leave the command as host uid 0 without capabilities, and uid 0 still
+owns ``/proc/sys`` and the kernel keyrings. So the chain drops to an unprivileged host uid first
+(``setpriv``), bwrap then maps it to uid 0 of a fresh user namespace, and a seccomp filter denies
+the kernel keyring calls and a few other syscalls that only widen the kernel's attack surface.
+Options and the command's environment travel through a memfd (``bwrap --args``), never through
+the host helpers' own environment (no ``LD_PRELOAD`` reaches a host-side process) or argv.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import struct
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath
+
+from ..._protocol import SandboxError
+
+__all__ = ["BASE_PATH", "HOST_ENV", "BwrapCommand", "BwrapUnavailableError"]
+
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+HOST_ENV = {"PATH": BASE_PATH}  # all the host-side helpers (sh, setpriv, bwrap) ever get
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_ETC_FILES = (
+    "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime",
+    "/etc/nsswitch.conf", "/etc/os-release", "/etc/mime.types",
+)  # fmt: skip
+OWN_ETC = {
+    "passwd": "root:x:0:0:root:/workspace:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+    "group": "root:x:0:\nnogroup:x:65534:\n",
+    "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
+    "hostname": "sandbox\n",
+}
+
+# seccomp: syscalls denied with EPERM, per architecture (audit arch, numbers). The kernel keyrings
+# are shared by uid and inherited from the trainer's session; the rest only widen the attack surface.
+_DENIED = {
+    "x86_64": (
+        0xC000003E,
+        # add_key request_key keyctl bpf perf_event_open userfaultfd io_uring_{setup,enter,register}
+        # kexec_load kexec_file_load init_module finit_module delete_module
+        (248, 249, 250, 321, 298, 323, 425, 426, 427, 246, 320, 175, 313, 176),
+        (41, 53),  # socket, socketpair: refused for AF_VSOCK, which no network namespace covers
+    ),
+    "aarch64": (0xC00000B7, (217, 218, 219, 280, 241, 282, 425, 426, 427, 104, 294, 105, 273, 106), (198, 199)),
+}
+_AF_VSOCK = 40
+_X32_SYSCALL_BIT = 0x40000000
+
+
+class BwrapUnavailableError(SandboxError):
+    """``isolation="bwrap"`` cannot run here: no ``bwrap`` (or ``setpriv`` as root), or it fails to start."""
+
+
+def _seccomp_program() -> bytes | None:
+    """A classic-BPF seccomp filter denying ``_DENIED`` (and any other ABI) with EPERM; None if unknown arch."""
+    arch = _DENIED.get(platform.machine())
+    if arch is None:
+        return None
+    audit_arch, numbers, sockets = arch
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    deny, allow = 0x00050000 | 1, 0x7FFF0000  # SECCOMP_RET_ERRNO | EPERM, SECCOMP_RET_ALLOW
+    tail = [  # the last four instructions: index from the end
+        (ld, 0, 0, 16),  # -4 "family": seccomp_data.args[0], its low 32 bits
+        (jeq, 1, 0, _AF_VSOCK),  # -3
+        (ret, 0, 0, allow),  # -2
+        (ret, 0, 0, deny),  # -1 "deny"
+    ]
+    head = [
+        (ld, 0, 0, 4),  # seccomp_data.arch
+        (jeq, 1, 0, audit_arch),
+        (ret, 0, 0, deny),  # another ABI (i386, x32 ...): nothing of it is allowed
+        (ld, 0, 0, 0),  # seccomp_data.nr
+    ]
+    checks = [
+        (_X32_SYSCALL_BIT, jge, "deny"),
+        *((n, jeq, "deny") for n in numbers),
+        *((n, jeq, "family") for n in sockets),
+    ]
+    body = [*checks, None]  # None: allow
+    program = list(head)
+    for index, check in enumerate(body):
+        if check is None:
+            program.append((ret, 0, 0, allow))
+            continue
+        value, op, target = check
+        after = len(body) - index - 1  # instructions of the body after this one
+        program.append((op, after + (len(tail) - 1 if target == "deny" else 0), 0, value))
+    program += tail
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+class BwrapCommand:
+    """Builds (and at construction, tries) the command line of one sandboxed command.
+
+    As root, each command drops to the sandbox's own unprivileged host uid (``drops_privileges``);
+    otherwise bwrap runs as this process's user.
+    """
+
+    def __init__(self, *, ro_paths: Sequence[str]) -> None:
+        bwrap = shutil.which("bwrap")
+        if bwrap is None:
+            raise BwrapUnavailableError(
+                "LocalProvider(isolation='bwrap'): no 'bwrap' executable on PATH; install "
+                "bubblewrap (apt-get install -y bubblewrap) or use isolation='none'"
+            )
+        self._bwrap = bwrap
+        self._setpriv: str | None = None
+        if os.geteuid() == 0:
+            self._setpriv = shutil.which("setpriv")
+            if self._setpriv is None:
+                raise BwrapUnavailableError(
+                    "LocalProvider(isolation='bwrap') as root needs 'setpriv' (util-linux) to drop to an "
+                    "unprivileged uid before bwrap; install util-linux"
+                )
+        self._ro_paths = tuple(ro_paths)
+        self._seccomp = _seccomp_program()
+        self._system = []
+        for directory in SYSTEM_DIRS:
+            if os.path.islink(directory):
+                self._system += ["--symlink", os.readlink(directory), directory]
+            elif os.path.isdir(directory):
+                self._system += ["--ro-bind", directory, directory]
+        for path in _ETC_FILES:
+            self._system += ["--ro-bind-try", path, path]
+
+    @property
+    def seccomp(self) -> bool:
+        return self._seccomp is not None
+
+    @property
+    def drops_privileges(self) -> bool:
+        return self._setpriv is not None
+
+    def _prefix(self, uid: int | None) -> list[str]:
+        if self._setpriv is None:
+            return [self._bwrap]
+        assert uid is not None and uid != 0
+        return [
+            self._setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", self._bwrap,
+        ]  # fmt: skip
+
+    def argv(
+        self,
+        outer: Path,
+        view_root: PurePosixPath,
+        cwd: PurePosixPath,
+        env: Mapping[str, str],
+        command: Sequence[str],
+        uid: int | None,
+    ) -> tuple[list[str], list[int]]:
+        """The argv and the descriptors to pass (the caller closes them once the process started)."""
+        options = [
+            "--unshare-all", "--unshare-user", "--disable-userns", "--uid", "0", "--gid", "0",
+            "--cap-drop", "ALL", "--new-session", "--die-with-parent", "--hostname", "sandbox",
+            *self._system,
+        ]  # fmt: skip
+        for name in OWN_ETC:
+            options += ["--ro-bind", str(outer / "etc" / name), f"/etc/{name}"]
+        options += ["--proc", "/proc", "--dev", "/dev", "--bind", str(outer / "shm"), "/dev/shm"]
+        options += ["--bind", str(outer / "tmp"), "/tmp"]
+        for path in self._ro_paths:  # after /tmp, which would hide one below it
+            options += ["--ro-bind", path, path]
+        options += ["--bind", str(outer / "box"), str(view_root), "--remount-ro", "/dev", "--remount-ro", "/"]
+        options += ["--chdir", str(cwd), "--clearenv"]
+        for name, value in env.items():
+            options += ["--setenv", name, value]
+        fds = []
+        if self._seccomp is not None:
+            fds.append(_memfd("sandbox-seccomp", self._seccomp))
+            options += ["--add-seccomp-fd", str(fds[-1])]
+        fds.append(_memfd("sandbox-args", b"".join(os.fsencode(option) + b"\0" for option in options)))
+        return [*self._prefix(uid), "--args", str(fds[-1]), "--", *command], fds
+
+    def probe(self, outer: Path, uid: int | None) -> None:
+        """Run ``true`` the way commands will run, so a machine where it cannot fails at construction."""
+        argv, fds = self.argv(outer, PurePosixPath("/workspace"), PurePosixPath("/workspace"), {}, ["true"], uid)
+        try:
+            result = subprocess.run(
+                argv, pass_fds=fds, env=HOST_ENV, stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
+                check=False,
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise BwrapUnavailableError(f"LocalProvider(isolation='bwrap'): bwrap could not start: {exc}") from exc
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if result.returncode != 0:
+            raise BwrapUnavailableError(
+                "LocalProvider(isolation='bwrap'): bwrap fails on this machine "
+                f"({result.stderr.decode(errors='replace').strip()}); unprivileged user namespaces may be "
+                "disabled (sysctl kernel.unprivileged_userns_clone, or an AppArmor restriction)"
+            )
+
+
+BwrapUnavailableError.__module__ = "sandbox_middleware"

@@ -1,0 +1,287 @@
+"""LocalProvider's I/O with a hostile sandbox: race-free file transfers and bounded command output.
+
+A command in the sandbox may swap any path for a symlink at any moment, so no path is ever checked
+and then opened again by name. Every transfer opens the sandbox root, then each component below it
+with ``O_NOFOLLOW`` relative to the directory descriptor before it (``openat``): a symlink anywhere
+on the way is refused, never followed. Command output is read from pipes into a head and a tail of
+bounded size, so neither memory nor host disk grows with what a command prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Iterator, Sequence
+from pathlib import Path, PurePosixPath
+
+import anyio
+
+from ..._protocol import SandboxError, SandboxPathError, SandboxValueError
+
+__all__ = [
+    "OutputCapture",
+    "SandboxArgumentError",
+    "SandboxTransferLimitError",
+    "check_text",
+    "download",
+    "open_directory",
+    "pump",
+    "sandbox_parts",
+    "upload",
+]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_CHUNK = 1 << 20
+_NAME_MAX = 255
+_PATH_MAX = 4095
+
+
+class SandboxArgumentError(SandboxValueError):
+    """An argument is unusable (a NUL byte, a NaN or negative number, a non-string, an over-long name).
+
+    The message names the argument; like every ``SandboxValueError`` it is also a ``ValueError``.
+    """
+
+
+class SandboxTransferLimitError(SandboxError):
+    """A file transfer was refused because the file is larger than the provider's ``max_transfer_bytes``."""
+
+
+def check_text(value: object, what: str) -> str:
+    """``value`` as a string fit for a command line, path or environment, or ``SandboxArgumentError``."""
+    if not isinstance(value, str):
+        raise SandboxArgumentError(f"{what} must be a string, not {type(value).__name__} ({value!r:.80})")
+    if "\0" in value:
+        raise SandboxArgumentError(f"{what} contains a NUL byte, which no command, path or variable can hold")
+    try:
+        os.fsencode(value)
+    except UnicodeEncodeError as exc:
+        raise SandboxArgumentError(f"{what} cannot be encoded for the OS (a lone surrogate?): {exc}") from exc
+    return value
+
+
+def sandbox_parts(path: str, roots: Sequence[PurePosixPath], what: str) -> tuple[str, ...]:
+    """The components of sandbox path ``path`` below the sandbox root.
+
+    Relative paths are taken against the root; absolute ones must lie under one of ``roots`` (the
+    paths at which the root is seen). ``..`` is refused outright rather than resolved.
+    """
+    check_text(path, what)
+    if len(path.encode()) > _PATH_MAX:
+        raise SandboxArgumentError(f"{what} is {len(path.encode())} bytes long; paths are limited to {_PATH_MAX}")
+    pure = PurePosixPath(path)
+    if pure.is_absolute():
+        for root in roots:
+            if pure == root or root in pure.parents:
+                pure = pure.relative_to(root)
+                break
+        else:
+            raise SandboxPathError(
+                f"{what} {path!r} is outside the sandbox (its root is seen at {', '.join(map(str, roots))}); "
+                "use a relative path or one under the sandbox root"
+            )
+    parts = tuple(part for part in pure.parts if part != ".")
+    if ".." in parts:
+        raise SandboxPathError(f"{what} {path!r} uses '..', which could lead outside the sandbox; name the file")
+    for part in parts:
+        if len(part.encode()) > _NAME_MAX:
+            raise SandboxArgumentError(
+                f"{what} {path!r} has a component of {len(part.encode())} bytes; names are limited to {_NAME_MAX}"
+            )
+    return parts
+
+
+@contextlib.contextmanager
+def open_directory(
+    root: Path, parts: Sequence[str], path: str, *, create: bool = False, owner: int | None = None
+) -> Iterator[int]:
+    """A descriptor of directory ``root/parts``, each component opened without following symlinks.
+
+    With ``create``, missing directories are made, belonging to ``owner`` where given.
+    """
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for name in parts:
+            if create:
+                try:
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                else:
+                    if owner is not None:
+                        os.chown(name, owner, owner, dir_fd=fd, follow_symlinks=False)
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                raise _path_error(exc, fd, path, name) from exc
+            os.close(fd)
+            fd = child
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _path_error(exc: OSError, dir_fd: int, path: str, name: str) -> SandboxError:
+    # With O_DIRECTORY | O_NOFOLLOW a symlink fails as ENOTDIR, like a file; lstat tells which (for the
+    # message only: nothing is opened by name again).
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_symlink(dir_fd, name):
+        return SandboxPathError(
+            f"path {path!r} passes through a symlink ({name!r}); a symlink could lead outside the sandbox, "
+            "so transfers never follow one: name the real file"
+        )
+    if exc.errno == errno.ENOENT:
+        return SandboxError(f"path {path!r}: {name!r} does not exist in the sandbox")
+    if exc.errno == errno.ENOTDIR:
+        return SandboxError(f"path {path!r}: {name!r} is not a directory in the sandbox")
+    return SandboxError(f"path {path!r}: cannot open {name!r}: {exc.strerror}")
+
+
+def _is_symlink(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return True  # swapped again meanwhile: still not followed
+
+
+def _open_file(dir_fd: int, name: str, path: str, flags: int) -> int:
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SandboxPathError(
+                f"path {path!r} is a symlink; a symlink could lead outside the sandbox, so transfers never "
+                "follow one: name the real file"
+            ) from exc
+        if exc.errno in (errno.ENOENT, errno.EISDIR, errno.ENXIO):
+            raise SandboxError(f"{path!r} is not a file in the sandbox") from exc
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SandboxError(f"{path!r} is not a file in the sandbox (a directory, FIFO, socket or device)")
+    return fd
+
+
+def _copy(source_fd: int, target_fd: int, limit: int | None) -> int:
+    """Copy until end of file; more than ``limit`` bytes stops the copy and is reported as ``limit + 1``."""
+    copied = 0
+    while True:
+        want = _CHUNK if limit is None else min(_CHUNK, limit + 1 - copied)
+        if want <= 0:
+            return copied
+        data = os.read(source_fd, want)
+        if not data:
+            return copied
+        view = memoryview(data)
+        while view:
+            view = view[os.write(target_fd, view) :]
+        copied += len(data)
+
+
+def upload(root: Path, parts: Sequence[str], path: str, source: Path, owner: int | None) -> None:
+    """Copy host file ``source`` to ``root/parts`` (directories made as needed), following no symlink.
+
+    What it makes belongs to ``owner`` where given (the sandbox's uid), so commands can change it.
+    """
+    if not parts:
+        raise SandboxError(f"target {path!r} names the sandbox root, not a file")
+    source_fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not hang us
+    try:
+        if not stat.S_ISREG(os.fstat(source_fd).st_mode):
+            raise SandboxError(f"source {source} is not a regular file")
+        os.set_blocking(source_fd, True)
+        with open_directory(root, parts[:-1], path, create=True, owner=owner) as dir_fd:
+            target_fd = _open_file(dir_fd, parts[-1], path, os.O_WRONLY | os.O_CREAT)
+            try:
+                if owner is not None:
+                    os.fchown(target_fd, owner, owner)
+                os.ftruncate(target_fd, 0)
+                _copy(source_fd, target_fd, None)
+            finally:
+                os.close(target_fd)
+    finally:
+        os.close(source_fd)
+
+
+def download(root: Path, parts: Sequence[str], path: str, target: Path, limit: int) -> None:
+    """Copy ``root/parts`` to host file ``target``, refusing files over ``limit`` bytes before copying."""
+    if not parts:
+        raise SandboxError(f"{path!r} is not a file in the sandbox (it names the sandbox root)")
+    with open_directory(root, parts[:-1], path) as dir_fd:
+        source_fd = _open_file(dir_fd, parts[-1], path, os.O_RDONLY)
+    try:
+        size = os.fstat(source_fd).st_size
+        if size > limit:
+            raise SandboxTransferLimitError(
+                f"{path!r} is {size} bytes, over max_transfer_bytes={limit}; nothing was copied "
+                "(compress or split it in the sandbox, or raise the provider's limit)"
+            )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target_fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            copied = _copy(source_fd, target_fd, limit)
+        finally:
+            os.close(target_fd)
+        if copied > limit:  # it grew while we copied
+            target.unlink()
+            raise SandboxTransferLimitError(
+                f"{path!r} grew past max_transfer_bytes={limit} while it was copied; the partial copy was removed"
+            )
+    finally:
+        os.close(source_fd)
+
+
+class OutputCapture:
+    """One output stream, bounded: the first and last ``limit // 2`` bytes and a count of those dropped."""
+
+    def __init__(self, limit: int) -> None:
+        self._head_limit = limit - limit // 2
+        self._tail_limit = limit // 2
+        self._head = bytearray()
+        self._tail = bytearray()
+        self.dropped = 0
+
+    def feed(self, data: bytes) -> None:
+        room = self._head_limit - len(self._head)
+        if room > 0:
+            self._head += data[:room]
+            data = data[room:]
+        if data:
+            self._tail += data
+            excess = len(self._tail) - self._tail_limit
+            if excess > 0:
+                del self._tail[:excess]  # O(1): bytearray drops from the front without moving the rest
+                self.dropped += excess
+
+    def text(self) -> str:
+        if not self.dropped:
+            return (self._head + self._tail).decode("utf-8", errors="replace")
+        marker = f"\n[... {self.dropped} bytes truncated (max_output_bytes); head and tail kept ...]\n"
+        head = self._head.decode("utf-8", errors="replace")
+        return head + marker + self._tail.decode("utf-8", errors="replace")
+
+
+async def pump(fd: int, capture: OutputCapture) -> None:
+    """Read non-blocking pipe ``fd`` into ``capture`` until end of file."""
+    while True:
+        await anyio.wait_readable(fd)
+        if not drain(fd, capture, budget=1):
+            return
+
+
+def drain(fd: int, capture: OutputCapture, *, budget: int) -> bool:
+    """Read what ``fd`` holds now (at most ``budget`` chunks); False at end of file."""
+    for _ in range(budget):
+        try:
+            data = os.read(fd, 1 << 20)
+        except BlockingIOError:
+            return True
+        if not data:
+            return False
+        capture.feed(data)
+    return True
+
+
+SandboxArgumentError.__module__ = "sandbox_middleware"
+SandboxTransferLimitError.__module__ = "sandbox_middleware"

@@ -1,0 +1,333 @@
+"""The main job end to end, as a subprocess: `sandbox-middleware run` and `check`."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.leftovers import left_behind
+from tests.vllm.server import free_port
+
+CLI = [sys.executable, "-m", "sandbox_middleware"]
+FAST_CREATE_RETRIES = """\
+provider: local
+middleware:
+  - metrics
+  - release_accounting
+  - retry: {attempts: 3, wait_initial: 0.01, wait_max: 0.02, wait_jitter: 0.01, on: [SandboxCreateError]}
+"""
+
+
+def run(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def row(output: str, label: str) -> str:
+    match = re.search(rf"^{re.escape(label)}\s+(.*)$", output, re.MULTILINE)
+    assert match, f"no row {label!r} in:\n{output}"
+    return match.group(1)
+
+
+def retries(output: str) -> dict[str, int]:
+    create, close, other = row(output, "retries create / close / other").split(" / ")
+    return {"create": int(create), "close": int(close), "other": int(other)}
+
+
+def test_default_run_leaks_nothing() -> None:
+    """With no config, a run on the local provider exits 0, leaks nothing, and peaks at most at concurrency."""
+    done = run("run", "--sessions", "24", "--concurrency", "4", "--commands", "2")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert row(out, "sessions ok / failed") == "24 / 0"
+    assert row(out, "sandboxes started") == "24"
+    peak, final = row(out, "gym.sandbox.active peak / final").split(" / ")
+    assert 1 <= int(peak) <= 4 and final == "0"
+    assert row(out, "sandboxes still held") == "0"
+    assert "(24 samples)" in row(out, "startup ms p50 / p95 / max")
+    assert "(48 samples)" in row(out, "exec ms p50 / p95 / max")
+    assert "1. tracing" in done.stderr and "4. retry" in done.stderr and "5. retry" in done.stderr
+
+
+def test_console_script_is_installed() -> None:
+    """The console script runs the same main job."""
+    script = shutil.which("sandbox-middleware") or str(Path(sys.executable).parent / "sandbox-middleware")
+    done = subprocess.run([script, "run", "--sessions", "2", "--commands", "1"], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def test_quick_start_fault_run_holds_nothing_and_retries_closes() -> None:
+    """The README's fault run: create and close faults are retried away, nothing is held at the end.
+
+    Exec faults are not retried (a command may have run), so their sessions fail: exit code 3.
+    """
+    done = run("run", "--sessions", "200", "--concurrency", "32", "--faults", "create=0.1,close=0.05,exec=0.01",
+               "--seed", "11")  # fmt: skip
+    out = done.stdout
+    assert row(out, "sandboxes still held") == "0"
+    assert row(out, "gym.sandbox.active peak / final").endswith("/ 0")
+    counted = retries(out)
+    assert counted["create"] > 0 and counted["close"] > 0, out
+    assert not re.search(r"^  (create|close) ", out, re.MULTILINE), "a create or close failure was not retried away"
+    ok, failed = (int(n) for n in row(out, "sessions ok / failed").split(" / "))
+    assert ok + failed == 200
+    assert done.returncode == (3 if failed else 0), out + done.stderr
+    assert "with seed 11" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_leak_exits_1() -> None:
+    """When closes never succeed, the run names the held sandboxes and exits 1."""
+    done = run("run", "--sessions", "3", "--concurrency", "3", "--faults", "close=1.0", "--seed", "1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    held = row(done.stdout, "sandboxes still held")
+    assert held.startswith("3: local-")
+
+
+def test_every_session_failing_exits_3(tmp_path: Path) -> None:
+    """--faults create=1.0: every session fails, nothing leaks, the exit code says so (3, not 0)."""
+    config = tmp_path / "fast.yaml"
+    config.write_text(FAST_CREATE_RETRIES)
+    done = run("run", str(config), "--sessions", "6", "--concurrency", "3", "--faults", "create=1.0", "--seed", "2")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert row(done.stdout, "sessions ok / failed") == "0 / 6"
+    assert row(done.stdout, "sandboxes still held") == "0"
+
+
+@pytest.fixture
+def private_tmpdir(tmp_path: Path) -> Path:
+    """A TMPDIR of the test's own, so what the subprocess leaves there is visible."""
+    directory = tmp_path / "tmp"
+    directory.mkdir()
+    return directory
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_mid_run_closes_everything(number: signal.Signals, private_tmpdir: Path) -> None:
+    """SIGINT / SIGTERM mid-run: no sandbox directory left, the table marked interrupted, 130 / 143, no traceback.
+
+    A hundred million sessions: workers pull them one by one, so nothing grows with the count.
+    """
+    env = {**os.environ, "TMPDIR": str(private_tmpdir)}
+    process = subprocess.Popen([*CLI, "run", "--sessions", "100000000", "--concurrency", "8", "--no-progress"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not any("local-" in name for name in left_behind(private_tmpdir)):
+            assert process.poll() is None and time.monotonic() < deadline, "no sandbox was created"
+            time.sleep(0.05)
+        process.send_signal(number)
+        out, err = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 128 + number, out + err
+    assert f"INTERRUPTED by {number.name}" in out.splitlines()[0]
+    assert row(out, "sandboxes still held") == "0"
+    assert row(out, "gym.sandbox.active peak / final").endswith("/ 0")
+    cancelled, not_run = (int(n) for n in row(out, "sessions cancelled / not run").split(" / "))
+    assert cancelled <= 8
+    assert 0 < not_run < 100_000_000
+    assert "Traceback" not in err, err
+    assert left_behind(private_tmpdir) == []
+
+
+BAD_ARGUMENTS = [
+    (["--sessions", "abc"], "argument --sessions: must be a whole number, not 'abc'"),
+    (["--sessions", "0"], "argument --sessions: must be at least 1, not 0"),
+    (["--concurrency", "-2"], "argument --concurrency: must be at least 1, not -2"),
+    (["--linger", "-1"], "argument --linger: must be a finite number of seconds, 0 or more, not '-1'"),
+    (["--linger", "inf"], "argument --linger: must be a finite number of seconds"),
+    (["--prometheus-port", "99999"], "argument --prometheus-port: must be from 1 to 65535, not 99999"),
+    (["--export", "carrier-pigeon"], "argument --export: invalid choice: 'carrier-pigeon'"),
+    (["--faults", "create=2"], "argument --faults: bad fault 'create=2'"),
+    (["--export", "prometheus", "--prometheus-host", "192.0.2.1"],  # TEST-NET-1: never this machine's address
+     "argument --prometheus-host: cannot serve /metrics on 192.0.2.1:9464"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("arguments", "message"), BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_each_argument_error_is_one_line(arguments: list[str], message: str) -> None:
+    """A bad argument: exit 2 and one line naming it, no usage dump, no traceback."""
+    done = run("run", *arguments, "--sessions" if "--sessions" not in arguments else "--commands", "1")
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert message in done.stderr
+    assert done.stdout == ""
+
+
+def test_busy_prometheus_port_is_one_line() -> None:
+    """A port already in use: exit 2 with one line naming --prometheus-port, before any sandbox exists."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run("run", "--sessions", "1", "--export", "prometheus", "--prometheus-port", str(port))
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert f"argument --prometheus-port: cannot serve /metrics on 127.0.0.1:{port}" in done.stderr
+
+
+def test_version_and_help() -> None:
+    """--version prints the version; help texts are plain (no reST backticks) and `check` says what CONFIG is."""
+    done = run("--version")
+    assert done.returncode == 0 and re.fullmatch(r"sandbox-middleware \d+\.\d+\.\d+\S*\n", done.stdout)
+    for command in ([], ["run"], ["check"]):
+        helped = run(*command, "--help")
+        assert helped.returncode == 0 and "``" not in helped.stdout
+        assert "Exit codes" in helped.stdout or command == ["check"]
+    assert re.search(r"^  config\s+YAML stack config to validate", run("check", "--help").stdout, re.MULTILINE)
+
+
+def test_prometheus_exporter_serves_while_running() -> None:
+    """With --export prometheus, /metrics serves the active counter and the duration histograms."""
+    port = free_port()
+    process = subprocess.Popen(
+        [*CLI, "run", "--sessions", "20", "--concurrency", "4", "--export", "prometheus",
+         "--prometheus-port", str(port), "--linger", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        body = ""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+            except httpx.TransportError:
+                body = ""
+            if "gym_sandbox_exec_duration_ms" in body and "gym_sandbox_startup_duration_ms" in body:
+                break
+            time.sleep(0.2)
+        assert re.search(r"^gym_sandbox_active\S*\{.*nemo_gym_sandbox_provider=\"local\".*\} ", body, re.MULTILINE), (
+            body
+        )
+        assert re.search(r"^gym_sandbox_startup_duration_ms\S*_bucket\{.*le=\"1800000\"", body, re.MULTILINE), body
+        assert re.search(r"^gym_sandbox_exec_duration_ms\S*_count", body, re.MULTILINE), body
+        assert process.stdout is not None
+        table = ""
+        for line in process.stdout:  # until the table's last line: the run is over, it lingers now
+            table += line
+            if line.startswith("failures"):
+                break
+        process.terminate()  # ends the linger; the run's verdict stands
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, out + err
+    assert row(table, "sessions ok / failed") == "20 / 0" and "Traceback" not in err
+
+
+BLOCK_OTLP = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("opentelemetry.exporter.otlp"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+from sandbox_middleware.cli import main
+sys.exit(main())
+"""
+
+
+def test_missing_exporter_names_the_extra() -> None:
+    """Asking for an exporter that is not installed says which extra to install, in one line."""
+    done = subprocess.run([sys.executable, "-c", BLOCK_OTLP, "run", "--sessions", "1", "--export", "otlp"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2
+    assert "pip install 'llm-sandbox-middleware[otlp]'" in done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("opentelemetry.exporter.otlp") is None, reason="needs the otlp extra")
+def test_unreachable_collector_is_reported_once() -> None:
+    """--export otlp with nothing listening: the exporters' retry chatter becomes one line naming it (no password)."""
+    port = free_port()
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://user:hunter2@127.0.0.1:{port}"}
+    endpoint = f"http://***@127.0.0.1:{port}"  # the password is never printed
+    env.pop("OTEL_EXPORTER_OTLP_TIMEOUT", None)
+    done = run("run", "--sessions", "3", "--commands", "1", "--export", "otlp", env=env)
+    assert done.returncode == 0, done.stderr
+    assert row(done.stdout, "sessions ok / failed") == "3 / 0"
+    lines = [line for line in done.stderr.splitlines() if "telemetry:" in line]
+    assert len(lines) == 1 and f"the collector at {endpoint} was unreachable" in lines[0], done.stderr
+    assert "Transient error" not in done.stderr and "Traceback" not in done.stderr and "hunter2" not in done.stderr
+
+
+def test_check_prints_the_stack_and_rejects_bad_configs(tmp_path: Path) -> None:
+    """check prints the resolved stack outermost first; a bad config exits 2 naming the problem."""
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        "provider:\n  local: {isolation: none}\n"
+        "middleware:\n  - metrics\n  - retry: {attempts: 5, on: [ConnectionError]}\n"
+    )
+    done = run("check", str(good))
+    assert done.returncode == 0
+    assert done.stdout.splitlines()[2:] == [
+        "  1. metrics -> MetricsMiddleware()  [built-in (llm-sandbox-middleware)]",
+        "  2. retry -> RetryMiddleware(attempts=5, on=(ConnectionError,))  [built-in (llm-sandbox-middleware)]",
+    ]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("provider: local\nmiddleware:\n  - retry: {attempts: 5, timeout: soon}\n")
+    done = run("check", str(bad))
+    assert done.returncode == 2
+    assert f"{bad}: middleware[0] (retry): option 'timeout' must be float or null, not 'soon'" in done.stderr
+    done = run("run", str(bad))
+    assert done.returncode == 2 and "sessions ok" not in done.stdout
+
+
+def test_check_and_run_reject_the_same_values_one_error_each(tmp_path: Path) -> None:
+    """NaN, infinite, zero and negative values: check and run both exit 2 with the same lines, one per
+    bad option, each naming the file, the entry and the option; run starts nothing."""
+    config = tmp_path / "numbers.yaml"
+    config.write_text(
+        "provider: local\n"
+        "middleware:\n"
+        "  - tracing: {command_max_length: -1}\n"
+        "  - retry: {attempts: 0, wait_initial: .nan, timeout: .inf, budget: {max_tokens: 10, token_ratio: -0.5}}\n"
+    )
+    expected = [
+        f"{config}: middleware[0] (tracing): option 'command_max_length' must be >= 0, not -1",
+        f"{config}: middleware[1] (retry): option 'attempts' must be >= 1, not 0",
+        f"{config}: middleware[1] (retry): option 'wait_initial' must be a finite number, not nan",
+        f"{config}: middleware[1] (retry): option 'timeout' must be a finite number, not inf (null means no limit)",
+        f"{config}: middleware[1] (retry): option 'budget.token_ratio' must be > 0, not -0.5",
+    ]
+    for command in ("check", "run"):
+        done = run(command, str(config))
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stderr.splitlines() == [f"sandbox-middleware: config error: {line}" for line in expected]
+        assert done.stdout == ""
+
+
+def test_invalid_yaml_names_the_file_and_line(tmp_path: Path) -> None:
+    """A YAML syntax error names the file, line and column, not PyYAML's `<unicode string>`."""
+    config = tmp_path / "broken.yaml"
+    config.write_text("provider: local\nmiddleware: [tracing\n")
+    done = run("check", str(config))
+    assert done.returncode == 2
+    assert f"{config} is not valid YAML: line 3, column 1:" in done.stderr
+    assert "<unicode string>" not in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def test_console_export_keeps_stdout_for_the_table() -> None:
+    """--export console writes the metric data as one JSON line on stderr; stdout is only the table."""
+    done = run("run", "--sessions", "2", "--commands", "1", "--export", "console")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("sandbox-middleware run:") and "resource_metrics" not in done.stdout
+    exported = [line for line in done.stderr.splitlines() if line.startswith('{"resource_metrics"')]
+    assert len(exported) == 1
+    names = set(re.findall(r'"name": "(gym\.sandbox\.[a-z_]+)"', exported[0]))
+    assert {"gym.sandbox.active", "gym.sandbox.startup_duration_ms", "gym.sandbox.exec_duration_ms"} <= names

@@ -1,0 +1,107 @@
+"""`sandbox-middleware run` finds and reaps its lost-create orphans; `sandbox-middleware reap` closes what
+crashed workers left, by id, and nothing of a live run."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import anyio
+import pytest
+
+from sandbox_middleware import LocalProvider, Middleware, OwnershipMiddleware, SandboxHandle, SandboxSpec, stack
+from tests.sandbox.test_reaper import _crashed_worker
+from tests.vllm.server import free_port
+
+from .test_cli import retries, row, run
+
+
+def _config(tmp_path: Path, base: Path) -> Path:
+    config = tmp_path / "stack.yaml"
+    config.write_text(f"""\
+provider: {{local: {{isolation: none, base_dir: "{base}"}}}}
+middleware:
+  - metrics
+  - release_accounting
+  - retry: {{attempts: 5, wait_initial: 0.01, wait_max: 0.02, wait_jitter: 0.01, operations: [create],
+             on: [SandboxCreateError]}}
+  - ownership
+""")
+    return config
+
+
+def test_lost_create_responses_are_reported_as_orphans_and_reaped(tmp_path: Path, sandbox_base: Path) -> None:
+    """`--faults lost_create=`: each lost response leaves a sandbox no ledger holds; the run lists and closes it."""
+    done = run("run", str(_config(tmp_path, sandbox_base)), "--sessions", "30", "--concurrency", "4",
+               "--commands", "1", "--faults", "lost_create=0.2", "--seed", "3")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert row(done.stdout, "sessions ok / failed") == "30 / 0"
+    found, rest = row(done.stdout, "orphans found / reaped").split(" / ", 1)
+    reaped, _, ids = rest.partition(": ")
+    # Only lost responses are injected, and each one made the retry layer create again.
+    assert int(found) == int(reaped) == retries(done.stdout)["create"] > 0
+    assert len(ids.split(", ")) == int(found) and "NOT closed" not in ids
+    assert row(done.stdout, "sandboxes still held") == "0"
+    assert not list(sandbox_base.iterdir())  # ground truth: nothing of the run is left on the provider
+    assert re.search(r"^run id [0-9a-f]{16}$", done.stderr, re.MULTILINE)
+
+
+def test_reap_command_closes_a_crashed_run_and_spares_a_live_one(tmp_path: Path, sandbox_base: Path) -> None:
+    """reap lists (--dry-run) and then closes exactly the killed worker's sandboxes, each by id."""
+    config = _config(tmp_path, sandbox_base)
+    crashed = anyio.run(_crashed_worker, sandbox_base, "crashed-run")
+
+    async def live_run() -> tuple[LocalProvider, list[SandboxHandle]]:
+        local = LocalProvider(isolation="none", base_dir=sandbox_base)
+        live = stack(local, [Middleware(OwnershipMiddleware, run_id="live-run")])
+        return local, [await live.create(SandboxSpec()) for _ in range(2)]
+
+    async def close_all() -> None:
+        for handle in handles:
+            await local.close(handle)
+        await local.aclose()
+
+    local, handles = anyio.run(live_run)
+    mine = {handle.sandbox_id for handle in handles}
+    try:
+        preview = run("reap", str(config), "--dry-run")
+        assert preview.returncode == 0, preview.stderr
+        assert {line.split()[0] for line in preview.stdout.splitlines()} == crashed
+        assert all("would close" in line for line in preview.stdout.splitlines())
+        assert f"{len(crashed)} sandbox(es) found" in preview.stderr
+
+        spared = run("reap", str(config), "--run", "live-run")  # its owner (this process) is alive
+        assert spared.returncode == 0 and spared.stdout == ""
+
+        done = run("reap", str(config), "--run", "crashed-run")
+        assert done.returncode == 0, done.stderr
+        assert {line.split()[0] for line in done.stdout.splitlines()} == crashed
+        assert all(" closed  run crashed-run" in line for line in done.stdout.splitlines())
+        remaining = {listing.handle.sandbox_id for listing in anyio.run(local.list)}
+        assert remaining == mine
+    finally:
+        anyio.run(close_all)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--force"], "argument --force: needs --run ID"),
+    ],
+)
+def test_reap_usage_errors(tmp_path: Path, sandbox_base: Path, arguments: list[str], message: str) -> None:
+    done = run("reap", str(_config(tmp_path, sandbox_base)), *arguments)
+    assert done.returncode == 2
+    assert message in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def test_ray_option_without_a_cluster_is_one_clear_error() -> None:
+    """--ray at an address where nothing listens fails at once (exit 2) naming the fix; without ray, the extra."""
+    done = run("run", "--ray", f"127.0.0.1:{free_port()}", "--sessions", "1")
+    assert done.returncode == 2
+    if importlib.util.find_spec("ray") is None:
+        assert "argument --ray: needs the 'ray' extra" in done.stderr
+    else:
+        assert "argument --ray: cannot connect to a Ray cluster at 127.0.0.1:" in done.stderr
+        assert "ray start --head" in done.stderr

@@ -1,0 +1,63 @@
+"""The extraction chain's extension API: what a token source or check is made of.
+
+A response is decoded once (``decode_response``) into an ``Exchange``; each step of the chain is a
+``TokenMiddleware`` over it, and the innermost handler (``require_bundle``) turns the candidates the
+sources found into a ``TokenBundle``. ``DEFAULT_CHAIN`` is what ``TokenClient`` and
+``TokenCaptureTransport`` run; pass your own list (``middleware=``) to add a source for another
+server, or a check. The ``extract_*`` steps are the pure functions behind the sources, usable on
+their own. ``prepare_request`` and ``server_root`` are what a front end of its own needs.
+
+Most users need none of this: ``tokens`` itself has the client, the transport, the stream, the
+trajectory and the errors.
+"""
+
+from ._capture import prepare_request, server_root
+from ._chain import (
+    DEFAULT_CHAIN,
+    LOG_PROB_FLOOR,
+    Candidate,
+    DynamoSource,
+    Exchange,
+    Handler,
+    LogProbFloorCheck,
+    LogprobsSource,
+    MessageBundleSource,
+    SGLangSource,
+    TokenMiddleware,
+    UsageCheck,
+    VLLMInlineSource,
+    build_chain,
+    extract_dynamo,
+    extract_message_bundle,
+    extract_sglang,
+    extract_vllm_inline,
+    require_bundle,
+)
+from ._decode import MAX_TOKEN_ID, DecodedResponse, decode_response
+
+__all__ = [
+    "DEFAULT_CHAIN",
+    "LOG_PROB_FLOOR",
+    "MAX_TOKEN_ID",
+    "Candidate",
+    "DecodedResponse",
+    "DynamoSource",
+    "Exchange",
+    "Handler",
+    "LogProbFloorCheck",
+    "LogprobsSource",
+    "MessageBundleSource",
+    "SGLangSource",
+    "TokenMiddleware",
+    "UsageCheck",
+    "VLLMInlineSource",
+    "build_chain",
+    "decode_response",
+    "extract_dynamo",
+    "extract_message_bundle",
+    "extract_sglang",
+    "extract_vllm_inline",
+    "prepare_request",
+    "require_bundle",
+    "server_root",
+]
