@@ -1,32 +1,42 @@
 """Composable middleware for sandbox providers (the NeMo Gym ``SandboxProvider`` protocol)."""
 
 from ._budget import RetryBudget
-from ._config import ConfigError, ResolvedStack, build_provider, load_config, resolve_config
+from ._config import ResolvedStack, build_provider, load_config, resolve_config
 from ._core import Middleware, ProviderMiddleware, stack
+from ._errors import (
+    SANDBOX_CREATE_ERRORS,
+    BwrapUnavailableError,
+    ConfigError,
+    RegistryError,
+    SandboxArgumentError,
+    SandboxCreateError,
+    SandboxCreateVerificationError,
+    SandboxError,
+    SandboxExpiredError,
+    SandboxLimitError,
+    SandboxNotFoundError,
+    SandboxNotStartedError,
+    SandboxPathError,
+    SandboxPtyError,
+    SandboxTransferLimitError,
+    SandboxValueError,
+)
 from ._metrics import MetricsMiddleware
 from ._ownership import OwnershipMiddleware
 from ._protocol import (
     CAPABILITIES,
-    SANDBOX_CREATE_ERRORS,
     ConnectableProvider,
     ExecResult,
-    SandboxCreateError,
-    SandboxCreateVerificationError,
     SandboxEndpoint,
-    SandboxError,
     SandboxExecResult,
     SandboxHandle,
     SandboxListing,
-    SandboxNotFoundError,
-    SandboxPathError,
     SandboxProvider,
-    SandboxPtyError,
     SandboxPtySession,
     SandboxPtySpec,
     SandboxResources,
     SandboxSpec,
     SandboxStatus,
-    SandboxValueError,
     SupportsSandboxBackgroundServices,
     SupportsSandboxEndpoint,
     SupportsSandboxList,
@@ -39,19 +49,12 @@ from ._protocol import (
     SupportsSandboxSharedStorage,
 )
 from ._reaper import ReapedSandbox, reap
-from ._registry import RegistryError, register_middleware, register_provider
+from ._registry import register_middleware, register_provider
 from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
 from ._retry import DEFAULT_RETRY_ON, RetryMiddleware
-from ._sandbox import Sandbox, SandboxNotStartedError
+from ._sandbox import Sandbox
 from ._tracing import TracingMiddleware
-from .providers.local._provider import (
-    BwrapUnavailableError,
-    LocalProvider,
-    SandboxArgumentError,
-    SandboxExpiredError,
-    SandboxLimitError,
-    SandboxTransferLimitError,
-)
+from .providers import LocalProvider
 
 __all__ = [
     "CAPABILITIES",

@@ -24,29 +24,16 @@ import yaml
 
 from ._budget import RetryBudget
 from ._core import Middleware, ProviderMiddleware, stack
-from ._protocol import SandboxError, SandboxProvider
+from ._errors import PUBLIC, ConfigError, SandboxError
+from ._protocol import SandboxProvider
 from ._registry import middleware_registry, provider_registry
 from ._release_accounting import ReleaseAccountingMiddleware
 from ._retry import RetryMiddleware, RetryOn
 from ._tracing import TracingMiddleware
 
-__all__ = ["ConfigError", "ResolvedLayer", "ResolvedStack", "build_provider", "load_config", "resolve_config"]
+__all__ = ["ResolvedLayer", "ResolvedStack", "build_provider", "load_config", "resolve_config"]
 
 _INJECTED = ("meter_provider", "tracer_provider")
-
-
-class ConfigError(SandboxError):
-    """A configuration that cannot be built; the message names the entry, the key and what is allowed.
-
-    ``problems`` lists every problem found, one line each (the message is those lines).
-    """
-
-    def __init__(self, *problems: str) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = list(problems)
-
-
-ConfigError.__module__ = "sandbox_middleware"
 
 
 class _Loader(yaml.SafeLoader):
@@ -354,8 +341,6 @@ def _exceptions(where: str, value: Any) -> tuple[type[Exception], ...]:
 
 
 def _exception(where: str, name: str) -> type[Exception]:
-    import sandbox_middleware
-
     found: Any = None
     if "." in name:
         module, _, attr = name.rpartition(".")
@@ -364,13 +349,12 @@ def _exception(where: str, name: str) -> type[Exception]:
         except ImportError:
             found = None
     else:
-        found = getattr(sandbox_middleware, name, None) or getattr(builtins, name, None)
+        found = PUBLIC.get(name) or getattr(builtins, name, None)
     if isinstance(found, type) and issubclass(found, Exception):
         return found
-    ours = sorted(n for n in dir(sandbox_middleware) if n.endswith("Error"))
     raise ConfigError(
-        f"{where}: unknown exception {name!r}; use one of this package's ({', '.join(ours)}), a builtin such as "
-        "ConnectionError or TimeoutError, or a dotted path like mypkg.errors.RateLimited"
+        f"{where}: unknown exception {name!r}; use one of this package's ({', '.join(sorted(PUBLIC))}), a builtin "
+        "such as ConnectionError or TimeoutError, or a dotted path like mypkg.errors.RateLimited"
     )
 
 

@@ -1,4 +1,4 @@
-"""The provider protocol: value types, errors and capabilities, NeMo Gym 0.7.0's in both directions.
+"""The provider protocol: value types and capabilities, NeMo Gym 0.7.0's in both directions (errors: ``_errors.py``).
 
 Names, fields, signatures and validation are NeMo Gym's. When NeMo Gym is installed (and imports),
 every value type and error class here also *derives from* NeMo Gym's class of the same name, so
@@ -12,15 +12,23 @@ from __future__ import annotations
 
 import builtins
 import enum
-import importlib
-import importlib.util
-import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast, runtime_checkable
 from urllib.parse import urlsplit
+
+from ._errors import (
+    SANDBOX_CREATE_ERRORS,
+    SandboxCreateError,
+    SandboxCreateVerificationError,
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxPathError,
+    SandboxPtyError,
+    SandboxValueError,
+)
+from ._nemo import NEMO_GYM, nemo_class
 
 __all__ = [
     "CAPABILITIES",
@@ -56,29 +64,6 @@ __all__ = [
     "SupportsSandboxSharedStorage",
 ]
 
-logger = logging.getLogger("sandbox_middleware")
-
-
-def _nemo_gym_base() -> ModuleType | None:
-    """NeMo Gym's ``nemo_gym.sandbox.providers.base`` when it is installed and imports, else None."""
-    if importlib.util.find_spec("nemo_gym") is None:
-        return None
-    try:
-        return importlib.import_module("nemo_gym.sandbox.providers.base")
-    except Exception as exc:  # installed but broken here: this package stands alone
-        logger.warning("NeMo Gym is installed but its sandbox protocol does not import (%r); not interoperating", exc)
-        return None
-
-
-NEMO_GYM: ModuleType | None = _nemo_gym_base()
-"""NeMo Gym's protocol module whose classes ours derive from, or None."""
-
-
-def _nemo(name: str) -> type:
-    cls: type = getattr(NEMO_GYM, name) if NEMO_GYM is not None else object
-    return cls
-
-
 if TYPE_CHECKING:  # the type checker sees the stand-alone classes; structurally they are NeMo Gym's
     _NemoResources: TypeAlias = object
     _NemoSpec: TypeAlias = object
@@ -86,55 +71,17 @@ if TYPE_CHECKING:  # the type checker sees the stand-alone classes; structurally
     _NemoExecResult: TypeAlias = object
     _NemoEndpoint: TypeAlias = object
     _NemoPtySpec: TypeAlias = object
-    _NemoCreateError: TypeAlias = object
-    _NemoCreateVerificationError: TypeAlias = object
-    _NemoPtyError: TypeAlias = object
 else:
-    _NemoResources, _NemoSpec, _NemoHandle = _nemo("SandboxResources"), _nemo("SandboxSpec"), _nemo("SandboxHandle")
-    _NemoExecResult, _NemoEndpoint, _NemoPtySpec = (
-        _nemo("SandboxExecResult"),
-        _nemo("SandboxEndpoint"),
-        _nemo("SandboxPtySpec"),
+    _NemoResources, _NemoSpec, _NemoHandle = (
+        nemo_class("SandboxResources"),
+        nemo_class("SandboxSpec"),
+        nemo_class("SandboxHandle"),
     )
-    _NemoCreateError, _NemoPtyError = _nemo("SandboxCreateError"), _nemo("SandboxPtyError")
-    _NemoCreateVerificationError = _nemo("SandboxCreateVerificationError")
-
-
-class SandboxError(RuntimeError):
-    """Base class of every error this package raises about a sandbox."""
-
-
-class SandboxValueError(SandboxError, ValueError, TypeError):
-    """A value type got a field NeMo Gym would refuse (a port, an endpoint URL, a resource key).
-
-    Also a ``ValueError`` and a ``TypeError``, the classes NeMo Gym raises for the same inputs.
-    """
-
-
-class SandboxCreateError(SandboxError, _NemoCreateError):
-    """The provider could not create a sandbox (NeMo Gym's ``SandboxCreateError`` too)."""
-
-
-class SandboxCreateVerificationError(SandboxCreateError, _NemoCreateVerificationError):
-    """A newly created sandbox failed the provider's readiness checks."""
-
-
-class SandboxPtyError(SandboxError, _NemoPtyError):
-    """A PTY session failed outside a normal process exit."""
-
-
-class SandboxNotFoundError(SandboxError):
-    """The handle names no live sandbox of this provider (never created here, or already closed)."""
-
-
-class SandboxPathError(SandboxError):
-    """A file path would leave the sandbox (``..`` or a symlink pointing outside)."""
-
-
-SANDBOX_CREATE_ERRORS: tuple[type[Exception], ...] = cast(
-    "tuple[type[Exception], ...]", tuple(c for c in SandboxCreateError.__mro__ if c.__name__ == "SandboxCreateError")
-)
-"""Create failures of this package and of NeMo Gym: ``except SANDBOX_CREATE_ERRORS:`` catches both."""
+    _NemoExecResult, _NemoEndpoint, _NemoPtySpec = (
+        nemo_class("SandboxExecResult"),
+        nemo_class("SandboxEndpoint"),
+        nemo_class("SandboxPtySpec"),
+    )
 
 
 class SandboxStatus(str, enum.Enum):  # noqa: UP042 - NeMo Gym compares these with plain strings
@@ -501,17 +448,3 @@ CAPABILITIES: tuple[type, ...] = (
     SupportsSandboxList,
 )
 """Every optional capability; a layer forwards each exactly when its inner provider has it."""
-
-
-# Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.
-for _error in (
-    SandboxError,
-    SandboxValueError,
-    SandboxCreateError,
-    SandboxCreateVerificationError,
-    SandboxPtyError,
-    SandboxNotFoundError,
-    SandboxPathError,
-):
-    _error.__module__ = "sandbox_middleware"
-del _error

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import anyio.lowlevel
 
+from ._errors import SandboxError
 from ._ownership import RUN_KEY, Owner
-from ._protocol import SandboxError, SandboxListing, SandboxProvider, SupportsSandboxList
+from ._protocol import SandboxListing, SandboxProvider, SupportsSandboxList
 from ._sandbox import close_shielded
 
 __all__ = ["ReapedSandbox", "reap"]

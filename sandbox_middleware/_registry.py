@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from ._protocol import SandboxError
+from ._errors import RegistryError
 
 __all__ = [
     "MIDDLEWARE_GROUPS",
@@ -31,13 +31,6 @@ PROVIDER_GROUPS = ("sandbox_middleware.providers", "nemo_gym.sandbox_providers")
 NEMO_GYM_PREFIX = "nemo_gym."
 MIDDLEWARE_GROUPS = ("sandbox_middleware.middleware",)
 _THIS_DISTRIBUTION = "llm-sandbox-middleware"
-
-
-class RegistryError(SandboxError):
-    """An unknown or duplicate provider or middleware name."""
-
-
-RegistryError.__module__ = "sandbox_middleware"
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,8 @@ import anyio
 from opentelemetry.metrics import Meter, MeterProvider, UpDownCounter
 
 from ._core import ProviderMiddleware
-from ._protocol import (
-    SandboxError,
-    SandboxHandle,
-    SandboxListing,
-    SandboxProvider,
-    SandboxSpec,
-    SupportsSandboxList,
-)
+from ._errors import SandboxError
+from ._protocol import SandboxHandle, SandboxListing, SandboxProvider, SandboxSpec, SupportsSandboxList
 from ._sandbox import close_shielded
 from ._telemetry import PROVIDER_ATTR, Instruments, safely
 

@@ -18,14 +18,8 @@ from opentelemetry.metrics import Counter, Meter, MeterProvider
 
 from ._budget import RetryBudget
 from ._core import ProviderMiddleware
-from ._protocol import (
-    SANDBOX_CREATE_ERRORS,
-    SandboxExecResult,
-    SandboxHandle,
-    SandboxProvider,
-    SandboxSpec,
-    SandboxStatus,
-)
+from ._errors import SANDBOX_CREATE_ERRORS
+from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 from ._telemetry import OPERATION_ATTR, PROVIDER_ATTR, Instruments, error_type, report_once
 
 __all__ = ["DEFAULT_RETRY_ON", "RETRYABLE_OPERATIONS", "RetryMiddleware", "RetryOn"]

@@ -14,18 +14,15 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from ._protocol import SandboxError, SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
+from ._errors import SandboxError, SandboxNotStartedError
+from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 
-__all__ = ["Sandbox", "SandboxNotStartedError", "close_shielded"]
+__all__ = ["Sandbox", "close_shielded"]
 
 logger = logging.getLogger("sandbox_middleware")
 
 DEFAULT_CLOSE_TIMEOUT_S = 60.0
 DEFAULT_CREATE_TIMEOUT_S = 600.0
-
-
-class SandboxNotStartedError(SandboxError):
-    """An operation needs a started sandbox; call ``start()`` or use ``async with``."""
 
 
 async def close_shielded(provider: SandboxProvider, handle: SandboxHandle, timeout_s: float) -> None:
@@ -171,4 +168,3 @@ class Sandbox:
 
 
 # Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.
-SandboxNotStartedError.__module__ = "sandbox_middleware"

@@ -22,7 +22,9 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, InMemoryMetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 
-__all__ = ["EXPORTS", "SHUTDOWN_TIMEOUT_S", "Telemetry", "UsageError", "start_telemetry"]
+from .._errors import UsageError
+
+__all__ = ["EXPORTS", "SHUTDOWN_TIMEOUT_S", "Telemetry", "start_telemetry"]
 
 EXPORTS = ("none", "console", "otlp", "prometheus")
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -30,10 +32,6 @@ SHUTDOWN_TIMEOUT_S = 5.0
 OTLP_EXPORT_TIMEOUT_S = 4.0
 """Each OTLP export, retries included (unless OTEL_EXPORTER_OTLP_TIMEOUT says otherwise)."""
 _OTLP_LOGGERS = ("opentelemetry.exporter.otlp",)
-
-
-class UsageError(Exception):
-    """A command-line argument the program cannot work with; the message names the argument."""
 
 
 @dataclass

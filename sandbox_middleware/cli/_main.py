@@ -23,11 +23,11 @@ from typing import Any, NoReturn
 
 import anyio
 
-from .._config import ConfigError, ResolvedStack, load_config, resolve_config
-from .._protocol import SandboxError
+from .._config import ResolvedStack, load_config, resolve_config
+from .._errors import ConfigError, SandboxError, UsageError
 from .._reaper import reap
 from ..testing import parse_faults
-from ._export import EXPORTS, UsageError, start_telemetry
+from ._export import EXPORTS, start_telemetry
 from ._process import ProcessResult, RunOptions, combine, orphans_row, run_process, with_run_id
 from ._report import configure_logging, table
 from ._workload import RunState

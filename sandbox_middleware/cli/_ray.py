@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from .._config import ResolvedStack
-from ._export import UsageError, start_telemetry
+from .._errors import UsageError
+from ._export import start_telemetry
 from ._process import ProcessResult, RunOptions, run_process
 
 __all__ = ["run_on_ray"]

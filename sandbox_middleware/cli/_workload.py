@@ -18,20 +18,17 @@ from typing import Any
 
 import anyio
 
-from .._protocol import SandboxError, SandboxProvider, SandboxSpec
+from .._errors import CommandFailedError
+from .._protocol import SandboxProvider, SandboxSpec
 from .._sandbox import Sandbox
 
-__all__ = ["CLEANUP_TIMEOUT_S", "CLOSE_TIMEOUT_S", "CommandFailedError", "RunState", "workload"]
+__all__ = ["CLEANUP_TIMEOUT_S", "CLOSE_TIMEOUT_S", "RunState", "workload"]
 
 CLOSE_TIMEOUT_S = 30.0
 """How long one session waits for its sandbox to close."""
 CLEANUP_TIMEOUT_S = 60.0
 """How long the cleanup pass at the end (or after a signal) keeps trying to close what is left."""
 CLEANUP_ROUNDS = 3
-
-
-class CommandFailedError(SandboxError):
-    """A workload command exited non-zero."""
 
 
 @dataclass

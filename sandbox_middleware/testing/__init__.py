@@ -4,7 +4,8 @@ Fixtures for an in-memory OpenTelemetry SDK live in ``sandbox_middleware.testing
 (``pytest_plugins = ["sandbox_middleware.testing.fixtures"]``; needs ``opentelemetry-sdk``).
 """
 
-from ._faults import LOST_CREATE, OPERATIONS, FaultInjectingProvider, InjectedCreateError, InjectedFault, parse_faults
+from .._errors import InjectedCreateError, InjectedFault
+from ._faults import LOST_CREATE, OPERATIONS, FaultInjectingProvider, parse_faults
 
 __all__ = [
     "LOST_CREATE",

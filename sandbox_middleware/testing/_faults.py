@@ -9,26 +9,10 @@ from pathlib import Path
 import anyio
 
 from .._core import _layer_class
-from .._protocol import (
-    SandboxCreateError,
-    SandboxError,
-    SandboxExecResult,
-    SandboxHandle,
-    SandboxNotFoundError,
-    SandboxProvider,
-    SandboxSpec,
-    SandboxStatus,
-)
+from .._errors import InjectedCreateError, InjectedFault, SandboxNotFoundError
+from .._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 
 OPERATIONS = ("create", "exec", "upload", "download", "status", "close")
-
-
-class InjectedFault(SandboxError):
-    """A failure the fault injector made on purpose."""
-
-
-class InjectedCreateError(InjectedFault, SandboxCreateError):
-    """An injected create failure (a ``SandboxCreateError``, so retry layers treat it as one)."""
 
 
 class FaultInjectingProvider:
@@ -221,5 +205,3 @@ def parse_faults(spec: str) -> dict[str, float]:
 
 
 # Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.
-InjectedFault.__module__ = "sandbox_middleware.testing"
-InjectedCreateError.__module__ = "sandbox_middleware.testing"

@@ -18,9 +18,13 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
-from ..._protocol import SandboxError
+from ..._errors import BwrapUnavailableError
 
-__all__ = ["BASE_PATH", "HOST_ENV", "BwrapCommand", "BwrapUnavailableError"]
+__all__ = [
+    "BASE_PATH",
+    "HOST_ENV",
+    "BwrapCommand",
+]
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_ENV = {"PATH": BASE_PATH}  # all the host-side helpers (sh, setpriv, bwrap) ever get
@@ -50,10 +54,6 @@ _DENIED = {
 }
 _AF_VSOCK = 40
 _X32_SYSCALL_BIT = 0x40000000
-
-
-class BwrapUnavailableError(SandboxError):
-    """``isolation="bwrap"`` cannot run here: no ``bwrap`` (or ``setpriv`` as root), or it fails to start."""
 
 
 def _seccomp_program() -> bytes | None:
@@ -203,6 +203,3 @@ class BwrapCommand:
                 f"({result.stderr.decode(errors='replace').strip()}); unprivileged user namespaces may be "
                 "disabled (sysctl kernel.unprivileged_userns_clone, or an AppArmor restriction)"
             )
-
-
-BwrapUnavailableError.__module__ = "sandbox_middleware"

@@ -18,12 +18,10 @@ from pathlib import Path, PurePosixPath
 
 import anyio
 
-from ..._protocol import SandboxError, SandboxPathError, SandboxValueError
+from ..._errors import SandboxArgumentError, SandboxError, SandboxPathError, SandboxTransferLimitError
 
 __all__ = [
     "OutputCapture",
-    "SandboxArgumentError",
-    "SandboxTransferLimitError",
     "check_text",
     "download",
     "open_directory",
@@ -36,17 +34,6 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
 _NAME_MAX = 255
 _PATH_MAX = 4095
-
-
-class SandboxArgumentError(SandboxValueError):
-    """An argument is unusable (a NUL byte, a NaN or negative number, a non-string, an over-long name).
-
-    The message names the argument; like every ``SandboxValueError`` it is also a ``ValueError``.
-    """
-
-
-class SandboxTransferLimitError(SandboxError):
-    """A file transfer was refused because the file is larger than the provider's ``max_transfer_bytes``."""
 
 
 def check_text(value: object, what: str) -> str:
@@ -281,7 +268,3 @@ def drain(fd: int, capture: OutputCapture, *, budget: int) -> bool:
             return False
         capture.feed(data)
     return True
-
-
-SandboxArgumentError.__module__ = "sandbox_middleware"
-SandboxTransferLimitError.__module__ = "sandbox_middleware"

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..._protocol import SandboxError
-from ._io import SandboxArgumentError
+from ..._errors import SandboxArgumentError, SandboxLimitError
 
-__all__ = ["CgroupBackend", "Limits", "SandboxLimitError", "Watchdog", "mount_tmpfs", "probe_tmpfs", "unmount"]
+__all__ = ["CgroupBackend", "Limits", "Watchdog", "mount_tmpfs", "probe_tmpfs", "unmount"]
 
 logger = logging.getLogger("sandbox_middleware")
 
@@ -32,13 +31,6 @@ _MiB = 1 << 20
 _GiB = 1 << 30
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _PARENT = "sandbox-middleware"
-
-
-class SandboxLimitError(SandboxError):
-    """A resource limit was asked for that this machine cannot enforce (it is refused, never ignored).
-
-    Not a ``SandboxCreateError``: asking again cannot succeed, so retry layers do not retry it.
-    """
 
 
 @dataclass(frozen=True)
@@ -450,6 +442,3 @@ class Watchdog:
                 if self._heap:  # something raced in after the last check: keep watching
                     self._thread = threading.Thread(target=self._run, name="sandbox-ttl", daemon=True)
                     self._thread.start()
-
-
-SandboxLimitError.__module__ = "sandbox_middleware"

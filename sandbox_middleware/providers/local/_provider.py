@@ -29,34 +29,20 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 
-from ..._protocol import (
-    SandboxCreateError,
-    SandboxEndpoint,
-    SandboxError,
-    SandboxExecResult,
-    SandboxHandle,
-    SandboxListing,
-    SandboxNotFoundError,
-    SandboxSpec,
-    SandboxStatus,
-)
-from ._bwrap import BASE_PATH, HOST_ENV, OWN_ETC, SYSTEM_DIRS, BwrapCommand, BwrapUnavailableError
-from ._io import (
-    OutputCapture,
+from ..._errors import (
     SandboxArgumentError,
-    SandboxTransferLimitError,
-    check_text,
-    download,
-    drain,
-    open_directory,
-    pump,
-    sandbox_parts,
-    upload,
+    SandboxCreateError,
+    SandboxError,
+    SandboxExpiredError,
+    SandboxLimitError,
+    SandboxNotFoundError,
 )
+from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
+from ._bwrap import BASE_PATH, HOST_ENV, OWN_ETC, SYSTEM_DIRS, BwrapCommand
+from ._io import OutputCapture, check_text, download, drain, open_directory, pump, sandbox_parts, upload
 from ._limits import (
     CgroupBackend,
     Limits,
-    SandboxLimitError,
     Watchdog,
     as_float,
     bind_nosuid,
@@ -69,12 +55,7 @@ from ._limits import (
 )
 
 __all__ = [
-    "BwrapUnavailableError",
     "LocalProvider",
-    "SandboxArgumentError",
-    "SandboxExpiredError",
-    "SandboxLimitError",
-    "SandboxTransferLimitError",
 ]
 
 Isolation = Literal["none", "bwrap"]
@@ -97,10 +78,6 @@ _DESCRIPTOR_KEYS = (
 )  # fmt: skip
 _RECORD = "meta.json"  # beside box/, out of the sandbox's view
 _MAX_ENV_NAME = 1024
-
-
-class SandboxExpiredError(SandboxNotFoundError):
-    """The sandbox's ``ttl_s`` ran out: its processes were killed and it accepts no more commands."""
 
 
 @dataclass
@@ -1012,4 +989,3 @@ def _group_alive(pgid: int) -> bool:
 
 
 # Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.
-SandboxExpiredError.__module__ = "sandbox_middleware"

@@ -1,0 +1,199 @@
+"""Every error class of ``sandbox_middleware``, in one place.
+
+The hierarchy (``RuntimeError`` at the root; ``[NeMo Gym]`` marks a class that also derives from
+NeMo Gym 0.7.0's class of the same name when NeMo Gym is installed, so NeMo Gym's own ``except``
+clauses catch ours)::
+
+    RuntimeError
+    └── SandboxError                          every error this package raises about a sandbox
+        ├── SandboxValueError                 (also ValueError, TypeError) a value NeMo Gym would refuse
+        │   └── SandboxArgumentError          an unusable argument; the message names it
+        ├── SandboxCreateError [NeMo Gym]     the provider could not create a sandbox (retried by default)
+        │   ├── SandboxCreateVerificationError [NeMo Gym]   a new sandbox failed its readiness checks
+        │   └── testing.InjectedCreateError   (also InjectedFault) an injected create failure
+        ├── SandboxPtyError [NeMo Gym]        a PTY session failed outside a normal exit
+        ├── SandboxNotFoundError              no live sandbox of this provider has that handle
+        │   └── SandboxExpiredError           its ttl_s ran out
+        ├── SandboxPathError                  a path would leave the sandbox
+        ├── SandboxLimitError                 a limit this machine cannot enforce (never retried)
+        ├── SandboxTransferLimitError         a file larger than max_transfer_bytes
+        ├── BwrapUnavailableError             isolation="bwrap" cannot run on this machine
+        ├── SandboxNotStartedError            a Sandbox facade used before start()
+        ├── RegistryError                     an unknown or duplicate provider or middleware name
+        ├── ConfigError                       a config that cannot be built; lists every problem
+        ├── testing.InjectedFault             a failure the fault injector made on purpose
+        └── (CLI) CommandFailedError          a workload command exited non-zero
+    Exception
+    └── (CLI) UsageError                      a command-line argument the program cannot use
+
+Python's ``except`` matches by inheritance only, so the reverse direction (our ``except`` catching
+NeMo Gym's create failures) is ``SANDBOX_CREATE_ERRORS``: both libraries' classes in one tuple.
+
+Each public class names its public module (``__module__``), so ``error.type`` on dashboards reads
+e.g. ``sandbox_middleware.SandboxCreateError``; config's ``on:`` names are looked up here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TypeAlias, cast
+
+from ._nemo import nemo_class
+
+__all__ = [
+    "PUBLIC",
+    "SANDBOX_CREATE_ERRORS",
+    "BwrapUnavailableError",
+    "CommandFailedError",
+    "ConfigError",
+    "InjectedCreateError",
+    "InjectedFault",
+    "RegistryError",
+    "SandboxArgumentError",
+    "SandboxCreateError",
+    "SandboxCreateVerificationError",
+    "SandboxError",
+    "SandboxExpiredError",
+    "SandboxLimitError",
+    "SandboxNotFoundError",
+    "SandboxNotStartedError",
+    "SandboxPathError",
+    "SandboxPtyError",
+    "SandboxTransferLimitError",
+    "SandboxValueError",
+    "UsageError",
+]
+
+if TYPE_CHECKING:  # the type checker sees the stand-alone classes; structurally they are NeMo Gym's
+    _NemoCreateError: TypeAlias = object
+    _NemoCreateVerificationError: TypeAlias = object
+    _NemoPtyError: TypeAlias = object
+else:
+    _NemoCreateError, _NemoPtyError = nemo_class("SandboxCreateError"), nemo_class("SandboxPtyError")
+    _NemoCreateVerificationError = nemo_class("SandboxCreateVerificationError")
+
+
+class SandboxError(RuntimeError):
+    """Base class of every error this package raises about a sandbox."""
+
+
+class SandboxValueError(SandboxError, ValueError, TypeError):
+    """A value type got a field NeMo Gym would refuse (a port, an endpoint URL, a resource key).
+
+    Also a ``ValueError`` and a ``TypeError``, the classes NeMo Gym raises for the same inputs.
+    """
+
+
+class SandboxArgumentError(SandboxValueError):
+    """An argument is unusable (a NUL byte, a NaN or negative number, a non-string, an over-long name).
+
+    The message names the argument; like every ``SandboxValueError`` it is also a ``ValueError``.
+    """
+
+
+class SandboxCreateError(SandboxError, _NemoCreateError):
+    """The provider could not create a sandbox (NeMo Gym's ``SandboxCreateError`` too)."""
+
+
+class SandboxCreateVerificationError(SandboxCreateError, _NemoCreateVerificationError):
+    """A newly created sandbox failed the provider's readiness checks."""
+
+
+class SandboxPtyError(SandboxError, _NemoPtyError):
+    """A PTY session failed outside a normal process exit."""
+
+
+class SandboxNotFoundError(SandboxError):
+    """The handle names no live sandbox of this provider (never created here, or already closed)."""
+
+
+class SandboxExpiredError(SandboxNotFoundError):
+    """The sandbox's ``ttl_s`` ran out: its processes were killed and it accepts no more commands."""
+
+
+class SandboxPathError(SandboxError):
+    """A file path would leave the sandbox (``..`` or a symlink pointing outside)."""
+
+
+class SandboxLimitError(SandboxError):
+    """A resource limit was asked for that this machine cannot enforce (it is refused, never ignored).
+
+    Not a ``SandboxCreateError``: asking again cannot succeed, so retry layers do not retry it.
+    """
+
+
+class SandboxTransferLimitError(SandboxError):
+    """A file transfer was refused because the file is larger than the provider's ``max_transfer_bytes``."""
+
+
+class BwrapUnavailableError(SandboxError):
+    """``isolation="bwrap"`` cannot run here: no ``bwrap`` (or ``setpriv`` as root), or it fails to start."""
+
+
+class SandboxNotStartedError(SandboxError):
+    """An operation needs a started sandbox; call ``start()`` or use ``async with``."""
+
+
+class RegistryError(SandboxError):
+    """An unknown or duplicate provider or middleware name."""
+
+
+class ConfigError(SandboxError):
+    """A configuration that cannot be built; the message names the entry, the key and what is allowed.
+
+    ``problems`` lists every problem found, one line each (the message is those lines).
+    """
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
+class InjectedFault(SandboxError):
+    """A failure the fault injector (``sandbox_middleware.testing``) made on purpose."""
+
+
+class InjectedCreateError(InjectedFault, SandboxCreateError):
+    """An injected create failure (a ``SandboxCreateError``, so retry layers treat it as one)."""
+
+
+class CommandFailedError(SandboxError):
+    """A workload command of the CLI's ``run`` exited non-zero."""
+
+
+class UsageError(Exception):
+    """A command-line argument the program cannot work with; the message names the argument."""
+
+
+SANDBOX_CREATE_ERRORS: tuple[type[Exception], ...] = cast(
+    "tuple[type[Exception], ...]", tuple(c for c in SandboxCreateError.__mro__ if c.__name__ == "SandboxCreateError")
+)
+"""Create failures of this package and of NeMo Gym: ``except SANDBOX_CREATE_ERRORS:`` catches both."""
+
+PUBLIC: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        SandboxError,
+        SandboxValueError,
+        SandboxArgumentError,
+        SandboxCreateError,
+        SandboxCreateVerificationError,
+        SandboxPtyError,
+        SandboxNotFoundError,
+        SandboxExpiredError,
+        SandboxPathError,
+        SandboxLimitError,
+        SandboxTransferLimitError,
+        BwrapUnavailableError,
+        SandboxNotStartedError,
+        RegistryError,
+        ConfigError,
+    )
+}
+"""The errors ``sandbox_middleware`` exports, by name (config's ``on:`` looks names up here)."""
+
+for _error in PUBLIC.values():
+    _error.__module__ = "sandbox_middleware"
+for _error in (InjectedFault, InjectedCreateError):
+    _error.__module__ = "sandbox_middleware.testing"
+CommandFailedError.__module__ = UsageError.__module__ = "sandbox_middleware.cli"
+del _error
