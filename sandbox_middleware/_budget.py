@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+from ._bounds import POSITIVE, Bounds
+from ._errors import SandboxArgumentError
+
 __all__ = ["RetryBudget"]
 
 
@@ -16,12 +21,12 @@ class RetryBudget:
     """
 
     __slots__ = ("_tokens", "max_tokens", "token_ratio")
+    BOUNDS: ClassVar[Bounds] = Bounds("RetryBudget", max_tokens=POSITIVE, token_ratio=POSITIVE)
 
     def __init__(self, max_tokens: float = 100.0, token_ratio: float = 0.1) -> None:
-        if not max_tokens > 0:
-            raise ValueError(f"RetryBudget: max_tokens must be > 0, not {max_tokens!r}")
-        if not 0 < token_ratio <= max_tokens:
-            raise ValueError(f"RetryBudget: token_ratio must be in (0, max_tokens], not {token_ratio!r}")
+        self.BOUNDS.check(max_tokens=max_tokens, token_ratio=token_ratio)
+        if token_ratio > max_tokens:
+            raise SandboxArgumentError(f"RetryBudget: token_ratio must be in (0, max_tokens], not {token_ratio!r}")
         self.max_tokens = float(max_tokens)
         self.token_ratio = float(token_ratio)
         self._tokens = self.max_tokens

@@ -22,14 +22,12 @@ from typing import Any
 
 import yaml
 
-from ._budget import RetryBudget
+from ._bounds import Bound, bounds_of
 from ._core import Middleware, ProviderMiddleware, stack
 from ._errors import PUBLIC, ConfigError, SandboxError
 from ._protocol import SandboxProvider
 from ._registry import middleware_registry, provider_registry
-from ._release_accounting import ReleaseAccountingMiddleware
-from ._retry import RetryMiddleware, RetryOn
-from ._tracing import TracingMiddleware
+from ._retry import RetryOn
 
 __all__ = ["ResolvedLayer", "ResolvedStack", "build_provider", "load_config", "resolve_config"]
 
@@ -218,53 +216,10 @@ def _single_entry(where: str, entry: Any) -> tuple[str, Mapping[str, Any]]:
     raise ConfigError(f"{where}: expected 'name' or {{name: {{option: value}}}} (one key), got {entry!r}")
 
 
-@dataclass(frozen=True)
-class _AtLeast:
-    """The lower bound of a numeric option; ``strict`` excludes the bound itself."""
-
-    bound: float
-    strict: bool = False
-
-    def admits(self, value: float) -> bool:
-        return value > self.bound if self.strict else value >= self.bound
-
-    def __str__(self) -> str:
-        return f"{'>' if self.strict else '>='} {self.bound:g}"
-
-
-_POSITIVE = _AtLeast(0, strict=True)
-_NON_NEGATIVE = _AtLeast(0)
-_ONE_OR_MORE = _AtLeast(1)
-
-# What each numeric option accepts beyond its annotated type: the one declaration every config
-# entry is checked against (for a subclass too). A float option is also always finite: NaN and the
-# infinities are refused everywhere (null, where the annotation allows it, means "no limit").
-ACCEPTS: dict[type, dict[str, _AtLeast]] = {
-    RetryMiddleware: {
-        "attempts": _ONE_OR_MORE,
-        "timeout": _POSITIVE,
-        "wait_initial": _NON_NEGATIVE,
-        "wait_max": _NON_NEGATIVE,
-        "wait_jitter": _NON_NEGATIVE,
-        "attempt_timeout": _POSITIVE,
-    },
-    RetryBudget: {"max_tokens": _POSITIVE, "token_ratio": _POSITIVE},
-    TracingMiddleware: {"command_max_length": _NON_NEGATIVE},
-    ReleaseAccountingMiddleware: {"release_timeout_s": _POSITIVE, "release_concurrency": _ONE_OR_MORE},
-}
-
-
-def _bounds(cls: Any) -> dict[str, _AtLeast]:
-    found: dict[str, _AtLeast] = {}
-    for klass in reversed(getattr(cls, "__mro__", ())):
-        found.update(ACCEPTS.get(klass, {}))
-    return found
-
-
 def _validate(
     problems: _Problems, where: str, cls: Any, options: Mapping[str, Any], *, first_is_inner: bool, path: str = ""
 ) -> dict[str, Any]:
-    """``options`` checked against ``cls``'s signature and ``ACCEPTS``; one problem per bad option.
+    """``options`` checked against ``cls``'s signature and its ``BOUNDS``; one problem per bad option.
 
     ``path`` names the option these options are nested in (``budget.``).
     """
@@ -275,7 +230,7 @@ def _validate(
         hints = typing.get_type_hints(cls.__init__)
     except Exception:  # an unresolvable annotation: check names only
         hints = {}
-    bounds = _bounds(cls)
+    bounds = bounds_of(cls)
     allowed = {p.name: p for p in parameters if p.name not in _INJECTED and p.kind is not p.VAR_KEYWORD}
     converted: dict[str, Any] = {}
     for key, value in options.items():
@@ -300,7 +255,7 @@ def _validate(
     return converted
 
 
-def _convert(entry: str, name: str, value: Any, hint: Any, bound: _AtLeast | None) -> Any:
+def _convert(entry: str, name: str, value: Any, hint: Any, bound: Bound | None) -> Any:
     where = f"{entry}: option {name!r}"
     if hint == RetryOn:
         return _exceptions(where, value)
@@ -311,8 +266,9 @@ def _convert(entry: str, name: str, value: Any, hint: Any, bound: _AtLeast | Non
     if isinstance(value, float) and not math.isfinite(value):
         no_limit = " (null means no limit)" if _conforms(None, hint) else ""
         raise ConfigError(f"{where} must be a finite number, not {value!r}{no_limit}")
-    if bound is not None and isinstance(value, int | float) and not isinstance(value, bool) and not bound.admits(value):
-        raise ConfigError(f"{where} must be {bound}, not {value!r}")
+    problem = bound.problem(value) if bound is not None else None
+    if problem is not None:
+        raise ConfigError(f"{where} {problem}")
     return value
 
 

@@ -7,11 +7,12 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 from opentelemetry.metrics import Meter, MeterProvider, UpDownCounter
 
+from ._bounds import AT_LEAST_ONE, POSITIVE, Bounds
 from ._core import ProviderMiddleware
 from ._errors import SandboxError
 from ._protocol import SandboxHandle, SandboxListing, SandboxProvider, SandboxSpec, SupportsSandboxList
@@ -58,6 +59,10 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
     the warning names those that could not be released.
     """
 
+    BOUNDS: ClassVar[Bounds] = Bounds(
+        "ReleaseAccountingMiddleware", release_timeout_s=POSITIVE, release_concurrency=AT_LEAST_ONE
+    )
+
     def __init__(
         self,
         inner: SandboxProvider,
@@ -68,6 +73,7 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
         release_concurrency: int = 64,
     ) -> None:
         super().__init__(inner)
+        self.BOUNDS.check(release_timeout_s=release_timeout_s, release_concurrency=release_concurrency)
         self._counter = Instruments(_active_counter, meter_provider)
         self._attributes = {PROVIDER_ATTR: inner.name}
         self._ledger: dict[str, HeldSandbox] = {}

@@ -9,16 +9,17 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, ClassVar, TypeAlias, TypeVar
 
 import anyio
 import stamina
 from opentelemetry import trace
 from opentelemetry.metrics import Counter, Meter, MeterProvider
 
+from ._bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
 from ._budget import RetryBudget
 from ._core import ProviderMiddleware
-from ._errors import SANDBOX_CREATE_ERRORS
+from ._errors import SANDBOX_CREATE_ERRORS, SandboxArgumentError
 from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 from ._telemetry import OPERATION_ATTR, PROVIDER_ATTR, Instruments, error_type, report_once
 
@@ -84,6 +85,16 @@ class RetryMiddleware(ProviderMiddleware):
     Cancellation is never retried and never swallowed.
     """
 
+    BOUNDS: ClassVar[Bounds] = Bounds(
+        "RetryMiddleware",
+        attempts=AT_LEAST_ONE.or_none(),
+        timeout=POSITIVE.or_none(),
+        wait_initial=NON_NEGATIVE,
+        wait_max=NON_NEGATIVE,
+        wait_jitter=NON_NEGATIVE,
+        attempt_timeout=POSITIVE.or_none(),
+    )
+
     def __init__(
         self,
         inner: SandboxProvider,
@@ -102,13 +113,17 @@ class RetryMiddleware(ProviderMiddleware):
         super().__init__(inner)
         unknown = set(operations) - set(RETRYABLE_OPERATIONS)
         if isinstance(operations, str) or unknown:
-            raise ValueError(
+            raise SandboxArgumentError(
                 f"RetryMiddleware: operations must be a list of {list(RETRYABLE_OPERATIONS)}, got {operations!r}"
             )
-        if attempt_timeout is not None and attempt_timeout <= 0:
-            raise ValueError(f"RetryMiddleware: attempt_timeout must be > 0 seconds, not {attempt_timeout!r}")
-        if attempts is not None and attempts < 1:
-            raise ValueError(f"RetryMiddleware: attempts must be >= 1, not {attempts!r}")
+        self.BOUNDS.check(
+            attempts=attempts,
+            timeout=timeout,
+            wait_initial=wait_initial,
+            wait_max=wait_max,
+            wait_jitter=wait_jitter,
+            attempt_timeout=attempt_timeout,
+        )
         self.on = on
         self.attempts = attempts
         self.timeout = timeout
@@ -247,7 +262,9 @@ def _is_exception_types(on: object) -> bool:
 
 def _check_on(on: RetryOn) -> None:
     if not _is_exception_types(on) and (isinstance(on, type) or not callable(on)):
-        raise TypeError(f"RetryMiddleware: on must be an exception type, a tuple of them, or a predicate; got {on!r}")
+        raise SandboxArgumentError(
+            f"RetryMiddleware: on must be an exception type, a tuple of them, or a predicate; got {on!r}"
+        )
 
 
 def _verdict(on: RetryOn, exc: Exception) -> bool | float | dt.timedelta:

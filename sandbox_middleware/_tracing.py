@@ -6,12 +6,13 @@ from collections.abc import Awaitable, Callable
 from contextvars import Token
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from opentelemetry import context, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, TracerProvider
 
+from ._bounds import NON_NEGATIVE_WHOLE, Bounds
 from ._core import ProviderMiddleware
 from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 from ._telemetry import PROVIDER_ATTR, SANDBOX_ID_ATTR, Tracing, record_error, report_once, safely
@@ -39,6 +40,8 @@ class TracingMiddleware(ProviderMiddleware):
     truncated to ``command_max_length`` characters. Environment values are never recorded.
     """
 
+    BOUNDS: ClassVar[Bounds] = Bounds("TracingMiddleware", command_max_length=NON_NEGATIVE_WHOLE)
+
     def __init__(
         self,
         inner: SandboxProvider,
@@ -48,8 +51,7 @@ class TracingMiddleware(ProviderMiddleware):
         command_max_length: int = 1024,
     ) -> None:
         super().__init__(inner)
-        if command_max_length < 0:
-            raise ValueError(f"TracingMiddleware: command_max_length must be >= 0, not {command_max_length}")
+        self.BOUNDS.check(command_max_length=command_max_length)
         self._tracing = Tracing(tracer_provider)
         self.record_command = record_command
         self.command_max_length = command_max_length
