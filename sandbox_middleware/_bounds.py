@@ -47,8 +47,9 @@ class Bound:
         """What is wrong with ``value`` ("must be ..., not ..."), or None when it is accepted."""
         if value is None and self.optional:
             return None
-        wrong_type = isinstance(value, bool) or not isinstance(value, int if self.whole else int | float)
-        if wrong_type:  # worded as the config words a value its annotation refuses
+        wrong_type = self.whole and isinstance(value, float)
+        if wrong_type or isinstance(value, bool) or not isinstance(value, int | float):
+            # worded as the config words a value its annotation refuses
             kind = ("int" if self.whole else "float") + (" or null" if self.optional else "")
             return f"must be {kind}, not {value!r:.80} ({type(value).__name__})"
         if isinstance(value, float) and not math.isfinite(value):

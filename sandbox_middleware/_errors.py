@@ -35,9 +35,9 @@ e.g. ``sandbox_middleware.SandboxCreateError``; config's ``on:`` names are looke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeAlias, cast
+from typing import cast
 
-from ._nemo import nemo_class
+from ._nemo import NemoCreateError, NemoCreateVerificationError, NemoPtyError
 
 __all__ = [
     "PUBLIC",
@@ -63,14 +63,6 @@ __all__ = [
     "UsageError",
 ]
 
-if TYPE_CHECKING:  # the type checker sees the stand-alone classes; structurally they are NeMo Gym's
-    _NemoCreateError: TypeAlias = object
-    _NemoCreateVerificationError: TypeAlias = object
-    _NemoPtyError: TypeAlias = object
-else:
-    _NemoCreateError, _NemoPtyError = nemo_class("SandboxCreateError"), nemo_class("SandboxPtyError")
-    _NemoCreateVerificationError = nemo_class("SandboxCreateVerificationError")
-
 
 class SandboxError(RuntimeError):
     """Base class of every error this package raises about a sandbox."""
@@ -90,15 +82,15 @@ class SandboxArgumentError(SandboxValueError):
     """
 
 
-class SandboxCreateError(SandboxError, _NemoCreateError):
+class SandboxCreateError(SandboxError, NemoCreateError):
     """The provider could not create a sandbox (NeMo Gym's ``SandboxCreateError`` too)."""
 
 
-class SandboxCreateVerificationError(SandboxCreateError, _NemoCreateVerificationError):
+class SandboxCreateVerificationError(SandboxCreateError, NemoCreateVerificationError):
     """A newly created sandbox failed the provider's readiness checks."""
 
 
-class SandboxPtyError(SandboxError, _NemoPtyError):
+class SandboxPtyError(SandboxError, NemoPtyError):
     """A PTY session failed outside a normal process exit."""
 
 

@@ -1,5 +1,6 @@
 """NeMo Gym 0.7.0's sandbox protocol module, when it is installed and imports: our value types and
-error classes derive from its classes of the same name (``_protocol.py``, ``_errors.py``)."""
+error classes derive from its classes of the same name (``_protocol.py``, ``_errors.py``), the bases
+below; without NeMo Gym each base is ``object`` and our classes stand alone."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib
 import importlib.util
 import logging
 from types import ModuleType
+from typing import TYPE_CHECKING, TypeAlias
 
 logger = logging.getLogger("sandbox_middleware")
 
@@ -30,3 +32,23 @@ def nemo_class(name: str) -> type:
     """NeMo Gym's class ``name``, or ``object`` without NeMo Gym (a base that adds nothing)."""
     cls: type = getattr(NEMO_GYM, name) if NEMO_GYM is not None else object
     return cls
+
+
+if TYPE_CHECKING:  # the type checker sees the stand-alone classes; structurally they are NeMo Gym's
+    NemoResources: TypeAlias = object
+    NemoSpec: TypeAlias = object
+    NemoHandle: TypeAlias = object
+    NemoExecResult: TypeAlias = object
+    NemoEndpoint: TypeAlias = object
+    NemoPtySpec: TypeAlias = object
+    NemoCreateError: TypeAlias = object
+    NemoCreateVerificationError: TypeAlias = object
+    NemoPtyError: TypeAlias = object
+else:
+    NemoResources, NemoSpec, NemoHandle = map(nemo_class, ("SandboxResources", "SandboxSpec", "SandboxHandle"))
+    NemoExecResult, NemoEndpoint, NemoPtySpec = map(
+        nemo_class, ("SandboxExecResult", "SandboxEndpoint", "SandboxPtySpec")
+    )
+    NemoCreateError, NemoCreateVerificationError, NemoPtyError = map(
+        nemo_class, ("SandboxCreateError", "SandboxCreateVerificationError", "SandboxPtyError")
+    )

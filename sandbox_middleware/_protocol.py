@@ -15,7 +15,7 @@ import enum
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 from urllib.parse import urlsplit
 
 from ._errors import (
@@ -28,7 +28,15 @@ from ._errors import (
     SandboxPtyError,
     SandboxValueError,
 )
-from ._nemo import NEMO_GYM, nemo_class
+from ._nemo import (
+    NEMO_GYM,
+    NemoEndpoint,
+    NemoExecResult,
+    NemoHandle,
+    NemoPtySpec,
+    NemoResources,
+    NemoSpec,
+)
 
 __all__ = [
     "CAPABILITIES",
@@ -64,25 +72,6 @@ __all__ = [
     "SupportsSandboxSharedStorage",
 ]
 
-if TYPE_CHECKING:  # the type checker sees the stand-alone classes; structurally they are NeMo Gym's
-    _NemoResources: TypeAlias = object
-    _NemoSpec: TypeAlias = object
-    _NemoHandle: TypeAlias = object
-    _NemoExecResult: TypeAlias = object
-    _NemoEndpoint: TypeAlias = object
-    _NemoPtySpec: TypeAlias = object
-else:
-    _NemoResources, _NemoSpec, _NemoHandle = (
-        nemo_class("SandboxResources"),
-        nemo_class("SandboxSpec"),
-        nemo_class("SandboxHandle"),
-    )
-    _NemoExecResult, _NemoEndpoint, _NemoPtySpec = (
-        nemo_class("SandboxExecResult"),
-        nemo_class("SandboxEndpoint"),
-        nemo_class("SandboxPtySpec"),
-    )
-
 
 class SandboxStatus(str, enum.Enum):  # noqa: UP042 - NeMo Gym compares these with plain strings
     """Provider-neutral lifecycle status of one sandbox (equal to NeMo Gym's member of the same value)."""
@@ -99,7 +88,7 @@ _RESOURCE_FIELDS: dict[str, type] = {"cpu": float, "memory_mib": int, "disk_gib"
 
 
 @dataclass(frozen=True)
-class SandboxResources(_NemoResources):
+class SandboxResources(NemoResources):
     """A provider-neutral resource request; ``None`` fields ask for nothing."""
 
     cpu: float | None = None
@@ -136,11 +125,11 @@ class SandboxResources(_NemoResources):
 
 
 # A NeMo Gym ``SandboxResources`` is kept as it is: same fields, and our own derives from it.
-_RESOURCES_CLASS: type = _NemoResources if NEMO_GYM is not None else SandboxResources
+_RESOURCES_CLASS: type = NemoResources if NEMO_GYM is not None else SandboxResources
 
 
 @dataclass(frozen=True)
-class SandboxSpec(_NemoSpec):
+class SandboxSpec(NemoSpec):
     """What to create.
 
     ``files`` maps a path inside the sandbox to the file's *contents* (text), written there right
@@ -201,7 +190,7 @@ def _ports(ports: Any) -> tuple[int, ...]:
 
 
 @dataclass
-class SandboxHandle(_NemoHandle):
+class SandboxHandle(NemoHandle):
     """A created sandbox; ``raw`` is the provider's own opaque state."""
 
     sandbox_id: str
@@ -210,7 +199,7 @@ class SandboxHandle(_NemoHandle):
 
 
 @dataclass(frozen=True)
-class SandboxExecResult(_NemoExecResult):
+class SandboxExecResult(NemoExecResult):
     """One command's outcome; ``error_type`` is set when the runtime (not the command) failed."""
 
     stdout: str | None
@@ -223,7 +212,7 @@ ExecResult = SandboxExecResult
 
 
 @dataclass(frozen=True)
-class SandboxEndpoint(_NemoEndpoint):
+class SandboxEndpoint(NemoEndpoint):
     """A caller-reachable absolute URL for a port served inside a sandbox, with any headers it needs."""
 
     endpoint: str
@@ -241,7 +230,7 @@ class SandboxEndpoint(_NemoEndpoint):
 
 
 @dataclass(frozen=True)
-class SandboxPtySpec(_NemoPtySpec):
+class SandboxPtySpec(NemoPtySpec):
     """An interactive terminal request; ``command=None`` spawns the shell, ``pty=False`` selects pipe mode."""
 
     command: str | None = None

@@ -31,27 +31,7 @@ from ._errors import (
     TokenIdsIgnoredError,
 )
 
-__all__ = [
-    "DEFAULT_CHAIN",
-    "LOG_PROB_FLOOR",
-    "Candidate",
-    "DynamoSource",
-    "Exchange",
-    "Handler",
-    "LogProbFloorCheck",
-    "LogprobsSource",
-    "MessageBundleSource",
-    "SGLangSource",
-    "TokenMiddleware",
-    "UsageCheck",
-    "VLLMInlineSource",
-    "build_chain",
-    "extract_dynamo",
-    "extract_message_bundle",
-    "extract_sglang",
-    "extract_vllm_inline",
-    "require_bundle",
-]
+# The public names are re-exported, with the decoding and request helpers, by ``tokens.chain``.
 
 logger = logging.getLogger("tokens")
 
