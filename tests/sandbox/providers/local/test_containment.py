@@ -674,7 +674,8 @@ async def test_absolute_workdir(provider: LocalProvider, tmp_path: Path) -> None
 def test_cgroup_v2_layout(tmp_path: Path) -> None:
     """On a cgroup v2 machine the same limits land in v2's files (checked on a v2-shaped directory:
     this machine's controllers are all on v1, so the real v2 path cannot run here)."""
-    from sandbox_middleware.providers.local._limits import CgroupBackend, Limits
+    from sandbox_middleware.providers.local._cgroups import CgroupBackend
+    from sandbox_middleware.providers.local._limits import Limits
 
     (tmp_path / "cgroup.controllers").write_text("cpu memory pids io\n")
     own = next(
