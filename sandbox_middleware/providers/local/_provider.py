@@ -1,28 +1,23 @@
-"""``LocalProvider``: real sandboxes on this machine, hardened against the commands they run."""
+"""``LocalProvider``: real sandboxes on this machine, hardened against the commands they run.
+
+The class alone: what each sandbox is made of lives beside it (see ``providers/README.md``).
+"""
 
 from __future__ import annotations
 
 import builtins
 import contextlib
 import fcntl
-import hashlib
-import hmac
 import json
-import math
 import os
-import posixpath
-import re
 import secrets
 import shutil
 import signal
-import stat
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -38,21 +33,40 @@ from ..._errors import (
     SandboxNotFoundError,
 )
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
-from ._bwrap import BASE_PATH, HOST_ENV, OWN_ETC, SYSTEM_DIRS, BwrapCommand
-from ._io import OutputCapture, check_text, download, drain, open_directory, pump, sandbox_parts, upload
-from ._limits import (
-    CgroupBackend,
-    Limits,
-    Watchdog,
-    as_float,
-    bind_nosuid,
-    checked_limit,
-    is_mount_point,
-    mount_tmpfs,
+from ._arguments import (
+    DEFAULT_VIEW_ROOT,
+    check_text,
+    checked_env,
+    checked_ro_path,
+    checked_timeout,
+    checked_view_root,
+    fspath,
     positive_number,
-    probe_tmpfs,
-    unmount,
+    sandbox_id_of,
+    sandbox_parts,
 )
+from ._bwrap import BASE_PATH, HOST_ENV, SYSTEM_DIRS, BwrapCommand
+from ._cgroups import JOIN, JOIN_FAILED, CgroupBackend
+from ._descriptors import DESCRIPTOR_KEYS, sign, verified_body
+from ._limits import Limits, checked_limit
+from ._mounts import bind_nosuid, is_mount_point, mount_tmpfs, probe_tmpfs
+from ._output import OutputCapture, drain, pump
+from ._process import group_alive, kill_group
+from ._records import (
+    RECORD,
+    SANDBOX_ID,
+    Box,
+    check_reachable,
+    intact,
+    is_real_directory,
+    lay_out,
+    prepare_base,
+    remove_box,
+    scan,
+    write_private,
+)
+from ._transfers import check_directory, download, open_directory, upload
+from ._watchdog import Watchdog
 
 __all__ = [
     "LocalProvider",
@@ -61,80 +75,9 @@ __all__ = [
 Isolation = Literal["none", "bwrap"]
 LimitBackend = Literal["auto", "cgroup", "rlimit"]
 
-DEFAULT_VIEW_ROOT = "/workspace"
-# Absolute workdirs that would hide what commands need, or show the host's own.
-_RESERVED_VIEWS = ("/", "/proc", "/dev", "/sys", "/etc", "/tmp", *SYSTEM_DIRS)
 _MAX_TTL_S = 30 * 24 * 3600.0
 # Per-sandbox host uids come from here: far above any account or container range in common use.
 _UID_BASE, _UID_COUNT = 1_500_000_000, 1 << 24  # below 2**31: bwrap writes its uid map as a signed int
-# Joins the sandbox's cgroups, then becomes the command: nothing it starts is ever outside them.
-_JOIN_FAILED = 125
-_JOIN = f'while [ "$1" != -- ]; do echo $$ > "$1" || exit {_JOIN_FAILED}; shift; done; shift; exec "$@"'
-_SANDBOX_ID = re.compile(r"local-[0-9a-f]{12}")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_DESCRIPTOR_KEYS = (
-    "provider", "sandbox_id", "root", "view_root", "env", "cwd", "ports", "expires_at", "limits", "metadata", "created",
-    "uid",
-)  # fmt: skip
-_RECORD = "meta.json"  # beside box/, out of the sandbox's view
-_MAX_ENV_NAME = 1024
-
-
-@dataclass
-class _Box:
-    outer: Path  # the sandbox's own directory: a bounded tmpfs holding box/, tmp/ and etc/
-    view_root: PurePosixPath  # the absolute workdir, or /workspace: where bwrap shows box/
-    isolated: bool
-    env: dict[str, str]
-    cwd: tuple[str, ...]  # components below box/
-    ports: tuple[int, ...]
-    cgroups: list[Path]
-    mounted: bool
-    deadline: float | None  # time.monotonic() at which the TTL runs out
-    limits: Limits
-    metadata: dict[str, str]
-    created: float  # time.time() at create
-    uid: int | None  # the host uid its commands run as (None: this process's)
-    groups: set[int] = field(default_factory=set)
-    expired: bool = False
-    closed: bool = False  # close() has begun
-    broken: bool = False  # a close could not remove everything
-
-    def is_expired(self) -> bool:
-        return self.expired or (self.deadline is not None and time.monotonic() >= self.deadline)
-
-    @property
-    def root(self) -> Path:
-        return self.outer / "box"
-
-    @property
-    def roots(self) -> tuple[PurePosixPath, ...]:
-        """The absolute paths that name the sandbox root: its view path, and (without isolation) its real one."""
-        return (self.view_root,) if self.isolated else (self.view_root, PurePosixPath(self.root))
-
-    @property
-    def home(self) -> PurePosixPath:
-        """Where commands find the sandbox root."""
-        return self.view_root if self.isolated else PurePosixPath(self.root)
-
-    def record(self) -> dict[str, Any]:
-        """What another process needs to use this sandbox (kept in ``meta.json`` and in descriptors).
-
-        Its cgroups and mount are not part of it: they are derived from the sandbox's id and
-        directory, so a forged record can never point them at anything else.
-        """
-        remaining = None if self.deadline is None else self.deadline - time.monotonic()
-        return {
-            "view_root": str(self.view_root),
-            "env": self.env,
-            "cwd": list(self.cwd),
-            "ports": list(self.ports),
-            "expires_at": None if remaining is None else time.time() + remaining,
-            "limits": self.limits.record(),
-            "metadata": self.metadata,
-            "created": self.created,
-            "uid": self.uid,
-        }
 
 
 class LocalProvider:
@@ -192,7 +135,7 @@ class LocalProvider:
         if base_dir is None:  # a private directory of ours, not the shared temp directory itself
             base = os.path.join(tempfile.gettempdir(), f"llm-sandbox-middleware-{os.geteuid()}")
         else:
-            base = check_text(_fspath(base_dir, "base_dir"), "base_dir")
+            base = check_text(fspath(base_dir, "base_dir"), "base_dir")
         self._base = Path(base).resolve()
         for name in pass_env:
             check_text(name, "pass_env entry")
@@ -203,7 +146,7 @@ class LocalProvider:
         }
         self._max_output = int(positive_number(max_output_bytes, "max_output_bytes", allow_none=False) or 0)
         self._max_transfer = int(positive_number(max_transfer_bytes, "max_transfer_bytes", allow_none=False) or 0)
-        self._ro_paths = tuple(_checked_ro_path(path) for path in ro_paths)
+        self._ro_paths = tuple(checked_ro_path(path) for path in ro_paths)
         self._bwrap: BwrapCommand | None = None
         if isolation == "bwrap":
             if any(self._base == Path(d) or Path(d) in self._base.parents for d in (*SYSTEM_DIRS, *self._ro_paths)):
@@ -218,10 +161,10 @@ class LocalProvider:
             self._bwrap = BwrapCommand(ro_paths=self._ro_paths)
             if self._bwrap.drops_privileges:
                 for path in map(Path, self._ro_paths):
-                    _check_reachable(path)
-                _check_reachable(self._base)
+                    check_reachable(path)
+                check_reachable(self._base)
         self._sandbox_uid = sandbox_uid
-        _prepare_base(self._base)
+        prepare_base(self._base)
         self._cgroups = CgroupBackend() if limit_backend != "rlimit" else None
         if limit_backend == "cgroup" and (self._cgroups is None or not self._cgroups.resources):
             raise SandboxLimitError("LocalProvider(limit_backend='cgroup'): no writable cgroup controllers here")
@@ -229,7 +172,7 @@ class LocalProvider:
         if self._bwrap is not None:
             self._probe()
         self._key = connect_key if connect_key is not None else os.urandom(32)
-        self._boxes: dict[str, _Box] = {}
+        self._boxes: dict[str, Box] = {}
         self._watchdog = Watchdog(self._expire)
 
     def __repr__(self) -> str:
@@ -261,7 +204,7 @@ class LocalProvider:
         outer = Path(tempfile.mkdtemp(prefix="local-probe-", dir=self._base))
         uid = self._new_uid()
         try:
-            _lay_out(outer, uid)
+            lay_out(outer, uid)
             self._bwrap.probe(outer, uid)
         finally:
             shutil.rmtree(outer, ignore_errors=True)
@@ -299,7 +242,7 @@ class LocalProvider:
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
         if spec.entrypoint:
             raise SandboxArgumentError("LocalProvider does not run spec.entrypoint; start the process with exec()")
-        env = _checked_env(spec.env, "spec.env")
+        env = checked_env(spec.env, "spec.env")
         if not isinstance(spec.metadata, Mapping):
             raise SandboxArgumentError(
                 f"spec.metadata must be a mapping of strings, not {type(spec.metadata).__name__}"
@@ -312,7 +255,7 @@ class LocalProvider:
         workdir = check_text(spec.workdir, "spec.workdir") if spec.workdir is not None else None
         cwd: tuple[str, ...] = ()
         if workdir is not None and PurePosixPath(workdir).is_absolute():
-            view_root = _view_root(workdir)
+            view_root = checked_view_root(workdir)
         else:
             view_root = PurePosixPath(DEFAULT_VIEW_ROOT)
             cwd = sandbox_parts(workdir, (), "spec.workdir") if workdir else ()
@@ -353,7 +296,7 @@ class LocalProvider:
         ports: Iterable[int],
         ttl: float | None,
         metadata: dict[str, str],
-    ) -> _Box:
+    ) -> Box:
         cgroups: list[Path] = []
         outer: Path | None = None
         mounted = False
@@ -368,8 +311,8 @@ class LocalProvider:
             elif self._tmpfs:  # unbounded, still on a mount of its own: nosuid, nodev
                 bind_nosuid(outer)
                 mounted = True
-            _lay_out(outer, uid)
-            box = _Box(
+            lay_out(outer, uid)
+            box = Box(
                 outer=outer,
                 view_root=view_root,
                 isolated=self._bwrap is not None,
@@ -384,12 +327,12 @@ class LocalProvider:
                 created=time.time(),
                 uid=uid,
             )
-            _write_private(outer, _RECORD, json.dumps(box.record()).encode())
+            write_private(outer, RECORD, json.dumps(box.record()).encode())
             with open_directory(box.root, cwd, "spec.workdir", create=True, owner=uid):
                 pass
             return box
         except BaseException as exc:
-            leftovers = _remove_box(outer, mounted, cgroups) if outer is not None else []
+            leftovers = remove_box(outer, mounted, cgroups) if outer is not None else []
             suffix = f"; could not remove {leftovers}" if leftovers else ""
             if isinstance(exc, SandboxError):
                 raise
@@ -397,8 +340,8 @@ class LocalProvider:
                 raise SandboxCreateError(f"LocalProvider: cannot create a sandbox: {exc}{suffix}") from exc
             raise
 
-    def _box(self, handle: SandboxHandle) -> _Box:
-        box = self._boxes.get(_sandbox_id(handle))
+    def _box(self, handle: SandboxHandle) -> Box:
+        box = self._boxes.get(sandbox_id_of(handle))
         if box is None or box.closed:
             raise SandboxNotFoundError(
                 f"LocalProvider: no live sandbox {handle.sandbox_id!r} (never created here, or closed)"
@@ -417,31 +360,31 @@ class LocalProvider:
             self._kill(box)
 
     @staticmethod
-    def _kill(box: _Box) -> None:
+    def _kill(box: Box) -> None:
         """Kill every process of the sandbox: through its cgroups where it has them (no pid is ever
         signalled by a number that could have been reused), else its still-running process groups."""
         if box.cgroups:
             CgroupBackend.kill(box.cgroups)
         else:
             for group in list(box.groups):
-                _kill_group(group)
+                kill_group(group)
 
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
-        box = self._boxes.get(_sandbox_id(handle))
+        box = self._boxes.get(sandbox_id_of(handle))
         if box is None:
             return SandboxStatus.STOPPED if handle.provider_name == self.name else SandboxStatus.UNKNOWN
         if box.broken:
             return SandboxStatus.ERROR
         if box.is_expired():
             return SandboxStatus.STOPPED
-        return SandboxStatus.RUNNING if await anyio.to_thread.run_sync(_intact, box) else SandboxStatus.ERROR
+        return SandboxStatus.RUNNING if await anyio.to_thread.run_sync(intact, box) else SandboxStatus.ERROR
 
     async def close(self, handle: SandboxHandle) -> None:
         """Kill, unmount and remove the sandbox. A handle from ``list()`` of a sandbox another process
         made is taken over here first; closing an unknown or closed sandbox does nothing."""
-        sandbox_id = _sandbox_id(handle)
+        sandbox_id = sandbox_id_of(handle)
         box = self._boxes.get(sandbox_id)
-        if box is None and handle.provider_name == self.name and _SANDBOX_ID.fullmatch(sandbox_id):
+        if box is None and handle.provider_name == self.name and SANDBOX_ID.fullmatch(sandbox_id):
             box = await anyio.to_thread.run_sync(self._find, sandbox_id)
         if box is None:
             return
@@ -455,13 +398,13 @@ class LocalProvider:
             )
         del self._boxes[handle.sandbox_id]
 
-    def _teardown(self, box: _Box) -> list[str]:
+    def _teardown(self, box: Box) -> list[str]:
         self._kill(box)
         # Only ever inside base_dir: the box's directory was made there by this provider, or
         # connect() checked that it lies there.
         if not box.outer.is_relative_to(self._base):
             return [f"{box.outer} (outside base_dir {self._base}; not touched)"]
-        return _remove_box(box.outer, box.mounted, box.cgroups)
+        return remove_box(box.outer, box.mounted, box.cgroups)
 
     async def aclose(self) -> None:
         """Close every sandbox still open here, then raise one error naming those that failed."""
@@ -489,8 +432,8 @@ class LocalProvider:
         user: str | int | None = None,
     ) -> SandboxExecResult:
         check_text(command, "command")
-        call_env = _checked_env(env or {}, "env")
-        timeout_s = _checked_timeout(timeout_s)
+        call_env = checked_env(env or {}, "env")
+        timeout_s = checked_timeout(timeout_s)
         box = self._box(handle)
         if user is not None:
             raise SandboxError("LocalProvider runs commands as the current user; user= is not supported")
@@ -498,7 +441,7 @@ class LocalProvider:
         if cwd is not None:  # the default was made at create; under bwrap a swapped one resolves inside anyway
             parts = sandbox_parts(cwd, box.roots, "cwd")
             try:
-                await anyio.to_thread.run_sync(_check_directory, box.root, parts, cwd)
+                await anyio.to_thread.run_sync(check_directory, box.root, parts, cwd)
             except SandboxError as exc:
                 raise SandboxError(
                     f"LocalProvider: cwd {cwd!r} is not a directory in sandbox {handle.sandbox_id!r}; "
@@ -516,7 +459,7 @@ class LocalProvider:
             for fd in fds:
                 os.close(fd)
 
-    def _base_env(self, box: _Box) -> dict[str, str]:
+    def _base_env(self, box: Box) -> dict[str, str]:
         home = str(box.home)
         env = {"PATH": BASE_PATH, "HOME": home, "LANG": "C.UTF-8"}
         if self._bwrap is None:
@@ -525,7 +468,7 @@ class LocalProvider:
         return env
 
     def _argv(
-        self, box: _Box, parts: tuple[str, ...], command: str, env: dict[str, str]
+        self, box: Box, parts: tuple[str, ...], command: str, env: dict[str, str]
     ) -> tuple[list[str], dict[str, str], Path, list[int]]:
         """argv, the environment of the process started, its cwd, and descriptors it must get."""
         argv = [*self._rlimit_prefix(box.limits), "bash", "-c", command]
@@ -537,7 +480,7 @@ class LocalProvider:
             argv, fds = self._bwrap.argv(box.outer, box.view_root, box.view_root.joinpath(*parts), env, argv, box.uid)
             env, workdir = HOST_ENV, Path("/")
         if box.cgroups:
-            argv = ["/bin/sh", "-c", _JOIN, "sh", *(str(group / "cgroup.procs") for group in box.cgroups), "--", *argv]
+            argv = ["/bin/sh", "-c", JOIN, "sh", *(str(group / "cgroup.procs") for group in box.cgroups), "--", *argv]
         return argv, env, workdir, fds
 
     def _rlimit_prefix(self, limits: Limits) -> list[str]:
@@ -554,7 +497,7 @@ class LocalProvider:
     async def _run(
         self,
         handle: SandboxHandle,
-        box: _Box,
+        box: Box,
         argv: list[str],
         workdir: Path,
         env: dict[str, str],
@@ -590,14 +533,14 @@ class LocalProvider:
                         await process.wait()
                     if scope.cancelled_caught:
                         timed_out = True
-                        _kill_group(process.pid)  # under bwrap, the namespace's init dies with it
+                        kill_group(process.pid)  # under bwrap, the namespace's init dies with it
                         with anyio.CancelScope(shield=True):
                             await process.wait()
                     # Whatever the command wrote before it ended is in the pipes now; a background
                     # child that still holds them must not hold this call.
                     readers.cancel_scope.cancel()
             except BaseException:
-                _kill_group(process.pid)  # under bwrap, the namespace's init dies with it
+                kill_group(process.pid)  # under bwrap, the namespace's init dies with it
                 with anyio.CancelScope(shield=True):
                     await process.wait()
                 raise
@@ -606,12 +549,12 @@ class LocalProvider:
         finally:
             os.close(out_r)
             os.close(err_r)
-        if box.cgroups or not _group_alive(process.pid):
+        if box.cgroups or not group_alive(process.pid):
             box.groups.discard(process.pid)
         code = process.returncode if process.returncode is not None else -signal.SIGKILL
         if box.closed:
             return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="closed")
-        if code == _JOIN_FAILED and box.cgroups and not await anyio.to_thread.run_sync(_intact, box):
+        if code == JOIN_FAILED and box.cgroups and not await anyio.to_thread.run_sync(intact, box):
             raise SandboxNotFoundError(
                 f"LocalProvider: sandbox {handle.sandbox_id!r} was removed from under this provider (closed or "
                 "reaped by another process); create a new one"
@@ -627,7 +570,7 @@ class LocalProvider:
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         box = self._box(handle)
         parts = sandbox_parts(target_path, box.roots, "target_path")
-        source = Path(check_text(_fspath(source_path, "source_path"), "source_path"))
+        source = Path(check_text(fspath(source_path, "source_path"), "source_path"))
         try:
             await anyio.to_thread.run_sync(upload, box.root, parts, target_path, source, box.uid)
         except OSError as exc:
@@ -638,7 +581,7 @@ class LocalProvider:
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         box = self._box(handle)
         parts = sandbox_parts(source_path, box.roots, "source_path")
-        target = Path(check_text(_fspath(target_path, "target_path"), "target_path"))
+        target = Path(check_text(fspath(target_path, "target_path"), "target_path"))
         try:
             await anyio.to_thread.run_sync(download, box.root, parts, source_path, target, self._max_transfer)
         except SandboxError as exc:
@@ -667,11 +610,8 @@ class LocalProvider:
     async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]:
         box = self._box(handle)
         body = {"provider": self.name, "sandbox_id": handle.sandbox_id, "root": str(box.root), **box.record()}
-        assert set(body) == set(_DESCRIPTOR_KEYS)
-        return {**body, "mac": self._mac(body)}
-
-    def _mac(self, body: Mapping[str, Any]) -> str:
-        return hmac.new(self._key, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+        assert set(body) == set(DESCRIPTOR_KEYS)
+        return {**body, "mac": sign(self._key, body)}
 
     async def connect(self, descriptor: Mapping[str, Any]) -> SandboxHandle:
         """Rebuild a handle from ``serialize_handle()`` of this provider or one sharing its ``connect_key``.
@@ -679,34 +619,22 @@ class LocalProvider:
         The descriptor is authenticated (HMAC-SHA256 with the provider's key) and must name a sandbox
         directory inside ``base_dir``; anything else is refused and nothing is touched.
         """
-        if not isinstance(descriptor, Mapping) or "mac" not in descriptor:
-            raise SandboxError("LocalProvider.connect: not a descriptor from serialize_handle() (no 'mac')")
-        try:  # NeMo Gym's facades add their own keys (workdir, ports): the MAC covers only ours
-            body = {key: descriptor[key] for key in _DESCRIPTOR_KEYS}
-            expected = self._mac(body)
-        except Exception as exc:  # a hostile mapping: raising items(), cycles, deep nesting
-            raise SandboxError(f"LocalProvider.connect: descriptor is not plain JSON data: {exc!r:.200}") from exc
-        mac = descriptor["mac"]
-        if not isinstance(mac, str) or not _HEX64.fullmatch(mac) or not hmac.compare_digest(expected, mac):
-            raise SandboxError(
-                "LocalProvider.connect: the descriptor's signature does not match; it was not issued by this "
-                "provider (or one sharing its connect_key), or it was altered"
-            )
+        body = verified_body(self._key, descriptor)
         sandbox_id, root = str(body["sandbox_id"]), Path(body["root"])
         outer = root.parent
-        if not _SANDBOX_ID.fullmatch(sandbox_id) or not outer.name.startswith(f"{sandbox_id}-"):
+        if not SANDBOX_ID.fullmatch(sandbox_id) or not outer.name.startswith(f"{sandbox_id}-"):
             raise SandboxError(f"LocalProvider.connect: {sandbox_id!r} at {root} is not a LocalProvider sandbox")
         if outer.parent != self._base:
             raise SandboxError(
                 f"LocalProvider.connect: sandbox {sandbox_id!r} lies in {outer.parent}, not in this provider's "
                 f"base_dir {self._base}; connect with a provider of the same base_dir"
             )
-        if not await anyio.to_thread.run_sync(_is_real_directory, root):
+        if not await anyio.to_thread.run_sync(is_real_directory, root):
             raise SandboxNotFoundError(f"LocalProvider.connect: sandbox {sandbox_id!r} no longer exists at {root}")
         await anyio.to_thread.run_sync(self._adopt, sandbox_id, outer, body)
         return SandboxHandle(sandbox_id, self.name, {"root": str(root)})
 
-    def _adopt(self, sandbox_id: str, outer: Path, record: Mapping[str, Any]) -> _Box:
+    def _adopt(self, sandbox_id: str, outer: Path, record: Mapping[str, Any]) -> Box:
         """Register a sandbox made by another provider instance (or process) from its record.
 
         Only ``connect`` (a signed descriptor) and ``close`` (of a listed handle) adopt; every field is
@@ -721,11 +649,11 @@ class LocalProvider:
         metadata = record.get("metadata") or {}
         if not isinstance(metadata, Mapping):
             raise SandboxArgumentError("recorded metadata is not a mapping")
-        box = _Box(
+        box = Box(
             outer=outer,
-            view_root=_view_root(check_text(record.get("view_root", DEFAULT_VIEW_ROOT), "recorded view_root")),
+            view_root=checked_view_root(check_text(record.get("view_root", DEFAULT_VIEW_ROOT), "recorded view_root")),
             isolated=self._bwrap is not None,
-            env=_checked_env(record.get("env") or {}, "recorded env"),
+            env=checked_env(record.get("env") or {}, "recorded env"),
             cwd=sandbox_parts("/".join(record.get("cwd") or ()), (), "cwd") if record.get("cwd") else (),
             ports=tuple(int(port) for port in record.get("ports") or ()),
             cgroups=self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else [],
@@ -752,7 +680,7 @@ class LocalProvider:
         over only then); to run commands in another process's sandbox, ``connect`` its descriptor.
         """
         wanted = dict(metadata or {})
-        found = await anyio.to_thread.run_sync(self._scan)
+        found = await anyio.to_thread.run_sync(scan, self._base)
         listings = []
         for sandbox_id, outer, record in found:
             recorded = record.get("metadata")
@@ -766,30 +694,9 @@ class LocalProvider:
             listings.append(SandboxListing(handle, box_metadata, created if isinstance(created, float) else None))
         return listings
 
-    def _scan(self) -> builtins.list[tuple[str, Path, dict[str, Any]]]:
-        """The sandbox directories in base_dir with their records: ours only (this uid's, real
-        directories, a regular 0600 record of ours), each id at most once."""
-        found: dict[str, tuple[str, Path, dict[str, Any]] | None] = {}
-        uid = os.geteuid()
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self._base):
-                sandbox_id = entry.name[:18]
-                if not (_SANDBOX_ID.fullmatch(sandbox_id) and entry.name[18:19] == "-"):
-                    continue
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
-                        continue
-                    record = _read_record(Path(entry.path), uid)
-                except (OSError, SandboxError, ValueError, RecursionError):
-                    continue  # being created or removed, or not ours
-                # The same id twice is a planted copy (or a bug): trust neither.
-                found[sandbox_id] = None if sandbox_id in found else (sandbox_id, Path(entry.path), record)
-        return [item for item in found.values() if item is not None]
-
-    def _find(self, sandbox_id: str) -> _Box | None:
+    def _find(self, sandbox_id: str) -> Box | None:
         """The sandbox ``sandbox_id`` of base_dir, adopted for ``close``; None if there is none."""
-        for found_id, outer, record in self._scan():
+        for found_id, outer, record in scan(self._base):
             if found_id == sandbox_id:
                 try:
                     return self._adopt(found_id, outer, record)
@@ -798,194 +705,5 @@ class LocalProvider:
         return None
 
 
-def _read_record(outer: Path, uid: int) -> dict[str, Any]:
-    with open_directory(outer, (), outer.name) as dir_fd:
-        fd = os.open(_RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
-            raise ValueError("not a record of ours")
-        record = json.loads(file.read(1 << 20))
-    if not isinstance(record, dict):
-        raise ValueError("not a record")
-    return record
-
-
-def _view_root(workdir: str) -> PurePosixPath:
-    """An absolute workdir, normalised ('//etc/.' is '/etc'), refused where it would cover what
-    commands need or show the host's own."""
-    view = PurePosixPath("/" + posixpath.normpath(workdir).lstrip("/"))
-    sandbox_parts(str(view), (view,), "spec.workdir")  # NUL, over-long names
-    if any(view == PurePosixPath(r) or (r != "/" and PurePosixPath(r) in view.parents) for r in _RESERVED_VIEWS):
-        raise SandboxArgumentError(
-            f"spec.workdir {workdir!r} would cover a system directory commands need; use e.g. /workspace"
-        )
-    return view
-
-
-def _sandbox_id(handle: object) -> str:
-    sandbox_id = getattr(handle, "sandbox_id", None)
-    if not isinstance(sandbox_id, str):
-        raise SandboxArgumentError(f"handle must be a SandboxHandle with a string sandbox_id, not {handle!r:.80}")
-    return sandbox_id
-
-
-def _intact(box: _Box) -> bool:
-    return box.root.is_dir() and all(group.is_dir() for group in box.cgroups)
-
-
 def _restore(options: dict[str, Any]) -> LocalProvider:
     return LocalProvider(**options)
-
-
-def _lay_out(outer: Path, uid: int | None) -> None:
-    """The sandbox's directory: box/ (its files), tmp/ and shm/ (its /tmp, /dev/shm), etc/ (read-only).
-
-    ``outer`` and etc/ stay ours (root's), so nothing the sandbox's uid can do lands on a path this
-    process writes by name; box/, tmp/ and shm/ are the sandbox's alone (0700, its uid).
-    """
-    os.chmod(outer, 0o711)  # reachable, not listable
-    dir_fd = os.open(outer, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        for name in ("box", "tmp", "shm"):
-            os.mkdir(name, 0o700, dir_fd=dir_fd)
-            if uid is not None:
-                os.chown(name, uid, uid, dir_fd=dir_fd, follow_symlinks=False)
-        os.mkdir("etc", 0o755, dir_fd=dir_fd)
-    finally:
-        os.close(dir_fd)
-    for name, text in OWN_ETC.items():
-        _write_private(outer / "etc", name, text.encode(), mode=0o644)
-
-
-def _write_private(directory: Path, name: str, data: bytes, *, mode: int = 0o600) -> None:
-    """Create ``directory/name`` afresh (never through a symlink, never an existing file) and write it."""
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
-    finally:
-        os.close(dir_fd)
-    with os.fdopen(fd, "wb") as file:
-        file.write(data)
-
-
-def _prepare_base(base: Path) -> None:
-    """Make ``base`` (0711) or check it: ours, a real directory, writable by nobody else, since
-    sandbox directories, their records and their mounts are made there."""
-    try:
-        base.mkdir(mode=0o711, parents=True, exist_ok=True)
-        info = os.lstat(base)
-    except OSError as exc:
-        raise SandboxArgumentError(f"LocalProvider: cannot make base_dir {base}: {exc}") from exc
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
-        raise SandboxArgumentError(
-            f"LocalProvider: base_dir {base} must be a directory of this user (uid {os.geteuid()}) that no one "
-            f"else can write to (it is uid {info.st_uid}, mode {oct(info.st_mode & 0o7777)}); others could plant "
-            "or swap sandbox directories there. Leave base_dir unset for a private one in the temp directory"
-        )
-
-
-def _check_reachable(path: Path) -> None:
-    """bwrap runs as the sandbox's own uid and must reach ``path``: every parent needs o+x."""
-    for directory in reversed(path.parents):
-        try:
-            info = directory.stat()
-        except FileNotFoundError:
-            return
-        if not info.st_mode & 0o001:
-            raise SandboxArgumentError(
-                f"LocalProvider: {path} (base_dir or ro_paths) is out of reach of the sandboxes' unprivileged "
-                f"uids: {directory} has mode {oct(info.st_mode & 0o777)} without search permission for others; "
-                "choose a path whose parents all have o+x (the temp directory's do), or chmod o+x them"
-            )
-
-
-def _checked_ro_path(path: str) -> str:
-    check_text(path, "ro_paths entry")
-    if not os.path.isabs(path) or not os.path.exists(path):
-        raise SandboxArgumentError(f"ro_paths entry {path!r} must be an absolute path that exists")
-    return path
-
-
-def _fspath(value: object, what: str) -> str:
-    if not isinstance(value, str | os.PathLike):
-        raise SandboxArgumentError(f"{what} must be a path (str or os.PathLike), not {type(value).__name__}")
-    path = os.fspath(value)
-    if not isinstance(path, str):
-        raise SandboxArgumentError(f"{what} must be a text path, not bytes")
-    return path
-
-
-def _checked_timeout(timeout_s: object) -> float | None:
-    """Seconds, or None for no timeout (also for infinity, or an int too large for a float)."""
-    if timeout_s is None:
-        return None
-    value = as_float(timeout_s, "timeout_s")
-    if math.isnan(value) or value < 0:
-        raise SandboxArgumentError(f"timeout_s must be a number of seconds >= 0, not {timeout_s!r:.80}")
-    return None if math.isinf(value) else value
-
-
-def _checked_env(env: Mapping[str, str], what: str) -> dict[str, str]:
-    if not isinstance(env, Mapping):
-        raise SandboxArgumentError(f"{what} must be a mapping of names to strings, not {type(env).__name__}")
-    checked = {}
-    for name, value in env.items():
-        check_text(name, f"{what} name")
-        if not name or "=" in name or len(name) > _MAX_ENV_NAME:
-            raise SandboxArgumentError(f"{what} name {name!r:.80} is not a valid variable name")
-        checked[name] = check_text(value, f"{what}[{name!r}]")
-    return checked
-
-
-def _check_directory(root: Path, parts: Sequence[str], path: str | None) -> None:
-    with open_directory(root, parts, path or "."):
-        pass
-
-
-def _is_real_directory(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink()
-
-
-def _remove_box(outer: Path, mounted: bool, cgroups: list[Path]) -> list[str]:
-    """Kill, unmount and delete a sandbox's directory and cgroups; returns what could not be removed."""
-    failed = CgroupBackend.remove(cgroups) if cgroups else []
-    if mounted and is_mount_point(outer):  # another process may have closed it already
-        try:
-            unmount(outer)
-        except OSError as exc:
-            failed.append(f"{outer} (unmount: {exc.strerror})")
-
-    def note(_function: Any, path: str, exc: BaseException) -> None:
-        failed.append(f"{path} ({exc})")
-
-    # rmtree walks by descriptor and never follows a symlink out of the directory.
-    if not outer.exists():
-        pass
-    else:
-        try:
-            if sys.version_info >= (3, 12):
-                shutil.rmtree(outer, onexc=note)
-            else:
-                shutil.rmtree(outer, onerror=lambda function, path, info: note(function, path, info[1]))
-        except Exception as exc:  # e.g. RecursionError on a very deep tree before Python 3.13
-            failed.append(f"{outer} ({type(exc).__name__}: {exc})")
-    return failed
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-# Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.

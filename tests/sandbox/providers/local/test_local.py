@@ -29,7 +29,7 @@ needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap is
 
 @pytest.fixture
 async def local(tmp_path: Path, sandbox_base: Path) -> AsyncIterator[LocalProvider]:
-    """Without isolation, so tests can look at host pids and paths (bwrap: test_containment.py)."""
+    """Without isolation, so tests can look at host pids and paths (bwrap: containment/)."""
     provider = LocalProvider(isolation="none", base_dir=sandbox_base)
     yield provider
     await provider.aclose()

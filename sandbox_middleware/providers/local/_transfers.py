@@ -1,10 +1,10 @@
-"""LocalProvider's I/O with a hostile sandbox: race-free file transfers and bounded command output.
+"""LocalProvider's file transfers with a hostile sandbox: race-free, following no symlink.
 
 A command in the sandbox may swap any path for a symlink at any moment, so no path is ever checked
 and then opened again by name. Every transfer opens the sandbox root, then each component below it
 with ``O_NOFOLLOW`` relative to the directory descriptor before it (``openat``): a symlink anywhere
-on the way is refused, never followed. Command output is read from pipes into a head and a tail of
-bounded size, so neither memory nor host disk grows with what a command prints.
+on the way is refused, never followed. Sandbox paths are split into those components by
+``_arguments.sandbox_parts``.
 """
 
 from __future__ import annotations
@@ -14,70 +14,19 @@ import errno
 import os
 import stat
 from collections.abc import Iterator, Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-import anyio
-
-from ..._errors import SandboxArgumentError, SandboxError, SandboxPathError, SandboxTransferLimitError
+from ..._errors import SandboxError, SandboxPathError, SandboxTransferLimitError
 
 __all__ = [
-    "OutputCapture",
-    "check_text",
+    "check_directory",
     "download",
     "open_directory",
-    "pump",
-    "sandbox_parts",
     "upload",
 ]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
-_NAME_MAX = 255
-_PATH_MAX = 4095
-
-
-def check_text(value: object, what: str) -> str:
-    """``value`` as a string fit for a command line, path or environment, or ``SandboxArgumentError``."""
-    if not isinstance(value, str):
-        raise SandboxArgumentError(f"{what} must be a string, not {type(value).__name__} ({value!r:.80})")
-    if "\0" in value:
-        raise SandboxArgumentError(f"{what} contains a NUL byte, which no command, path or variable can hold")
-    try:
-        os.fsencode(value)
-    except UnicodeEncodeError as exc:
-        raise SandboxArgumentError(f"{what} cannot be encoded for the OS (a lone surrogate?): {exc}") from exc
-    return value
-
-
-def sandbox_parts(path: str, roots: Sequence[PurePosixPath], what: str) -> tuple[str, ...]:
-    """The components of sandbox path ``path`` below the sandbox root.
-
-    Relative paths are taken against the root; absolute ones must lie under one of ``roots`` (the
-    paths at which the root is seen). ``..`` is refused outright rather than resolved.
-    """
-    check_text(path, what)
-    if len(path.encode()) > _PATH_MAX:
-        raise SandboxArgumentError(f"{what} is {len(path.encode())} bytes long; paths are limited to {_PATH_MAX}")
-    pure = PurePosixPath(path)
-    if pure.is_absolute():
-        for root in roots:
-            if pure == root or root in pure.parents:
-                pure = pure.relative_to(root)
-                break
-        else:
-            raise SandboxPathError(
-                f"{what} {path!r} is outside the sandbox (its root is seen at {', '.join(map(str, roots))}); "
-                "use a relative path or one under the sandbox root"
-            )
-    parts = tuple(part for part in pure.parts if part != ".")
-    if ".." in parts:
-        raise SandboxPathError(f"{what} {path!r} uses '..', which could lead outside the sandbox; name the file")
-    for part in parts:
-        if len(part.encode()) > _NAME_MAX:
-            raise SandboxArgumentError(
-                f"{what} {path!r} has a component of {len(part.encode())} bytes; names are limited to {_NAME_MAX}"
-            )
-    return parts
 
 
 @contextlib.contextmanager
@@ -219,52 +168,6 @@ def download(root: Path, parts: Sequence[str], path: str, target: Path, limit: i
         os.close(source_fd)
 
 
-class OutputCapture:
-    """One output stream, bounded: the first and last ``limit // 2`` bytes and a count of those dropped."""
-
-    def __init__(self, limit: int) -> None:
-        self._head_limit = limit - limit // 2
-        self._tail_limit = limit // 2
-        self._head = bytearray()
-        self._tail = bytearray()
-        self.dropped = 0
-
-    def feed(self, data: bytes) -> None:
-        room = self._head_limit - len(self._head)
-        if room > 0:
-            self._head += data[:room]
-            data = data[room:]
-        if data:
-            self._tail += data
-            excess = len(self._tail) - self._tail_limit
-            if excess > 0:
-                del self._tail[:excess]  # O(1): bytearray drops from the front without moving the rest
-                self.dropped += excess
-
-    def text(self) -> str:
-        if not self.dropped:
-            return (self._head + self._tail).decode("utf-8", errors="replace")
-        marker = f"\n[... {self.dropped} bytes truncated (max_output_bytes); head and tail kept ...]\n"
-        head = self._head.decode("utf-8", errors="replace")
-        return head + marker + self._tail.decode("utf-8", errors="replace")
-
-
-async def pump(fd: int, capture: OutputCapture) -> None:
-    """Read non-blocking pipe ``fd`` into ``capture`` until end of file."""
-    while True:
-        await anyio.wait_readable(fd)
-        if not drain(fd, capture, budget=1):
-            return
-
-
-def drain(fd: int, capture: OutputCapture, *, budget: int) -> bool:
-    """Read what ``fd`` holds now (at most ``budget`` chunks); False at end of file."""
-    for _ in range(budget):
-        try:
-            data = os.read(fd, 1 << 20)
-        except BlockingIOError:
-            return True
-        if not data:
-            return False
-        capture.feed(data)
-    return True
+def check_directory(root: Path, parts: Sequence[str], path: str | None) -> None:
+    with open_directory(root, parts, path or "."):
+        pass

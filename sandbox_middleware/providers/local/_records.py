@@ -1,0 +1,236 @@
+"""A LocalProvider sandbox on disk: its directory in base_dir, its private record, and its removal.
+
+Each sandbox is a directory ``base_dir/<sandbox id>-<random>`` (a bounded tmpfs where the provider
+may mount one) holding ``box/`` (the sandbox's files, seen at its view root), ``tmp/``, ``shm/``,
+``etc/`` (read-only) and ``meta.json``, the record another process needs to list, connect to or
+close it (out of the sandbox's view). ``Box`` is what a provider keeps of each sandbox it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import stat
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from ..._errors import SandboxArgumentError, SandboxError
+from ._bwrap import OWN_ETC
+from ._cgroups import CgroupBackend
+from ._limits import Limits
+from ._mounts import is_mount_point, unmount
+from ._transfers import open_directory
+
+__all__ = [
+    "RECORD",
+    "SANDBOX_ID",
+    "Box",
+    "check_reachable",
+    "intact",
+    "is_real_directory",
+    "lay_out",
+    "prepare_base",
+    "read_record",
+    "remove_box",
+    "scan",
+    "write_private",
+]
+
+SANDBOX_ID = re.compile(r"local-[0-9a-f]{12}")
+RECORD = "meta.json"  # beside box/, out of the sandbox's view
+
+
+@dataclass
+class Box:
+    """What a provider keeps of one sandbox it holds: its directory, its view, its limits and its state."""
+
+    outer: Path  # the sandbox's own directory: a bounded tmpfs holding box/, tmp/ and etc/
+    view_root: PurePosixPath  # the absolute workdir, or /workspace: where bwrap shows box/
+    isolated: bool
+    env: dict[str, str]
+    cwd: tuple[str, ...]  # components below box/
+    ports: tuple[int, ...]
+    cgroups: list[Path]
+    mounted: bool
+    deadline: float | None  # time.monotonic() at which the TTL runs out
+    limits: Limits
+    metadata: dict[str, str]
+    created: float  # time.time() at create
+    uid: int | None  # the host uid its commands run as (None: this process's)
+    groups: set[int] = field(default_factory=set)
+    expired: bool = False
+    closed: bool = False  # close() has begun
+    broken: bool = False  # a close could not remove everything
+
+    def is_expired(self) -> bool:
+        return self.expired or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+    @property
+    def root(self) -> Path:
+        return self.outer / "box"
+
+    @property
+    def roots(self) -> tuple[PurePosixPath, ...]:
+        """The absolute paths that name the sandbox root: its view path, and (without isolation) its real one."""
+        return (self.view_root,) if self.isolated else (self.view_root, PurePosixPath(self.root))
+
+    @property
+    def home(self) -> PurePosixPath:
+        """Where commands find the sandbox root."""
+        return self.view_root if self.isolated else PurePosixPath(self.root)
+
+    def record(self) -> dict[str, Any]:
+        """What another process needs to use this sandbox (kept in ``meta.json`` and in descriptors).
+
+        Its cgroups and mount are not part of it: they are derived from the sandbox's id and
+        directory, so a forged record can never point them at anything else.
+        """
+        remaining = None if self.deadline is None else self.deadline - time.monotonic()
+        return {
+            "view_root": str(self.view_root),
+            "env": self.env,
+            "cwd": list(self.cwd),
+            "ports": list(self.ports),
+            "expires_at": None if remaining is None else time.time() + remaining,
+            "limits": self.limits.record(),
+            "metadata": self.metadata,
+            "created": self.created,
+            "uid": self.uid,
+        }
+
+
+def intact(box: Box) -> bool:
+    return box.root.is_dir() and all(group.is_dir() for group in box.cgroups)
+
+
+def lay_out(outer: Path, uid: int | None) -> None:
+    """The sandbox's directory: box/ (its files), tmp/ and shm/ (its /tmp, /dev/shm), etc/ (read-only).
+
+    ``outer`` and etc/ stay ours (root's), so nothing the sandbox's uid can do lands on a path this
+    process writes by name; box/, tmp/ and shm/ are the sandbox's alone (0700, its uid).
+    """
+    os.chmod(outer, 0o711)  # reachable, not listable
+    dir_fd = os.open(outer, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for name in ("box", "tmp", "shm"):
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+            if uid is not None:
+                os.chown(name, uid, uid, dir_fd=dir_fd, follow_symlinks=False)
+        os.mkdir("etc", 0o755, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    for name, text in OWN_ETC.items():
+        write_private(outer / "etc", name, text.encode(), mode=0o644)
+
+
+def write_private(directory: Path, name: str, data: bytes, *, mode: int = 0o600) -> None:
+    """Create ``directory/name`` afresh (never through a symlink, never an existing file) and write it."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "wb") as file:
+        file.write(data)
+
+
+def prepare_base(base: Path) -> None:
+    """Make ``base`` (0711) or check it: ours, a real directory, writable by nobody else, since
+    sandbox directories, their records and their mounts are made there."""
+    try:
+        base.mkdir(mode=0o711, parents=True, exist_ok=True)
+        info = os.lstat(base)
+    except OSError as exc:
+        raise SandboxArgumentError(f"LocalProvider: cannot make base_dir {base}: {exc}") from exc
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise SandboxArgumentError(
+            f"LocalProvider: base_dir {base} must be a directory of this user (uid {os.geteuid()}) that no one "
+            f"else can write to (it is uid {info.st_uid}, mode {oct(info.st_mode & 0o7777)}); others could plant "
+            "or swap sandbox directories there. Leave base_dir unset for a private one in the temp directory"
+        )
+
+
+def check_reachable(path: Path) -> None:
+    """bwrap runs as the sandbox's own uid and must reach ``path``: every parent needs o+x."""
+    for directory in reversed(path.parents):
+        try:
+            info = directory.stat()
+        except FileNotFoundError:
+            return
+        if not info.st_mode & 0o001:
+            raise SandboxArgumentError(
+                f"LocalProvider: {path} (base_dir or ro_paths) is out of reach of the sandboxes' unprivileged "
+                f"uids: {directory} has mode {oct(info.st_mode & 0o777)} without search permission for others; "
+                "choose a path whose parents all have o+x (the temp directory's do), or chmod o+x them"
+            )
+
+
+def read_record(outer: Path, uid: int) -> dict[str, Any]:
+    with open_directory(outer, (), outer.name) as dir_fd:
+        fd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
+            raise ValueError("not a record of ours")
+        record = json.loads(file.read(1 << 20))
+    if not isinstance(record, dict):
+        raise ValueError("not a record")
+    return record
+
+
+def scan(base: Path) -> list[tuple[str, Path, dict[str, Any]]]:
+    """The sandbox directories in base_dir with their records: ours only (this uid's, real
+    directories, a regular 0600 record of ours), each id at most once."""
+    found: dict[str, tuple[str, Path, dict[str, Any]] | None] = {}
+    uid = os.geteuid()
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(base):
+            sandbox_id = entry.name[:18]
+            if not (SANDBOX_ID.fullmatch(sandbox_id) and entry.name[18:19] == "-"):
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+                if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+                    continue
+                record = read_record(Path(entry.path), uid)
+            except (OSError, SandboxError, ValueError, RecursionError):
+                continue  # being created or removed, or not ours
+            # The same id twice is a planted copy (or a bug): trust neither.
+            found[sandbox_id] = None if sandbox_id in found else (sandbox_id, Path(entry.path), record)
+    return [item for item in found.values() if item is not None]
+
+
+def is_real_directory(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def remove_box(outer: Path, mounted: bool, cgroups: list[Path]) -> list[str]:
+    """Kill, unmount and delete a sandbox's directory and cgroups; returns what could not be removed."""
+    failed = CgroupBackend.remove(cgroups) if cgroups else []
+    if mounted and is_mount_point(outer):  # another process may have closed it already
+        try:
+            unmount(outer)
+        except OSError as exc:
+            failed.append(f"{outer} (unmount: {exc.strerror})")
+
+    def note(_function: Any, path: str, exc: BaseException) -> None:
+        failed.append(f"{path} ({exc})")
+
+    # rmtree walks by descriptor and never follows a symlink out of the directory.
+    if not outer.exists():
+        pass
+    else:
+        try:
+            if sys.version_info >= (3, 12):
+                shutil.rmtree(outer, onexc=note)
+            else:
+                shutil.rmtree(outer, onerror=lambda function, path, info: note(function, path, info[1]))
+        except Exception as exc:  # e.g. RecursionError on a very deep tree before Python 3.13
+            failed.append(f"{outer} ({type(exc).__name__}: {exc})")
+    return failed

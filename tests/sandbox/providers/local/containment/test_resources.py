@@ -1,0 +1,169 @@
+"""Resource exhaustion: output floods, memory, fork bombs, disk, and limits that cannot be enforced."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from sandbox_middleware import LocalProvider, SandboxLimitError, SandboxSpec
+
+from ._support import as_root
+
+pytestmark = pytest.mark.anyio
+
+
+_MEASURE = """
+import anyio, json, resource, sys
+from sandbox_middleware import LocalProvider, SandboxSpec
+
+async def main():
+    local = LocalProvider(isolation=sys.argv[1], base_dir=sys.argv[2])
+    handle = await local.create(SandboxSpec())
+    await local.exec(handle, "head -c 2M /dev/zero")  # warm up: the pipes, the threads, the buffers
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = await local.exec(handle, "head -c 300M /dev/urandom; echo END")
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    await local.aclose()
+    print(json.dumps({"growth_kib": after - before, "length": len(result.stdout), "tail": result.stdout[-4:],
+                      "truncated": "bytes truncated" in result.stdout}))
+
+anyio.run(main)
+"""
+
+
+async def test_huge_output_is_bounded(isolation: str, tmp_path: Path, sandbox_base: Path) -> None:
+    """300 MB of output costs the host process under 50 MB and the result says it was truncated."""
+    run = await anyio.run_process([sys.executable, "-c", _MEASURE, isolation, str(sandbox_base)], check=False)
+    assert run.returncode == 0, run.stderr.decode()
+    report = json.loads(run.stdout)
+    assert report["growth_kib"] < 50 * 1024, report
+    assert report["truncated"], report
+    assert report["tail"] == "END\n"  # the tail is kept
+    assert report["length"] < 3 * (1 << 20)  # 1 MiB per stream, replacement characters at most tripling it
+
+
+async def test_output_keeps_head_and_tail(
+    make: Callable[..., LocalProvider], isolation: str, tmp_path: Path, sandbox_base: Path
+) -> None:
+    """Truncated output keeps its first and last bytes and states how many were dropped."""
+    local = make(isolation=isolation, base_dir=sandbox_base, max_output_bytes=1000)
+    handle = await local.create(SandboxSpec())
+    result = await local.exec(handle, "seq 1 100000; seq 1 10 >&2")
+    assert result.stdout.startswith("1\n2\n3\n")
+    assert result.stdout.endswith("99999\n100000\n")
+    total = len("".join(f"{n}\n" for n in range(1, 100001)))
+    assert f"[... {total - 1000} bytes truncated" in result.stdout
+    assert result.stderr == "".join(f"{n}\n" for n in range(1, 11))
+    await local.aclose()
+
+
+@as_root
+async def test_memory_limit(
+    make: Callable[..., LocalProvider], isolation: str, tmp_path: Path, sandbox_base: Path
+) -> None:
+    """A 512 MiB allocation fails under memory_mib=64."""
+    local = make(isolation=isolation, base_dir=sandbox_base)
+    handle = await local.create(SandboxSpec(resources={"memory_mib": 64}))
+    result = await local.exec(handle, "python3 -c 'x = bytearray(512 << 20); print(\"allocated\")'")
+    assert "allocated" not in result.stdout
+    assert result.return_code != 0
+    small = await local.exec(handle, "python3 -c 'x = bytearray(8 << 20); print(\"allocated\")'")
+    assert small.stdout == "allocated\n"
+    await local.aclose()
+
+
+@as_root
+async def test_fork_bomb_is_contained(
+    make: Callable[..., LocalProvider], isolation: str, tmp_path: Path, sandbox_base: Path
+) -> None:
+    """A fork bomb hits the process limit; the host still starts processes; close leaves none running."""
+    local = make(isolation=isolation, base_dir=sandbox_base, pids=64)
+    handle = await local.create(SandboxSpec())
+    result = await local.exec(handle, "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", timeout_s=4)
+    host = await anyio.run_process(["true"])
+    assert host.returncode == 0
+    groups = local._boxes[handle.sandbox_id].cgroups  # ground truth: the kernel's own list
+    assert result.return_code is not None
+    await local.close(handle)
+    assert all(not group.exists() for group in groups)
+
+
+@as_root
+async def test_disk_bound(
+    make: Callable[..., LocalProvider], isolation: str, tmp_path: Path, sandbox_base: Path
+) -> None:
+    """Writes beyond disk_gib fail inside the sandbox, in its directory and in its /tmp alike."""
+    local = make(isolation=isolation, base_dir=sandbox_base, disk_gib=16 / 1024)  # spec.resources takes whole GiB
+    handle = await local.create(SandboxSpec())
+    shm = "; head -c 32M /dev/zero > /dev/shm/big" if isolation == "bwrap" else ""  # without isolation: the host's
+    result = await local.exec(
+        handle, f'head -c 32M /dev/zero > big; head -c 32M /dev/zero > "${{TMPDIR:-/tmp}}/big"{shm}'
+    )
+    assert result.stderr.count("No space left on device") == (3 if shm else 2)  # its files, /tmp, /dev/shm
+    assert result.return_code != 0
+    assert (Path(handle.raw["root"]) / "big").stat().st_size <= 16 << 20
+    await local.aclose()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="as root every limit here is enforceable")
+async def test_unenforceable_limit_is_refused(
+    make: Callable[..., LocalProvider], tmp_path: Path, sandbox_base: Path
+) -> None:  # pragma: no cover - root machines
+    local = make(base_dir=sandbox_base, limit_backend="rlimit")
+    with pytest.raises(SandboxLimitError, match="cannot enforce cpu"):
+        await local.create(SandboxSpec(resources={"cpu": 1}))
+
+
+async def test_rlimit_backend_reports_and_refuses(
+    make: Callable[..., LocalProvider], tmp_path: Path, sandbox_base: Path
+) -> None:
+    """Without cgroups, memory falls back to RLIMIT_AS (reported) and a CPU limit is refused at create."""
+    local = make(base_dir=sandbox_base, limit_backend="rlimit")
+    assert local.mechanisms["memory"] == "rlimit RLIMIT_AS (per process)"
+    assert local.mechanisms["cpu"] == "not enforced"
+    with pytest.raises(SandboxLimitError, match=r"cannot enforce cpu"):
+        await local.create(SandboxSpec(resources={"cpu": 1}))
+    assert list(sandbox_base.glob("local-*")) == []
+    handle = await local.create(SandboxSpec(resources={"memory_mib": 64}))
+    result = await local.exec(handle, "python3 -c 'x = bytearray(512 << 20); print(\"allocated\")'")
+    assert "allocated" not in result.stdout
+    await local.aclose()
+
+
+def test_cgroup_v2_layout(tmp_path: Path) -> None:
+    """On a cgroup v2 machine the same limits land in v2's files (checked on a v2-shaped directory:
+    this machine's controllers are all on v1, so the real v2 path cannot run here)."""
+    from sandbox_middleware.providers.local._cgroups import CgroupBackend
+    from sandbox_middleware.providers.local._limits import Limits
+
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids io\n")
+    own = next(
+        (
+            line.split(":", 2)[2]
+            for line in Path("/proc/self/cgroup").read_text().splitlines()
+            if line.startswith("0::")
+        ),
+        "/",
+    )
+    parent = tmp_path / own.lstrip("/") / "sandbox-middleware"
+    parent.mkdir(parents=True)
+    (parent / "cgroup.controllers").write_text("cpu memory pids\n")
+    backend = CgroupBackend(root=tmp_path)
+    assert backend.version == "v2"
+    assert backend.resources == {"cpu", "memory", "pids"}
+    assert (parent / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
+    limits = Limits(memory_bytes=64 << 20, pids=32, cpu=0.5, disk_bytes=None)
+    (group,) = backend.create("local-000000000001", limits)
+    assert group == parent / "local-000000000001"
+    assert (group / "memory.max").read_text() == str(64 << 20)
+    assert (group / "memory.swap.max").read_text() == "0"
+    assert (group / "pids.max").read_text() == "32"
+    assert (group / "cpu.max").read_text() == "50000 100000"
+    assert backend.groups_of("local-000000000001") == [group]
