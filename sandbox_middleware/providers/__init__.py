@@ -1,4 +1,4 @@
-"""Sandbox providers of this package, one package each (``providers/<name>/``); see README.md here."""
+"""Sandbox providers of this package, one package each (``providers/<name>/``); provider authors start at providers/README.md."""
 
 from .local import LocalProvider
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import inspect
 import math
 import typing
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
-from sandbox_middleware import ConfigError, RetryBudget, SandboxArgumentError, resolve_config
+from sandbox_middleware import ConfigError, LocalProvider, RetryBudget, SandboxArgumentError, resolve_config
 from sandbox_middleware._bounds import Bound, Bounds, bounds_of
 from sandbox_middleware._registry import middleware_registry
 from tests.providers import PlainProvider
@@ -57,18 +59,16 @@ def test_the_bounded_middleware_are_the_ones_with_numeric_options() -> None:
     assert {"retry", "tracing", "release_accounting"} <= set(BOUNDED_MIDDLEWARE)
 
 
-@pytest.mark.parametrize("layer", BOUNDED_MIDDLEWARE)
-def test_every_numeric_option_has_a_bound_that_matches_its_annotation(layer: str) -> None:
-    cls = middleware_registry.get(layer)
-    for owner in (cls, RetryBudget):
-        hints = typing.get_type_hints(owner.__init__)
-        bounds = bounds_of(owner)
-        for parameter in list(inspect.signature(owner).parameters.values()):
-            numeric, optional = _numeric(hints.get(parameter.name))
-            if numeric:
-                assert parameter.name in bounds, f"{owner.__name__}.{parameter.name} has no bound"
-                assert bounds[parameter.name].optional == optional, f"{owner.__name__}.{parameter.name}"
-        assert set(bounds) <= set(inspect.signature(owner).parameters)
+@pytest.mark.parametrize("owner", [*map(middleware_registry.get, BOUNDED_MIDDLEWARE), RetryBudget, LocalProvider])
+def test_every_numeric_option_has_a_bound_that_matches_its_annotation(owner: Any) -> None:
+    hints = typing.get_type_hints(owner.__init__)
+    bounds = bounds_of(owner)
+    for parameter in list(inspect.signature(owner).parameters.values()):
+        numeric, optional = _numeric(hints.get(parameter.name))
+        if numeric:
+            assert parameter.name in bounds, f"{owner.__name__}.{parameter.name} has no bound"
+            assert bounds[parameter.name].optional == optional, f"{owner.__name__}.{parameter.name}"
+    assert set(bounds) <= set(inspect.signature(owner).parameters)
 
 
 @pytest.mark.parametrize("layer", BOUNDED_MIDDLEWARE)
@@ -91,6 +91,22 @@ def test_the_nested_retry_budget_agrees_too() -> None:
         for value in CANDIDATES:
             problem = _config_problem({"provider": "local", "middleware": [{"retry": {"budget": {name: value}}}]})
             refused = _constructor_problem(lambda: RetryBudget(**{name: value}))  # noqa: B023
+            _agree(problem, refused, bounds.owner, name, value)
+
+
+def test_the_local_provider_agrees_too(tmp_path: Path) -> None:
+    """Limits, output and transfer sizes and the sandbox uid: a config refuses them before anything is built."""
+    bounds = bounds_of(LocalProvider)
+    assert {"memory_mib", "pids", "cpu", "disk_gib", "max_output_bytes", "sandbox_uid"} <= set(bounds)
+    for name in bounds:
+        for value in CANDIDATES:
+            problem = _config_problem({"provider": {"local": {"isolation": "none", name: value}}})
+            built: list[LocalProvider] = []
+            refused = _constructor_problem(
+                lambda: built.append(LocalProvider(isolation="none", base_dir=tmp_path, **{name: value}))  # noqa: B023
+            )
+            for provider in built:
+                anyio.run(provider.aclose)
             _agree(problem, refused, bounds.owner, name, value)
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from ..._bounds import POSITIVE, Bound
 from ..._errors import SandboxArgumentError
 from ._arguments import positive_number
 
-__all__ = ["Limits", "checked_limit"]
+__all__ = ["LIMIT_BOUNDS", "Limits", "checked_limit"]
 
 _MiB = 1 << 20
 _GiB = 1 << 30
@@ -38,15 +39,15 @@ class Limits:
         if (
             resources is not None
             and not isinstance(resources, Mapping)
-            and not any(hasattr(resources, name) for name in _MAXIMA)
+            and not any(hasattr(resources, name) for name in LIMIT_BOUNDS)
         ):
             raise SandboxArgumentError(
-                f"spec.resources must be a mapping or an object with {', '.join(_MAXIMA)}, not "
+                f"spec.resources must be a mapping or an object with {', '.join(LIMIT_BOUNDS)}, not "
                 f"{type(resources).__name__}"
             )
         values = dict(defaults)
         explicit = set()
-        for name in _MAXIMA:
+        for name in LIMIT_BOUNDS:
             given = resources.get(name) if isinstance(resources, Mapping) else getattr(resources, name, None)
             if given is not None:
                 values[name] = given
@@ -80,13 +81,17 @@ class Limits:
         )
 
 
-# The largest value each limit takes: far above any machine, far below where the kernel would wrap.
-_MAXIMA: dict[str, float] = {"cpu": 4096, "memory_mib": 2**24, "disk_gib": 2**14, "pids": 2**22}
+# Each limit's range, the provider's defaults and ``spec.resources`` alike (None: unlimited). The
+# largest value each takes is far above any machine, far below where the kernel would wrap.
+LIMIT_BOUNDS: dict[str, Bound] = {
+    "memory_mib": POSITIVE.at_most(2**24).or_none(),
+    "pids": Bound(0, strict=True, whole=True, high=2**22, optional=True),
+    "cpu": POSITIVE.at_most(4096).or_none(),
+    "disk_gib": POSITIVE.at_most(2**14).or_none(),
+}
 
 
 def checked_limit(name: str, value: object, what: str) -> float | None:
     """A limit's value checked against its range (``pids`` must be a whole number)."""
-    number = positive_number(value, what, maximum=_MAXIMA[name])
-    if name == "pids" and number is not None and not number.is_integer():
-        raise SandboxArgumentError(f"{what} must be a whole number of processes, not {value!r}")
-    return number
+    LIMIT_BOUNDS[name].check(value, what)
+    return None if value is None else float(cast("float", value))  # checked: a number

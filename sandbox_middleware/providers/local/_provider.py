@@ -19,11 +19,12 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import anyio
 import anyio.to_thread
 
+from ..._bounds import Bound, Bounds
 from ..._errors import (
     SandboxArgumentError,
     SandboxCreateError,
@@ -48,7 +49,7 @@ from ._arguments import (
 from ._bwrap import BASE_PATH, HOST_ENV, SYSTEM_DIRS, BwrapCommand
 from ._cgroups import JOIN, JOIN_FAILED, CgroupBackend
 from ._descriptors import DESCRIPTOR_KEYS, sign, verified_body
-from ._limits import Limits, checked_limit
+from ._limits import LIMIT_BOUNDS, Limits
 from ._mounts import bind_nosuid, is_mount_point, mount_tmpfs, probe_tmpfs
 from ._output import OutputCapture, drain, pump
 from ._process import group_alive, kill_group
@@ -81,7 +82,7 @@ _UID_BASE, _UID_COUNT = 1_500_000_000, 1 << 24  # below 2**31: bwrap writes its 
 
 
 class LocalProvider:
-    """Sandboxes on this machine, each a fresh directory; see the README's "Security model".
+    """Sandboxes on this machine, each a fresh directory; see docs/local-provider.md, "Security model".
 
     Commands run ``bash -c`` with stdin from ``/dev/null`` and a clean environment (``PATH``,
     ``HOME`` at the sandbox root, ``LANG=C.UTF-8``, then ``pass_env`` names copied from the host,
@@ -100,6 +101,14 @@ class LocalProvider:
     """
 
     name = "local"
+
+    BOUNDS: ClassVar[Bounds] = Bounds(
+        "LocalProvider",
+        **LIMIT_BOUNDS,
+        max_output_bytes=Bound(0, strict=True, whole=True, high=2**53),
+        max_transfer_bytes=Bound(0, strict=True, whole=True, high=2**53),
+        sandbox_uid=Bound(0, strict=True, whole=True, high=2**32 - 2, optional=True),  # never root, never -1
+    )
 
     def __init__(
         self,
@@ -131,6 +140,15 @@ class LocalProvider:
             raise SandboxArgumentError(
                 f"LocalProvider: limit_backend must be 'auto', 'cgroup' or 'rlimit', not {limit_backend!r}"
             )
+        self.BOUNDS.check(
+            memory_mib=memory_mib,
+            pids=pids,
+            cpu=cpu,
+            disk_gib=disk_gib,
+            max_output_bytes=max_output_bytes,
+            max_transfer_bytes=max_transfer_bytes,
+            sandbox_uid=sandbox_uid,
+        )
         self.isolation: Isolation = isolation
         if base_dir is None:  # a private directory of ours, not the shared temp directory itself
             base = os.path.join(tempfile.gettempdir(), f"llm-sandbox-middleware-{os.geteuid()}")
@@ -141,11 +159,10 @@ class LocalProvider:
             check_text(name, "pass_env entry")
         self._pass_env = tuple(pass_env)
         self._defaults: dict[str, float | None] = {
-            name: checked_limit(name, value, name)
-            for name, value in (("memory_mib", memory_mib), ("pids", pids), ("cpu", cpu), ("disk_gib", disk_gib))
-        }
-        self._max_output = int(positive_number(max_output_bytes, "max_output_bytes", allow_none=False) or 0)
-        self._max_transfer = int(positive_number(max_transfer_bytes, "max_transfer_bytes", allow_none=False) or 0)
+            "memory_mib": memory_mib, "pids": pids, "cpu": cpu, "disk_gib": disk_gib
+        }  # fmt: skip
+        self._max_output = max_output_bytes
+        self._max_transfer = max_transfer_bytes
         self._ro_paths = tuple(checked_ro_path(path) for path in ro_paths)
         self._bwrap: BwrapCommand | None = None
         if isolation == "bwrap":
@@ -154,10 +171,6 @@ class LocalProvider:
                     f"LocalProvider: base_dir {self._base} lies in a directory every sandbox sees read-only; "
                     "sandboxes could read each other's files: choose a base_dir elsewhere"
                 )
-            if sandbox_uid is not None and (
-                isinstance(sandbox_uid, bool) or not isinstance(sandbox_uid, int) or not 0 < sandbox_uid < 2**32 - 1
-            ):
-                raise SandboxArgumentError(f"LocalProvider: sandbox_uid must be a non-root uid, not {sandbox_uid!r}")
             self._bwrap = BwrapCommand(ro_paths=self._ro_paths)
             if self._bwrap.drops_privileges:
                 for path in map(Path, self._ro_paths):
