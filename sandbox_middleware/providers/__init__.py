@@ -1,4 +1,7 @@
-"""Sandbox providers of this package, one package each (``providers/<name>/``); provider authors start at providers/README.md."""
+"""Sandbox providers of this package, one package each (``providers/<name>/``).
+
+Provider authors start at providers/README.md.
+"""
 
 from .local import LocalProvider
 
