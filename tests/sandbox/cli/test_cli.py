@@ -1,8 +1,13 @@
-"""The main job end to end, as a subprocess: `sandbox-middleware run` and `check`."""
+"""The main job end to end, as a subprocess: `sandbox-middleware run` and `check`.
+
+A test whose subprocess runs sandboxes under bwrap is marked ``requires_bwrap`` (``tests/bwrap.py``): where
+bwrap cannot run it is skipped, as the tests in this process are by a ``BwrapUnavailableError``.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import re
 import shutil
@@ -16,10 +21,24 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sandbox_middleware import LocalProvider
+from sandbox_middleware._config import resolve_config
+from sandbox_middleware.cli._main import DEFAULT_CONFIG
 from tests.leftovers import left_behind
 from tests.vllm.server import free_port
 
 CLI = [sys.executable, "-m", "sandbox_middleware"]
+
+
+def needs_bwrap(config: dict[str, object]) -> bool:
+    """Whether the config's provider is the local one under bwrap (LocalProvider's default isolation)."""
+    provider = resolve_config(config).provider
+    isolation = provider.options.get("isolation", inspect.signature(LocalProvider).parameters["isolation"].default)
+    return bool(provider.cls is LocalProvider and isolation == "bwrap")
+
+
+# The subprocess runs sandboxes of the built-in default config: it needs bwrap when that config does.
+default_stack = pytest.mark.requires_bwrap(needs_bwrap(DEFAULT_CONFIG))
 FAST_CREATE_RETRIES = """\
 provider: local
 middleware:
@@ -44,6 +63,7 @@ def retries(output: str) -> dict[str, int]:
     return {"create": int(create), "close": int(close), "other": int(other)}
 
 
+@default_stack
 def test_default_run_leaks_nothing() -> None:
     """With no config, a run on the local provider exits 0, leaks nothing, and peaks at most at concurrency."""
     done = run("run", "--sessions", "24", "--concurrency", "4", "--commands", "2")
@@ -59,6 +79,7 @@ def test_default_run_leaks_nothing() -> None:
     assert "1. tracing" in done.stderr and "4. retry" in done.stderr and "5. retry" in done.stderr
 
 
+@default_stack
 def test_console_script_is_installed() -> None:
     """The console script runs the same main job."""
     script = shutil.which("sandbox-middleware") or str(Path(sys.executable).parent / "sandbox-middleware")
@@ -67,6 +88,7 @@ def test_console_script_is_installed() -> None:
     assert done.returncode == 0, done.stderr
 
 
+@default_stack
 def test_quick_start_fault_run_holds_nothing_and_retries_closes() -> None:
     """The README's fault run: create and close faults are retried away, nothing is held at the end.
 
@@ -86,6 +108,7 @@ def test_quick_start_fault_run_holds_nothing_and_retries_closes() -> None:
     assert "with seed 11" in done.stderr and "Traceback" not in done.stderr
 
 
+@default_stack
 def test_leak_exits_1() -> None:
     """When closes never succeed, the run names the held sandboxes and exits 1."""
     done = run("run", "--sessions", "3", "--concurrency", "3", "--faults", "close=1.0", "--seed", "1")
@@ -94,6 +117,7 @@ def test_leak_exits_1() -> None:
     assert held.startswith("3: local-")
 
 
+@pytest.mark.requires_bwrap  # provider: local, under bwrap
 def test_every_session_failing_exits_3(tmp_path: Path) -> None:
     """--faults create=1.0: every session fails, nothing leaks, the exit code says so (3, not 0)."""
     config = tmp_path / "fast.yaml"
@@ -112,6 +136,7 @@ def private_tmpdir(tmp_path: Path) -> Path:
     return directory
 
 
+@default_stack
 @pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_mid_run_closes_everything(number: signal.Signals, private_tmpdir: Path) -> None:
     """SIGINT / SIGTERM mid-run: no sandbox directory left, the table marked interrupted, 130 / 143, no traceback.
@@ -190,6 +215,7 @@ def test_version_and_help() -> None:
     assert re.search(r"^  config\s+YAML stack config to validate", run("check", "--help").stdout, re.MULTILINE)
 
 
+@default_stack
 def test_prometheus_exporter_serves_while_running() -> None:
     """With --export prometheus, /metrics serves the active counter and the duration histograms."""
     port = free_port()
@@ -251,6 +277,7 @@ def test_missing_exporter_names_the_extra() -> None:
     assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
+@default_stack
 @pytest.mark.skipif(importlib.util.find_spec("opentelemetry.exporter.otlp") is None, reason="needs the otlp extra")
 def test_unreachable_collector_is_reported_once() -> None:
     """--export otlp with nothing listening: the exporters' retry chatter becomes one line naming it (no password)."""
@@ -322,6 +349,7 @@ def test_invalid_yaml_names_the_file_and_line(tmp_path: Path) -> None:
     assert "<unicode string>" not in done.stderr and len(done.stderr.splitlines()) == 1
 
 
+@default_stack
 def test_console_export_keeps_stdout_for_the_table() -> None:
     """--export console writes the metric data as one JSON line on stderr; stdout is only the table."""
     done = run("run", "--sessions", "2", "--commands", "1", "--export", "console")
