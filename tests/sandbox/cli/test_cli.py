@@ -24,6 +24,7 @@ import pytest
 from sandbox_middleware import LocalProvider
 from sandbox_middleware._config import resolve_config
 from sandbox_middleware.cli._main import DEFAULT_CONFIG
+from tests.bwrap import path_without_bwrap
 from tests.leftovers import left_behind
 from tests.vllm.server import free_port
 
@@ -359,3 +360,49 @@ def test_console_export_keeps_stdout_for_the_table() -> None:
     assert len(exported) == 1
     names = set(re.findall(r'"name": "(gym\.sandbox\.[a-z_]+)"', exported[0]))
     assert {"gym.sandbox.active", "gym.sandbox.startup_duration_ms", "gym.sandbox.exec_duration_ms"} <= names
+
+
+UNBUILDABLE = {  # config -> what the one line says (after the provider's name)
+    "provider: {local: {no_such_option: 1}}\nmiddleware: [metrics]\n": "unknown option 'no_such_option'",
+    "provider: {local: {sandbox_uid: 0}}\nmiddleware: [metrics]\n": "cannot be built: LocalProvider: sandbox_uid must",
+    "provider: local\nmiddleware: [metrics, release_accounting]\n": "cannot be built: "
+    "LocalProvider(isolation='bwrap'): no 'bwrap' executable on PATH; install bubblewrap (apt-get install -y "
+    "bubblewrap) or use isolation='none'",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["run", "check", "reap"])
+@pytest.mark.parametrize("config", list(UNBUILDABLE), ids=["unknown-option", "refused-value", "no-bwrap"])
+def test_provider_that_cannot_be_built_is_one_line(config: str, command: str, tmp_path: Path) -> None:
+    """A provider the config validates but this machine cannot build (bwrap hidden from PATH here), or an
+    option it refuses: exit 2, one line on stderr naming the provider and what is wrong, nothing run."""
+    path = tmp_path / "stack.yaml"
+    path.write_text(config)
+    env = {**os.environ, "PATH": path_without_bwrap(tmp_path / "bin", first=[Path(sys.executable).parent])}
+    done = run(command, str(path), env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "provider 'local'" in done.stderr and UNBUILDABLE[config] in done.stderr
+    assert done.stdout == "" and "Traceback" not in done.stderr
+
+
+DEFAULT_UNDER_BWRAP = """
+import sys
+from sandbox_middleware.cli import _main
+_main.DEFAULT_CONFIG = {**_main.DEFAULT_CONFIG, "provider": "local"}  # the local provider, under bwrap
+sys.exit(_main.main())
+"""
+
+
+def test_default_run_without_bwrap_is_one_line(tmp_path: Path) -> None:
+    """run with no config, its provider under bwrap, on a machine without bwrap: exit 2 and one line."""
+    env = {**os.environ, "PATH": path_without_bwrap(tmp_path / "bin", first=[Path(sys.executable).parent])}
+    done = subprocess.run([sys.executable, "-c", DEFAULT_UNDER_BWRAP, "run", "--sessions", "1"],
+                          capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        "sandbox-middleware run: error: provider 'local' of the built-in default config cannot be built: "
+        "LocalProvider(isolation='bwrap'): no 'bwrap' executable on PATH; install bubblewrap "
+        "(apt-get install -y bubblewrap) or use isolation='none'"
+    ]
+    assert done.stdout == ""
