@@ -1,16 +1,65 @@
-"""Fixtures shared by the test modules: a base_dir for sandboxes, the real vLLM server for integration tests."""
+"""Fixtures shared by the test modules: a base_dir for sandboxes, the real vLLM server for integration tests;
+tests that need bubblewrap skipped (failed with REQUIRE_BWRAP=1) where it cannot run (see ``tests/bwrap.py``)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
+from .bwrap import bwrap_problem, only_bwrap_unavailable, required, unavailable
 from .vllm.server import running_server, vllm_python
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "requires_bwrap(condition=True): needs bubblewrap where nothing in this process shows it (a "
+        "subprocess, the CLI) when condition is true; skipped where bwrap cannot run, failed with REQUIRE_BWRAP=1",
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    """A ``requires_bwrap`` test, and a test whose own skip reason or fixture says bwrap is missing, is
+    skipped with the one line of ``tests/bwrap.py`` (failed with REQUIRE_BWRAP=1)."""
+    marker = item.get_closest_marker("requires_bwrap")
+    if marker is not None and (marker.args[0] if marker.args else True) and (problem := bwrap_problem()):
+        unavailable(problem)
+    try:
+        return (yield)
+    except pytest.skip.Exception as exc:
+        if "bwrap" in (exc.msg or "") and (problem := bwrap_problem()):  # skipif(not HAS_BWRAP, reason="bwrap ..")
+            unavailable(problem)
+        raise
+    except BaseException as exc:
+        _bwrap_unavailable(exc)
+        raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    try:
+        return (yield)
+    except BaseException as exc:
+        _bwrap_unavailable(exc)
+        raise
+
+
+def _bwrap_unavailable(exc: BaseException) -> None:
+    """If ``exc`` is only ``BwrapUnavailableError`` and bwrap cannot run here: skip (or under
+    REQUIRE_BWRAP=1 let the error fail the test, saying why). Any other error, or this one where bwrap
+    does run, stays what it is."""
+    if not only_bwrap_unavailable(exc) or (problem := bwrap_problem()) is None:
+        return
+    if required():
+        exc.add_note(f"{problem} (REQUIRE_BWRAP=1: CI must run the tests that need it)")
+        return
+    unavailable(problem)
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,10 @@
 """Run a rollout-shaped workload through a sandbox provider stack and print its telemetry, check a
 stack config, or reap the sandboxes a crashed or finished run left behind. Exit codes of run: 0 all
-sessions ok and nothing held; 1 a sandbox leaked (or a Ray worker was lost: reap its run); 2 usage or
-config error; 3 some sessions failed, nothing leaked; 130 / 143 interrupted by SIGINT / SIGTERM
-(every sandbox closed; 1 instead if one could not be). Of reap: 0 every chosen sandbox closed (or
-listed, with --dry-run); 1 one could not be closed; 2 usage or config error, or a provider that
-cannot list its sandboxes."""
+sessions ok and nothing held; 1 a sandbox leaked (or a Ray worker was lost: reap its run); 2 usage
+or config error, or a provider that cannot be built here; 3 some sessions failed, nothing leaked;
+130 / 143 interrupted by SIGINT / SIGTERM (every sandbox closed; 1 instead if one could not be). Of
+reap: 0 every chosen sandbox closed (or listed, with --dry-run); 1 one could not be closed; 2 usage
+or config error, a provider that cannot be built here, or one that cannot list its sandboxes."""
 
 from __future__ import annotations
 
@@ -194,7 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "check":
-            print(_resolve(args.config).describe())
+            resolved = _resolve(args.config)
+            _check_provider(resolved, f"config {args.config}")
+            print(resolved.describe())
             return EXIT_OK
         if args.command == "reap":
             return _reap_command(args)
@@ -216,6 +218,17 @@ def _resolve(path: str) -> ResolvedStack:
     return resolve_config(load_config(path), source=path)
 
 
+def _check_provider(resolved: ResolvedStack, where: str) -> None:
+    """Build the stack's provider alone, then close it: one that cannot be built here (bwrap missing,
+    an option its constructor refuses) is one line naming it, before anything runs."""
+    layer = resolved.provider
+    try:
+        provider = layer.cls(**layer.options)
+    except (SandboxError, TypeError, ValueError) as exc:  # SandboxError: ConfigError, BwrapUnavailableError ...
+        raise UsageError(f"provider {layer.name!r} of {where} cannot be built: {' '.join(str(exc).split())}") from exc
+    anyio.run(provider.aclose)
+
+
 def _run_command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupted)
     resolved = _resolve(args.config) if args.config else resolve_config(DEFAULT_CONFIG, source="the default config")
@@ -231,6 +244,8 @@ def _run_command(args: argparse.Namespace) -> int:
     telemetry = start_telemetry(args.export, args.prometheus_host, args.prometheus_port) if args.ray is None else None
     try:
         where = f"config {args.config}" if args.config else "the built-in default config"
+        if telemetry is not None:  # over Ray, each worker builds the provider on its own node
+            _check_provider(resolved, where)
         print(f"stack from {where}:\n{resolved.describe()}", file=sys.stderr)
         print(f"run id {run_id}" if run_id else "run id: none (no ownership layer; reap cannot find this run)",
               file=sys.stderr)  # fmt: skip
@@ -273,7 +288,9 @@ def _report(args: argparse.Namespace, provider: str, results: list[ProcessResult
 def _reap_command(args: argparse.Namespace) -> int:
     if args.force and args.run is None:
         raise UsageError("argument --force: needs --run ID (force takes one run's sandboxes of live owners)")
-    provider = _resolve(args.config).build()
+    resolved = _resolve(args.config)
+    _check_provider(resolved, f"config {args.config}")
+    provider = resolved.build()
     try:
         reaped = anyio.run(partial(reap, provider, run_id=args.run, force=args.force, dry_run=args.dry_run))
     except SandboxError as exc:

@@ -1,8 +1,13 @@
-"""The main job end to end, as a subprocess: `sandbox-middleware run` and `check`."""
+"""The main job end to end, as a subprocess: `sandbox-middleware run` and `check`.
+
+A test whose subprocess runs sandboxes under bwrap is marked ``requires_bwrap`` (``tests/bwrap.py``): where
+bwrap cannot run it is skipped, as the tests in this process are by a ``BwrapUnavailableError``.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import re
 import shutil
@@ -16,10 +21,25 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sandbox_middleware import LocalProvider
+from sandbox_middleware._config import resolve_config
+from sandbox_middleware.cli._main import DEFAULT_CONFIG
+from tests.bwrap import path_without_bwrap
 from tests.leftovers import left_behind
 from tests.vllm.server import free_port
 
 CLI = [sys.executable, "-m", "sandbox_middleware"]
+
+
+def needs_bwrap(config: dict[str, object]) -> bool:
+    """Whether the config's provider is the local one under bwrap (LocalProvider's default isolation)."""
+    provider = resolve_config(config).provider
+    isolation = provider.options.get("isolation", inspect.signature(LocalProvider).parameters["isolation"].default)
+    return bool(provider.cls is LocalProvider and isolation == "bwrap")
+
+
+# The subprocess runs sandboxes of the built-in default config: it needs bwrap when that config does.
+default_stack = pytest.mark.requires_bwrap(needs_bwrap(DEFAULT_CONFIG))
 FAST_CREATE_RETRIES = """\
 provider: local
 middleware:
@@ -44,6 +64,7 @@ def retries(output: str) -> dict[str, int]:
     return {"create": int(create), "close": int(close), "other": int(other)}
 
 
+@default_stack
 def test_default_run_leaks_nothing() -> None:
     """With no config, a run on the local provider exits 0, leaks nothing, and peaks at most at concurrency."""
     done = run("run", "--sessions", "24", "--concurrency", "4", "--commands", "2")
@@ -59,6 +80,7 @@ def test_default_run_leaks_nothing() -> None:
     assert "1. tracing" in done.stderr and "4. retry" in done.stderr and "5. retry" in done.stderr
 
 
+@default_stack
 def test_console_script_is_installed() -> None:
     """The console script runs the same main job."""
     script = shutil.which("sandbox-middleware") or str(Path(sys.executable).parent / "sandbox-middleware")
@@ -67,6 +89,7 @@ def test_console_script_is_installed() -> None:
     assert done.returncode == 0, done.stderr
 
 
+@default_stack
 def test_quick_start_fault_run_holds_nothing_and_retries_closes() -> None:
     """The README's fault run: create and close faults are retried away, nothing is held at the end.
 
@@ -86,6 +109,7 @@ def test_quick_start_fault_run_holds_nothing_and_retries_closes() -> None:
     assert "with seed 11" in done.stderr and "Traceback" not in done.stderr
 
 
+@default_stack
 def test_leak_exits_1() -> None:
     """When closes never succeed, the run names the held sandboxes and exits 1."""
     done = run("run", "--sessions", "3", "--concurrency", "3", "--faults", "close=1.0", "--seed", "1")
@@ -94,6 +118,7 @@ def test_leak_exits_1() -> None:
     assert held.startswith("3: local-")
 
 
+@pytest.mark.requires_bwrap  # provider: local, under bwrap
 def test_every_session_failing_exits_3(tmp_path: Path) -> None:
     """--faults create=1.0: every session fails, nothing leaks, the exit code says so (3, not 0)."""
     config = tmp_path / "fast.yaml"
@@ -112,6 +137,7 @@ def private_tmpdir(tmp_path: Path) -> Path:
     return directory
 
 
+@default_stack
 @pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_mid_run_closes_everything(number: signal.Signals, private_tmpdir: Path) -> None:
     """SIGINT / SIGTERM mid-run: no sandbox directory left, the table marked interrupted, 130 / 143, no traceback.
@@ -190,6 +216,7 @@ def test_version_and_help() -> None:
     assert re.search(r"^  config\s+YAML stack config to validate", run("check", "--help").stdout, re.MULTILINE)
 
 
+@default_stack
 def test_prometheus_exporter_serves_while_running() -> None:
     """With --export prometheus, /metrics serves the active counter and the duration histograms."""
     port = free_port()
@@ -251,6 +278,7 @@ def test_missing_exporter_names_the_extra() -> None:
     assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
+@default_stack
 @pytest.mark.skipif(importlib.util.find_spec("opentelemetry.exporter.otlp") is None, reason="needs the otlp extra")
 def test_unreachable_collector_is_reported_once() -> None:
     """--export otlp with nothing listening: the exporters' retry chatter becomes one line naming it (no password)."""
@@ -322,6 +350,7 @@ def test_invalid_yaml_names_the_file_and_line(tmp_path: Path) -> None:
     assert "<unicode string>" not in done.stderr and len(done.stderr.splitlines()) == 1
 
 
+@default_stack
 def test_console_export_keeps_stdout_for_the_table() -> None:
     """--export console writes the metric data as one JSON line on stderr; stdout is only the table."""
     done = run("run", "--sessions", "2", "--commands", "1", "--export", "console")
@@ -331,3 +360,49 @@ def test_console_export_keeps_stdout_for_the_table() -> None:
     assert len(exported) == 1
     names = set(re.findall(r'"name": "(gym\.sandbox\.[a-z_]+)"', exported[0]))
     assert {"gym.sandbox.active", "gym.sandbox.startup_duration_ms", "gym.sandbox.exec_duration_ms"} <= names
+
+
+UNBUILDABLE = {  # config -> what the one line says (after the provider's name)
+    "provider: {local: {no_such_option: 1}}\nmiddleware: [metrics]\n": "unknown option 'no_such_option'",
+    "provider: {local: {sandbox_uid: 0}}\nmiddleware: [metrics]\n": "cannot be built: LocalProvider: sandbox_uid must",
+    "provider: local\nmiddleware: [metrics, release_accounting]\n": "cannot be built: "
+    "LocalProvider(isolation='bwrap'): no 'bwrap' executable on PATH; install bubblewrap (apt-get install -y "
+    "bubblewrap) or use isolation='none'",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["run", "check", "reap"])
+@pytest.mark.parametrize("config", list(UNBUILDABLE), ids=["unknown-option", "refused-value", "no-bwrap"])
+def test_provider_that_cannot_be_built_is_one_line(config: str, command: str, tmp_path: Path) -> None:
+    """A provider the config validates but this machine cannot build (bwrap hidden from PATH here), or an
+    option it refuses: exit 2, one line on stderr naming the provider and what is wrong, nothing run."""
+    path = tmp_path / "stack.yaml"
+    path.write_text(config)
+    env = {**os.environ, "PATH": path_without_bwrap(tmp_path / "bin", first=[Path(sys.executable).parent])}
+    done = run(command, str(path), env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "provider 'local'" in done.stderr and UNBUILDABLE[config] in done.stderr
+    assert done.stdout == "" and "Traceback" not in done.stderr
+
+
+DEFAULT_UNDER_BWRAP = """
+import sys
+from sandbox_middleware.cli import _main
+_main.DEFAULT_CONFIG = {**_main.DEFAULT_CONFIG, "provider": "local"}  # the local provider, under bwrap
+sys.exit(_main.main())
+"""
+
+
+def test_default_run_without_bwrap_is_one_line(tmp_path: Path) -> None:
+    """run with no config, its provider under bwrap, on a machine without bwrap: exit 2 and one line."""
+    env = {**os.environ, "PATH": path_without_bwrap(tmp_path / "bin", first=[Path(sys.executable).parent])}
+    done = subprocess.run([sys.executable, "-c", DEFAULT_UNDER_BWRAP, "run", "--sessions", "1"],
+                          capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        "sandbox-middleware run: error: provider 'local' of the built-in default config cannot be built: "
+        "LocalProvider(isolation='bwrap'): no 'bwrap' executable on PATH; install bubblewrap "
+        "(apt-get install -y bubblewrap) or use isolation='none'"
+    ]
+    assert done.stdout == ""
