@@ -364,7 +364,8 @@ def test_console_export_keeps_stdout_for_the_table() -> None:
 
 UNBUILDABLE = {  # config -> what the one line says (after the provider's name)
     "provider: {local: {no_such_option: 1}}\nmiddleware: [metrics]\n": "unknown option 'no_such_option'",
-    "provider: {local: {sandbox_uid: 0}}\nmiddleware: [metrics]\n": "cannot be built: LocalProvider: sandbox_uid must",
+    "provider: {local: {sandbox_uid: 0}}\nmiddleware: [metrics]\n": "option 'sandbox_uid' must be > 0 and <=",
+    "provider: {local: {isolation: none, ro_paths: [relative]}}\nmiddleware: [metrics]\n": "cannot be built: ",
     "provider: local\nmiddleware: [metrics, release_accounting]\n": "cannot be built: "
     "LocalProvider(isolation='bwrap'): no 'bwrap' executable on PATH; install bubblewrap (apt-get install -y "
     "bubblewrap) or use isolation='none'",
@@ -372,7 +373,7 @@ UNBUILDABLE = {  # config -> what the one line says (after the provider's name)
 
 
 @pytest.mark.parametrize("command", ["run", "check", "reap"])
-@pytest.mark.parametrize("config", list(UNBUILDABLE), ids=["unknown-option", "refused-value", "no-bwrap"])
+@pytest.mark.parametrize("config", list(UNBUILDABLE), ids=["unknown-option", "refused-value", "refused-by-constructor", "no-bwrap"])
 def test_provider_that_cannot_be_built_is_one_line(config: str, command: str, tmp_path: Path) -> None:
     """A provider the config validates but this machine cannot build (bwrap hidden from PATH here), or an
     option it refuses: exit 2, one line on stderr naming the provider and what is wrong, nothing run."""
