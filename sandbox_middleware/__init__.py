@@ -2,7 +2,7 @@
 
 from ._budget import RetryBudget
 from ._config import ConfigError, ResolvedStack, build_provider, load_config, resolve_config
-from ._core import Middleware, ProviderMiddleware, stack
+from ._core import Middleware, Operation, ProviderMiddleware, stack
 from ._metrics import MetricsMiddleware
 from ._ownership import OwnershipMiddleware
 from ._protocol import (
@@ -65,6 +65,7 @@ __all__ = [
     "LocalProvider",
     "MetricsMiddleware",
     "Middleware",
+    "Operation",
     "OwnershipMiddleware",
     "ProviderMiddleware",
     "ReapedSandbox",
