@@ -39,6 +39,7 @@ from ._protocol import (
     SupportsSandboxSharedStorage,
 )
 from ._reaper import ReapedSandbox, reap
+from ._recommended import recommended_middleware
 from ._registry import RegistryError, register_middleware, register_provider
 from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
 from ._retry import DEFAULT_RETRY_ON, RetryMiddleware
@@ -111,6 +112,7 @@ __all__ = [
     "build_provider",
     "load_config",
     "reap",
+    "recommended_middleware",
     "register_middleware",
     "register_provider",
     "resolve_config",
