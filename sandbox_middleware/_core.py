@@ -40,7 +40,8 @@ class Operation(Generic[T]):
     adds to the operation (``stdin=``), which reach the inner provider unchanged.
 
     ``await operation()`` runs the operation on the inner provider and returns its result, again
-    each time it is called (a retrying layer calls it once per attempt).
+    each time it is called (a retrying layer calls it once per attempt). ``ProviderMiddleware``
+    makes one for each call it routes through ``around``; its constructor is not for layers.
     """
 
     __slots__ = ("_args", "_call", "_kwargs", "handle", "name")

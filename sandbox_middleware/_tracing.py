@@ -66,8 +66,8 @@ class TracingMiddleware(ProviderMiddleware):
             handle = operation.handle
             if handle is not None:
                 attrs[SANDBOX_ID_ATTR] = handle.sandbox_id
-            command = operation.command
-            if self.record_command and command is not None:
+            command = operation.command if self.record_command else None
+            if command is not None:
                 attrs[COMMAND_ATTR] = command[: self.command_max_length]
             span = tracer.start_span(span_name, attributes=attrs)
             token = context.attach(trace.set_span_in_context(span))
