@@ -25,13 +25,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from sandbox_middleware import (
-    MetricsMiddleware,
-    Middleware,
-    ReleaseAccountingMiddleware,
-    RetryMiddleware,
     SandboxHandle,
     SandboxSpec,
-    TracingMiddleware,
+    recommended_middleware,
     stack,
 )
 from sandbox_middleware.testing import FaultInjectingProvider
@@ -50,25 +46,11 @@ def build(variant: str = "sdk") -> tuple[Any, FaultInjectingProvider, tuple[Any,
     if variant == "bare":
         return inner, inner, ()
     if variant == "no-sdk":
-        layers: list[Middleware[Any]] = [
-            Middleware(TracingMiddleware),
-            Middleware(MetricsMiddleware),
-            Middleware(ReleaseAccountingMiddleware),
-            Middleware(RetryMiddleware),
-        ]
-        return stack(inner, layers), inner, ()
+        return stack(inner, recommended_middleware()), inner, ()
     meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(BatchSpanProcessor(DropExporter(), max_queue_size=200_000))
-    provider: Any = stack(
-        inner,
-        [
-            Middleware(TracingMiddleware, tracer_provider=tracer_provider),
-            Middleware(MetricsMiddleware, meter_provider=meter_provider),
-            Middleware(ReleaseAccountingMiddleware, meter_provider=meter_provider),
-            Middleware(RetryMiddleware, meter_provider=meter_provider),
-        ],
-    )
+    provider: Any = stack(inner, recommended_middleware(meter_provider=meter_provider, tracer_provider=tracer_provider))
     return provider, inner, (meter_provider, tracer_provider)
 
 

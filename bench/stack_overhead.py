@@ -30,16 +30,12 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 from sandbox_middleware import (
     LocalProvider,
-    MetricsMiddleware,
-    Middleware,
     ProviderMiddleware,
-    ReleaseAccountingMiddleware,
-    RetryMiddleware,
     SandboxExecResult,
     SandboxHandle,
     SandboxProvider,
     SandboxSpec,
-    TracingMiddleware,
+    recommended_middleware,
     stack,
 )
 from sandbox_middleware._telemetry import PROVIDER_ATTR, SANDBOX_DURATION_BOUNDARIES_MS, SANDBOX_ID_ATTR
@@ -77,17 +73,7 @@ class DropExporter(SpanExporter):
 
 
 def full_stack(inner: SandboxProvider, **telemetry: Any) -> SandboxProvider:
-    meter = {"meter_provider": telemetry["meter_provider"]} if telemetry else {}
-    tracer = {"tracer_provider": telemetry["tracer_provider"]} if telemetry else {}
-    return stack(
-        inner,
-        [
-            Middleware(TracingMiddleware, **tracer),
-            Middleware(MetricsMiddleware, **meter),
-            Middleware(ReleaseAccountingMiddleware, **meter),
-            Middleware(RetryMiddleware, **meter),
-        ],
-    )
+    return stack(inner, recommended_middleware(**telemetry))
 
 
 async def per_call_us(*calls: Callable[[], Awaitable[Any]], count: int = CALLS, rounds: int = ROUNDS) -> list[float]:

@@ -6,12 +6,13 @@ from sandbox_middleware import LocalProvider, Middleware, ProviderMiddleware, Sa
 
 
 class PrintCalls(ProviderMiddleware):
-    """A tiny middleware: prints each command on its way in and its exit code on the way out."""
+    """A tiny middleware: prints each operation on its way in and each command's exit code on the way out."""
 
-    async def exec(self, handle, command, **kwargs):  # type: ignore[no-untyped-def]
-        print(f"-> {handle.sandbox_id}: {command}")
-        result = await super().exec(handle, command, **kwargs)
-        print(f"<- exit {result.return_code}")
+    async def around(self, operation):  # type: ignore[no-untyped-def]
+        print(f"-> {operation.name}" + (f": {operation.command}" if operation.command is not None else ""))
+        result = await operation()
+        if operation.name == "exec":
+            print(f"<- exit {result.return_code}")
         return result
 
 

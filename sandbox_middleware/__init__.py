@@ -2,7 +2,7 @@
 
 from ._budget import RetryBudget
 from ._config import ResolvedStack, build_provider, load_config, resolve_config
-from ._core import Middleware, ProviderMiddleware, stack
+from ._core import Middleware, Operation, ProviderMiddleware, stack
 from ._errors import (
     SANDBOX_CREATE_ERRORS,
     BwrapUnavailableError,
@@ -49,6 +49,7 @@ from ._protocol import (
     SupportsSandboxSharedStorage,
 )
 from ._reaper import ReapedSandbox, reap
+from ._recommended import recommended_middleware
 from ._registry import register_middleware, register_provider
 from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
 from ._retry import DEFAULT_RETRY_ON, RetryMiddleware
@@ -68,6 +69,7 @@ __all__ = [
     "LocalProvider",
     "MetricsMiddleware",
     "Middleware",
+    "Operation",
     "OwnershipMiddleware",
     "ProviderMiddleware",
     "ReapedSandbox",
@@ -113,6 +115,7 @@ __all__ = [
     "build_provider",
     "load_config",
     "reap",
+    "recommended_middleware",
     "register_middleware",
     "register_provider",
     "resolve_config",

@@ -1,17 +1,24 @@
-"""The middleware core: ``ProviderMiddleware``, ``Middleware`` and ``stack``."""
+"""The middleware core: ``ProviderMiddleware`` and its ``Operation``, ``Middleware`` and ``stack``."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Concatenate, Generic, ParamSpec
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from ._protocol import CAPABILITIES, SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 
-__all__ = ["Middleware", "ProviderMiddleware", "stack"]
+__all__ = ["OPERATIONS", "Middleware", "Operation", "ProviderMiddleware", "stack"]
 
 P = ParamSpec("P")
+T = TypeVar("T")
+
+OPERATIONS = ("create", "exec", "upload", "download", "status", "close")
+"""The names of the six operations of a provider, as ``Operation.name`` gives them."""
+_ALL = frozenset(OPERATIONS)
+_NONE: frozenset[str] = frozenset()
+_EXEC_OPTIONS = ("cwd", "env", "timeout_s", "user")
 
 
 def _methods(protocol: type) -> tuple[str, ...]:
@@ -23,12 +30,95 @@ def _methods(protocol: type) -> tuple[str, ...]:
 _CAPABILITY_METHODS: tuple[tuple[type, tuple[str, ...]], ...] = tuple((p, _methods(p)) for p in CAPABILITIES)
 
 
-class ProviderMiddleware:
-    """A ``SandboxProvider`` that delegates every call to ``inner``.
+class Operation(Generic[T]):
+    """One call of a provider operation on its way through a layer's ``around``.
 
-    Subclass it, call ``super().__init__(inner)``, and override only the operations you change;
-    call ``self.inner`` to go on. Keyword arguments a provider adds to an operation (``stdin=`` on
-    NeMo Gym's Docker ``exec``) reach ``inner`` unchanged through ``**extensions``.
+    ``name`` is the operation: ``"create"``, ``"exec"``, ``"upload"`` (``upload_file``),
+    ``"download"`` (``download_file``), ``"status"`` or ``"close"``. ``handle`` is the sandbox's
+    ``SandboxHandle`` (None for create), ``command`` the exec command (None for the others), ``spec``
+    the create ``SandboxSpec`` (None for the others), ``extensions`` the keyword arguments a provider
+    adds to the operation (``stdin=``), which reach the inner provider unchanged.
+
+    ``await operation()`` runs the operation on the inner provider and returns its result, again
+    each time it is called (a retrying layer calls it once per attempt). ``ProviderMiddleware``
+    makes one for each call it routes through ``around``; its constructor is not for layers.
+    """
+
+    __slots__ = ("_args", "_call", "_kwargs", "handle", "name")
+
+    def __init__(
+        self,
+        name: str,
+        handle: SandboxHandle | None,
+        call: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.name = name
+        self.handle = handle
+        self._call = call
+        self._args = args
+        self._kwargs = kwargs
+
+    def __call__(self) -> Awaitable[T]:
+        return self._call(*self._args, **self._kwargs)
+
+    @property
+    def command(self) -> str | None:
+        command: str | None = self._args[1] if self.name == "exec" else None
+        return command
+
+    @property
+    def spec(self) -> SandboxSpec | None:
+        spec: SandboxSpec | None = self._args[0] if self.name == "create" else None
+        return spec
+
+    @property
+    def extensions(self) -> dict[str, Any]:
+        """The provider's own keyword arguments of this call (a copy)."""
+        return {key: value for key, value in self._kwargs.items() if self.name != "exec" or key not in _EXEC_OPTIONS}
+
+    def __repr__(self) -> str:
+        what = f" {self.command!r}" if self.name == "exec" else ""
+        on = f" on {self.handle.sandbox_id}" if self.handle is not None else ""
+        return f"<Operation {self.name}{what}{on}>"
+
+
+class _Gate(Protocol):
+    def get(self) -> object: ...
+
+
+class _Open:
+    """The gate of a layer whose ``around`` is always on: ``get()`` is never None."""
+
+    __slots__ = ()
+
+    def get(self) -> object:
+        return True
+
+
+_OPEN = _Open()
+
+
+class ProviderMiddleware:
+    """A ``SandboxProvider`` that delegates every call to ``inner``: the base class of every layer.
+
+    Subclass it, call ``super().__init__(inner)``, and override one method::
+
+        async def around(self, operation: Operation[T]) -> T:
+            return await operation()
+
+    Every one of the six operations (create, exec, upload_file, download_file, status, close)
+    passes through ``around`` as an ``Operation``: its ``name`` (``"create"``, ``"exec"``,
+    ``"upload"``, ``"download"``, ``"status"``, ``"close"``), its ``handle`` (None for create),
+    ``command`` (exec), ``spec`` (create) and ``extensions``; ``await operation()`` runs it on
+    ``inner``, again each time it is called. Do what the layer does before and after, catch what
+    it raises, call it again to retry. Keyword arguments a provider adds to an operation
+    (``stdin=`` on NeMo Gym's Docker ``exec``) reach ``inner`` unchanged. A layer that does not
+    override ``around`` is a pure pass-through and builds no ``Operation``; one that needs an
+    operation's own arguments (a changed spec) may override that operation instead, with its
+    signature and ``**extensions``, and call ``self.inner``. ``aclose`` is not an operation: it
+    is forwarded, and overridden where a layer has something to release.
 
     Every optional capability (``CAPABILITIES``: endpoint, connect, PTY, PTY attach, pause/resume,
     network, port forwarding, shared storage, runtime requirements, background services) is
@@ -40,6 +130,18 @@ class ProviderMiddleware:
 
     inner: SandboxProvider
     name: str
+    # Which operations reach ``around``, read on every call and so kept to one set lookup and one
+    # call: those in ``_wrapped`` (none unless the class overrides ``around``, all six if it does;
+    # a layer may narrow it, as RetryMiddleware narrows it to its ``operations``) while
+    # ``_gate.get()`` is not None (telemetry layers: their tracer or instruments, None while no
+    # SDK is installed). The others go straight to ``inner``, without an ``Operation``.
+    _wrapped: frozenset[str] = _NONE
+    _gate: _Gate = _OPEN
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "around" in vars(cls) and "_wrapped" not in vars(cls):
+            cls._wrapped = _ALL
 
     def __init__(self, inner: SandboxProvider) -> None:
         self.inner = inner
@@ -57,7 +159,13 @@ class ProviderMiddleware:
     def __repr__(self) -> str:
         return f"{type(self).__qualname__}({self.inner!r})"
 
+    async def around(self, operation: Operation[T]) -> T:
+        """Run ``operation`` (``await operation()``) with what this layer adds; the default adds nothing."""
+        return await operation()
+
     async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
+        if "create" in self._wrapped and self._gate.get() is not None:
+            return await self.around(Operation("create", None, self.inner.create, (spec,), extensions))
         return await self.inner.create(spec, **extensions)
 
     async def exec(
@@ -71,6 +179,9 @@ class ProviderMiddleware:
         user: str | int | None = None,
         **extensions: Any,
     ) -> SandboxExecResult:
+        if "exec" in self._wrapped and self._gate.get() is not None:
+            options = {"cwd": cwd, "env": env, "timeout_s": timeout_s, "user": user, **extensions}
+            return await self.around(Operation("exec", handle, self.inner.exec, (handle, command), options))
         return await self._inner_exec(handle, command, cwd, env, timeout_s, user, extensions)
 
     def _inner_exec(
@@ -90,17 +201,27 @@ class ProviderMiddleware:
         return self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
 
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str, **extensions: Any) -> None:
+        if "upload" in self._wrapped and self._gate.get() is not None:
+            args = (handle, source_path, target_path)
+            return await self.around(Operation("upload", handle, self.inner.upload_file, args, extensions))
         await self.inner.upload_file(handle, source_path, target_path, **extensions)
 
     async def download_file(
         self, handle: SandboxHandle, source_path: str, target_path: Path, **extensions: Any
     ) -> None:
+        if "download" in self._wrapped and self._gate.get() is not None:
+            args = (handle, source_path, target_path)
+            return await self.around(Operation("download", handle, self.inner.download_file, args, extensions))
         await self.inner.download_file(handle, source_path, target_path, **extensions)
 
     async def status(self, handle: SandboxHandle, **extensions: Any) -> SandboxStatus:
+        if "status" in self._wrapped and self._gate.get() is not None:
+            return await self.around(Operation("status", handle, self.inner.status, (handle,), extensions))
         return await self.inner.status(handle, **extensions)
 
     async def close(self, handle: SandboxHandle, **extensions: Any) -> None:
+        if "close" in self._wrapped and self._gate.get() is not None:
+            return await self.around(Operation("close", handle, self.inner.close, (handle,), extensions))
         await self.inner.close(handle, **extensions)
 
     async def aclose(self) -> None:

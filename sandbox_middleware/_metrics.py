@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
 
-from ._core import ProviderMiddleware
-from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
+from ._core import Operation, ProviderMiddleware
+from ._protocol import SandboxProvider
 from ._telemetry import (
     ERROR_TYPE_ATTR,
     OPERATION_ATTR,
@@ -25,6 +23,12 @@ from ._telemetry import (
 __all__ = ["MetricsMiddleware"]
 
 T = TypeVar("T")
+
+# The operations whose successful calls are timed: (instrument, its name).
+_DURATIONS = {
+    "create": ("startup", "gym.sandbox.startup_duration_ms"),
+    "exec": ("exec", "gym.sandbox.exec_duration_ms"),
+}
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class MetricsMiddleware(ProviderMiddleware):
     def __init__(self, inner: SandboxProvider, *, meter_provider: MeterProvider | None = None) -> None:
         super().__init__(inner)
         self._instruments = Instruments(_Instruments.create, meter_provider)
+        self._gate = self._instruments  # without an SDK nothing is recorded: no operation is wrapped
         self._attributes = {PROVIDER_ATTR: inner.name}
 
     def _failed(self, operation: str, exc: Exception) -> None:
@@ -80,52 +85,17 @@ class MetricsMiddleware(ProviderMiddleware):
     def _duration(self, histogram: Histogram, started: float, what: str) -> None:
         safely(what, histogram.record, (time.perf_counter() - started) * 1000.0, self._attributes)
 
-    async def _counting(self, operation: str, call: Awaitable[T]) -> T:
-        """Await ``call``; if it raises, count the failure under ``operation`` and re-raise."""
+    async def around(self, operation: Operation[T]) -> T:
+        started = time.perf_counter()
         try:
-            return await call
+            result = await operation()
         except Exception as exc:
-            self._failed(operation, exc)
+            self._failed(operation.name, exc)
             raise
-
-    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
-        started = time.perf_counter()
-        handle = await self._counting("create", self.inner.create(spec, **extensions))
-        instruments = self._instruments.get()
-        if instruments is not None:
-            self._duration(instruments.startup, started, "gym.sandbox.startup_duration_ms")
-        return handle
-
-    async def exec(
-        self,
-        handle: SandboxHandle,
-        command: str,
-        *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout_s: int | float | None = None,
-        user: str | int | None = None,
-        **extensions: Any,
-    ) -> SandboxExecResult:
-        call = self._inner_exec(handle, command, cwd, env, timeout_s, user, extensions)
-        instruments = self._instruments.get()
-        if instruments is None:
-            return await call
-        started = time.perf_counter()
-        result = await self._counting("exec", call)
-        self._duration(instruments.exec, started, "gym.sandbox.exec_duration_ms")
+        duration = _DURATIONS.get(operation.name)
+        if duration is not None:
+            instruments = self._instruments.get()
+            if instruments is not None:
+                field, what = duration
+                self._duration(getattr(instruments, field), started, what)
         return result
-
-    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str, **extensions: Any) -> None:
-        await self._counting("upload", self.inner.upload_file(handle, source_path, target_path, **extensions))
-
-    async def download_file(
-        self, handle: SandboxHandle, source_path: str, target_path: Path, **extensions: Any
-    ) -> None:
-        await self._counting("download", self.inner.download_file(handle, source_path, target_path, **extensions))
-
-    async def status(self, handle: SandboxHandle, **extensions: Any) -> SandboxStatus:
-        return await self._counting("status", self.inner.status(handle, **extensions))
-
-    async def close(self, handle: SandboxHandle, **extensions: Any) -> None:
-        await self._counting("close", self.inner.close(handle, **extensions))

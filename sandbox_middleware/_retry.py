@@ -5,11 +5,9 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
-from typing import Any, ClassVar, TypeAlias, TypeVar
+from typing import ClassVar, TypeAlias, TypeVar
 
 import anyio
 import stamina
@@ -18,9 +16,9 @@ from opentelemetry.metrics import Counter, Meter, MeterProvider
 
 from ._bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
 from ._budget import RetryBudget
-from ._core import ProviderMiddleware
+from ._core import OPERATIONS, Operation, ProviderMiddleware
 from ._errors import SANDBOX_CREATE_ERRORS, SandboxArgumentError
-from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
+from ._protocol import SandboxProvider
 from ._telemetry import OPERATION_ATTR, PROVIDER_ATTR, Instruments, error_type, report_once
 
 __all__ = ["DEFAULT_RETRY_ON", "RETRYABLE_OPERATIONS", "RetryMiddleware", "RetryOn"]
@@ -30,7 +28,7 @@ T = TypeVar("T")
 logger = logging.getLogger("sandbox_middleware.retry")
 
 RetryOn: TypeAlias = type[Exception] | tuple[type[Exception], ...] | Callable[[Exception], bool | float | dt.timedelta]
-RETRYABLE_OPERATIONS = ("create", "exec", "upload", "download", "status", "close")
+RETRYABLE_OPERATIONS = OPERATIONS
 DEFAULT_RETRY_ON: tuple[type[Exception], ...] = (*SANDBOX_CREATE_ERRORS, ConnectionError)
 """Create failures of this package and of NeMo Gym (its providers' ``SandboxCreateError``), and connection errors."""
 
@@ -189,13 +187,23 @@ class RetryMiddleware(ProviderMiddleware):
         except Exception as exc:
             report_once("retry span event", exc)
 
-    async def _call(self, operation: str, call: Callable[[], Awaitable[T]]) -> T:
-        if operation not in self.operations:
-            return await call()
+    @property
+    def operations(self) -> frozenset[str]:
+        """The operations retried: the only ones that reach ``around``."""
+        return self._wrapped
+
+    @operations.setter
+    def operations(self, operations: frozenset[str]) -> None:
+        self._wrapped = operations
+
+    async def around(self, operation: Operation[T]) -> T:
+        name = operation.name
+        if name not in self.operations:  # exec by default: a command may have run, never repeat it
+            return await operation()
         last_error: Exception | None = None
         failed_at = 0.0
         async for attempt in stamina.retry_context(
-            on=self._predicate(operation),
+            on=self._predicate(name),
             attempts=self.attempts,
             timeout=self.timeout,
             wait_initial=self.wait_initial,
@@ -204,13 +212,13 @@ class RetryMiddleware(ProviderMiddleware):
         ):
             with attempt:
                 if attempt.num > 1:
-                    self._retrying_now(operation, attempt.num, time.monotonic() - failed_at, last_error)
+                    self._retrying_now(name, attempt.num, time.monotonic() - failed_at, last_error)
                 try:
                     if self.attempt_timeout is None:
-                        result = await call()
+                        result = await operation()
                     else:
                         with anyio.fail_after(self.attempt_timeout):
-                            result = await call()
+                            result = await operation()
                 except Exception as exc:
                     last_error, failed_at = exc, time.monotonic()
                     raise
@@ -218,40 +226,6 @@ class RetryMiddleware(ProviderMiddleware):
                     self.budget.on_success()
                 return result
         raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
-
-    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
-        return await self._call("create", partial(self.inner.create, spec, **extensions))
-
-    async def exec(
-        self,
-        handle: SandboxHandle,
-        command: str,
-        *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout_s: int | float | None = None,
-        user: str | int | None = None,
-        **extensions: Any,
-    ) -> SandboxExecResult:
-        if "exec" not in self.operations:  # the default: a command may have run, never repeat it
-            return await self._inner_exec(handle, command, cwd, env, timeout_s, user, extensions)
-        return await self._call(
-            "exec", partial(self._inner_exec, handle, command, cwd, env, timeout_s, user, extensions)
-        )
-
-    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str, **extensions: Any) -> None:
-        await self._call("upload", partial(self.inner.upload_file, handle, source_path, target_path, **extensions))
-
-    async def download_file(
-        self, handle: SandboxHandle, source_path: str, target_path: Path, **extensions: Any
-    ) -> None:
-        await self._call("download", partial(self.inner.download_file, handle, source_path, target_path, **extensions))
-
-    async def status(self, handle: SandboxHandle, **extensions: Any) -> SandboxStatus:
-        return await self._call("status", partial(self.inner.status, handle, **extensions))
-
-    async def close(self, handle: SandboxHandle, **extensions: Any) -> None:
-        await self._call("close", partial(self.inner.close, handle, **extensions))
 
 
 def _is_exception_types(on: object) -> bool:

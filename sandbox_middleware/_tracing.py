@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextvars import Token
-from functools import partial
-from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from opentelemetry import context, trace
@@ -13,8 +11,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, TracerProvider
 
 from ._bounds import NON_NEGATIVE_WHOLE, Bounds
-from ._core import ProviderMiddleware
-from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
+from ._core import Operation, ProviderMiddleware
+from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider
 from ._telemetry import PROVIDER_ATTR, SANDBOX_ID_ATTR, Tracing, record_error, report_once, safely
 
 __all__ = ["TracingMiddleware"]
@@ -53,40 +51,39 @@ class TracingMiddleware(ProviderMiddleware):
         super().__init__(inner)
         self.BOUNDS.check(command_max_length=command_max_length)
         self._tracing = Tracing(tracer_provider)
+        self._gate = self._tracing  # without an SDK there are no spans: no operation is wrapped
         self.record_command = record_command
         self.command_max_length = command_max_length
 
-    async def _traced(
-        self,
-        span_name: str,
-        handle: SandboxHandle | None,
-        call: Callable[[], Awaitable[T]],
-        attributes: dict[str, Any] | None = None,
-        on_result: Callable[[Span, T], None] | None = None,
-    ) -> T:
+    async def around(self, operation: Operation[T]) -> T:
         tracer = self._tracing.get()
         if tracer is None:
-            return await call()
+            return await operation()
+        name = operation.name
+        span_name = _SPAN_NAMES[name]
         span: Span | None = None
         token: Token[Context] | None = None
         try:
             attrs: dict[str, Any] = {PROVIDER_ATTR: self.name}
+            handle = operation.handle
             if handle is not None:
                 attrs[SANDBOX_ID_ATTR] = handle.sandbox_id
-            if attributes:
-                attrs.update(attributes)
+            command = operation.command if self.record_command else None
+            if command is not None:
+                attrs[COMMAND_ATTR] = command[: self.command_max_length]
             span = tracer.start_span(span_name, attributes=attrs)
             token = context.attach(trace.set_span_in_context(span))
         except Exception as exc:
             report_once(f"starting span {span_name}", exc)
         if span is None:
-            return await call()
+            return await operation()
         try:
-            result = await call()
+            result = await operation()
         except Exception as exc:
             safely(f"span {span_name}", record_error, span, exc)
             raise
         else:
+            on_result = _ON_RESULT.get(name)
             if on_result is not None:
                 safely(f"span {span_name}", on_result, span, result)
             return result
@@ -98,55 +95,6 @@ class TracingMiddleware(ProviderMiddleware):
             except Exception as exc:
                 report_once(f"span {span_name}", exc)
 
-    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
-        return await self._traced(
-            "gym.sandbox.start", None, partial(self.inner.create, spec, **extensions), on_result=_set_id
-        )
-
-    async def exec(
-        self,
-        handle: SandboxHandle,
-        command: str,
-        *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout_s: int | float | None = None,
-        user: str | int | None = None,
-        **extensions: Any,
-    ) -> SandboxExecResult:
-        if self._tracing.get() is None:  # the hot path without an SDK: no closure, no extra frame
-            return await self._inner_exec(handle, command, cwd, env, timeout_s, user, extensions)
-        attributes = {COMMAND_ATTR: command[: self.command_max_length]} if self.record_command else None
-        return await self._traced(
-            "gym.sandbox.exec",
-            handle,
-            partial(self._inner_exec, handle, command, cwd, env, timeout_s, user, extensions),
-            attributes,
-            _set_exec_result,
-        )
-
-    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str, **extensions: Any) -> None:
-        await self._traced(
-            "gym.sandbox.upload",
-            handle,
-            partial(self.inner.upload_file, handle, source_path, target_path, **extensions),
-        )
-
-    async def download_file(
-        self, handle: SandboxHandle, source_path: str, target_path: Path, **extensions: Any
-    ) -> None:
-        await self._traced(
-            "gym.sandbox.download",
-            handle,
-            partial(self.inner.download_file, handle, source_path, target_path, **extensions),
-        )
-
-    async def status(self, handle: SandboxHandle, **extensions: Any) -> SandboxStatus:
-        return await self._traced("gym.sandbox.status", handle, partial(self.inner.status, handle, **extensions))
-
-    async def close(self, handle: SandboxHandle, **extensions: Any) -> None:
-        await self._traced("gym.sandbox.stop", handle, partial(self.inner.close, handle, **extensions))
-
 
 def _set_id(span: Span, handle: SandboxHandle) -> None:
     span.set_attribute(SANDBOX_ID_ATTR, handle.sandbox_id)
@@ -156,3 +104,15 @@ def _set_exec_result(span: Span, result: SandboxExecResult) -> None:
     span.set_attribute(RETURN_CODE_ATTR, result.return_code)
     if result.error_type is not None:
         span.set_attribute(EXEC_ERROR_ATTR, result.error_type)
+
+
+_SPAN_NAMES = {
+    "create": "gym.sandbox.start",
+    "exec": "gym.sandbox.exec",
+    "upload": "gym.sandbox.upload",
+    "download": "gym.sandbox.download",
+    "status": "gym.sandbox.status",
+    "close": "gym.sandbox.stop",
+}
+# What a span records of an operation's result.
+_ON_RESULT: dict[str, Callable[[Span, Any], None]] = {"create": _set_id, "exec": _set_exec_result}

@@ -119,25 +119,10 @@ def scripted_provider(*capabilities: type) -> PlainProvider:
 
 
 def recommended_stack(inner: Any, telemetry: Any = None, **retry: Any) -> Any:
-    """The README's recommended stack (Tracing, Metrics, ReleaseAccounting, Retry) over ``inner``, recording
-    into ``telemetry`` (a ``TelemetryCapture``) when given; ``retry`` are RetryMiddleware options."""
-    from sandbox_middleware import (
-        MetricsMiddleware,
-        Middleware,
-        ReleaseAccountingMiddleware,
-        RetryMiddleware,
-        TracingMiddleware,
-        stack,
-    )
+    """The recommended stack (``recommended_middleware``) over ``inner``, recording into ``telemetry``
+    (a ``TelemetryCapture``) when given; ``retry`` are RetryMiddleware options."""
+    from sandbox_middleware import recommended_middleware, stack
 
-    meters = {} if telemetry is None else {"meter_provider": telemetry.meter_provider}
-    tracers = {} if telemetry is None else {"tracer_provider": telemetry.tracer_provider}
-    return stack(
-        inner,
-        [
-            Middleware(TracingMiddleware, **tracers),
-            Middleware(MetricsMiddleware, **meters),
-            Middleware(ReleaseAccountingMiddleware, **meters),
-            Middleware(RetryMiddleware, **retry, **meters),
-        ],
-    )
+    meters = None if telemetry is None else telemetry.meter_provider
+    tracers = None if telemetry is None else telemetry.tracer_provider
+    return stack(inner, recommended_middleware(meter_provider=meters, tracer_provider=tracers, retry=retry))

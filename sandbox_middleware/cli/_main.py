@@ -26,6 +26,7 @@ import anyio
 from .._config import ResolvedStack, load_config, resolve_config
 from .._errors import ConfigError, SandboxError, UsageError
 from .._reaper import reap
+from .._recommended import recommended_middleware_config
 from ..testing import parse_faults
 from ._export import EXPORTS, start_telemetry
 from ._process import ProcessResult, RunOptions, combine, orphans_row, run_process, with_run_id
@@ -40,29 +41,26 @@ EXIT_SESSIONS_FAILED = 3
 DEFAULT_CONFIG: dict[str, Any] = {
     "provider": {"local": {"isolation": "none"}},
     "middleware": [
-        "tracing",
-        "metrics",
-        "release_accounting",
-        {
-            "retry": {  # creates: only failures that say the sandbox was not created
-                "attempts": 5,
-                "timeout": 120,
-                "operations": ["create"],
-                "on": ["SandboxCreateError", "ConnectionError"],
-                "budget": {"max_tokens": 100, "token_ratio": 0.1},
-            }
-        },
-        {
-            "retry": {  # closes: any provider or connection failure, since closing twice is harmless
-                "attempts": 5,
-                "timeout": 20,
-                "wait_initial": 0.05,
-                "wait_max": 1,
-                "wait_jitter": 0.05,
-                "operations": ["close"],
-                "on": ["SandboxError", "ConnectionError", "TimeoutError"],
-            }
-        },
+        *recommended_middleware_config(
+            retry=[
+                {  # creates: only failures that say the sandbox was not created
+                    "attempts": 5,
+                    "timeout": 120,
+                    "operations": ["create"],
+                    "on": ["SandboxCreateError", "ConnectionError"],
+                    "budget": {"max_tokens": 100, "token_ratio": 0.1},
+                },
+                {  # closes: any provider or connection failure, since closing twice is harmless
+                    "attempts": 5,
+                    "timeout": 20,
+                    "wait_initial": 0.05,
+                    "wait_max": 1,
+                    "wait_jitter": 0.05,
+                    "operations": ["close"],
+                    "on": ["SandboxError", "ConnectionError", "TimeoutError"],
+                },
+            ]
+        ),
         "ownership",  # innermost: every create, retried ones too, names this run and process
     ],
 }

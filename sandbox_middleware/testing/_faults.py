@@ -5,17 +5,22 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 import anyio
 
-from .._core import _layer_class
+from .._core import OPERATIONS as OPERATIONS  # re-exported by sandbox_middleware.testing
+from .._core import Operation, ProviderMiddleware
 from .._errors import InjectedCreateError, InjectedFault, SandboxNotFoundError
 from .._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 
-OPERATIONS = ("create", "exec", "upload", "download", "status", "close")
+T = TypeVar("T")
+
+_ON_A_LIVE_SANDBOX = frozenset({"exec", "upload", "download"})
+"""The operations that fail with SandboxNotFoundError on a sandbox that is not alive."""
 
 
-class FaultInjectingProvider:
+class FaultInjectingProvider(ProviderMiddleware):
     """A provider whose sandboxes are entries in a set, with faults injected on request.
 
     - ``failure_rates``: probability per operation (create, exec, upload, download, status,
@@ -58,22 +63,19 @@ class FaultInjectingProvider:
                 raise ValueError(
                     f"FaultInjectingProvider: failure rate for {operation!r} must be in [0, 1], not {rate}"
                 )
-        self.inner = inner
-        self.name = inner.name if inner is not None else name
-        if inner is not None:  # the inner provider's optional capabilities (list, connect ...) pass through
-            self.__class__ = _layer_class(FaultInjectingProvider, inner)
+        self.alive: set[str] = set()
+        # With inner, its optional capabilities (list, connect ...) pass through; without, sandboxes are ids in alive.
+        super().__init__(inner if inner is not None else _Sandboxes(name, self.alive))
         self.failure_rates = rates
         self.lost_create_rate = lost_create_rate
         self.close_failures = close_failures
         self.latency = dict(latency or {})
         self.hang_at = frozenset(hang_at)
         self.random = random.Random(seed)
-        self.alive: set[str] = set()
         self.orphaned: set[str] = set()
         self.injected: list[InjectedFault] = []
         self.calls: dict[str, int] = dict.fromkeys(OPERATIONS, 0)
         self._close_attempts: dict[str, int] = {}
-        self._ids = 0  # an int, not itertools.count: providers pickle (3.14 drops itertools pickling)
 
     def __repr__(self) -> str:
         return f"FaultInjectingProvider(name={self.name!r}, alive={len(self.alive)})"
@@ -105,77 +107,64 @@ class FaultInjectingProvider:
         self.injected.append(error)
         raise error
 
-    async def create(self, spec: SandboxSpec) -> SandboxHandle:
-        await self._enter("create", None)
-        if self.inner is not None:
-            handle = await self.inner.create(spec)
-        else:
-            handle = SandboxHandle(f"{self.name}-{self._ids}", self.name, None)
-            self._ids += 1
-        sandbox_id = handle.sandbox_id
-        self.alive.add(sandbox_id)
-        self.orphaned.add(sandbox_id)  # until the handle is handed back
-        if self.lost_create_rate and self.random.random() < self.lost_create_rate:
-            self._raise("create", f"injected lost response: {sandbox_id} was created")
-        await self._leave("create")
-        self.orphaned.discard(sandbox_id)
-        return handle
-
-    async def exec(
-        self,
-        handle: SandboxHandle,
-        command: str,
-        *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout_s: int | float | None = None,
-        user: str | int | None = None,
-    ) -> SandboxExecResult:
-        await self._enter("exec", handle.sandbox_id)
-        if self.inner is not None:
-            result = await self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
-        else:
-            result = SandboxExecResult(f"ran: {command}\n", "", 0)
-        await self._leave("exec")
+    async def around(self, operation: Operation[T]) -> T:
+        name, handle = operation.name, operation.handle
+        await self._enter(name, handle.sandbox_id if handle is not None and name in _ON_A_LIVE_SANDBOX else None)
+        if handle is not None and name == "close":
+            attempts = self._close_attempts.get(handle.sandbox_id, 0)
+            if attempts < self.close_failures and handle.sandbox_id in self.alive:
+                self._close_attempts[handle.sandbox_id] = attempts + 1
+                self._raise("close", f"injected close failure {attempts + 1}/{self.close_failures}")
+        result = await operation()
+        created = cast("SandboxHandle", result).sandbox_id if name == "create" else None
+        if created is not None:
+            self.alive.add(created)
+            self.orphaned.add(created)  # until the handle is handed back
+            if self.lost_create_rate and self.random.random() < self.lost_create_rate:
+                self._raise("create", f"injected lost response: {created} was created")
+        elif handle is not None and name == "close":
+            self._close_attempts.pop(handle.sandbox_id, None)
+            self.alive.discard(handle.sandbox_id)
+        await self._leave(name)
+        if created is not None:
+            self.orphaned.discard(created)
         return result
 
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+        await anyio.lowlevel.checkpoint()
+
+
+class _Sandboxes:
+    """FaultInjectingProvider's provider when it wraps none: a sandbox is its id in ``alive``
+    (the set the fault injector keeps), commands echo."""
+
+    def __init__(self, name: str, alive: set[str]) -> None:
+        self.name = name
+        self.alive = alive
+        self._ids = 0  # an int, not itertools.count: providers pickle (3.14 drops itertools pickling)
+
+    async def create(self, spec: SandboxSpec) -> SandboxHandle:
+        self._ids += 1
+        return SandboxHandle(f"{self.name}-{self._ids - 1}", self.name, None)
+
+    async def exec(self, handle: SandboxHandle, command: str, **options: Any) -> SandboxExecResult:
+        return SandboxExecResult(f"ran: {command}\n", "", 0)
+
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
-        await self._enter("upload", handle.sandbox_id)
-        if self.inner is not None:
-            await self.inner.upload_file(handle, source_path, target_path)
-        await self._leave("upload")
+        pass
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
-        await self._enter("download", handle.sandbox_id)
-        if self.inner is not None:
-            await self.inner.download_file(handle, source_path, target_path)
-        await self._leave("download")
+        pass
 
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
-        await self._enter("status", None)
-        if self.inner is not None:
-            status = await self.inner.status(handle)
-        else:
-            status = SandboxStatus.RUNNING if handle.sandbox_id in self.alive else SandboxStatus.STOPPED
-        await self._leave("status")
-        return status
+        return SandboxStatus.RUNNING if handle.sandbox_id in self.alive else SandboxStatus.STOPPED
 
     async def close(self, handle: SandboxHandle) -> None:
-        await self._enter("close", None)
-        attempts = self._close_attempts.get(handle.sandbox_id, 0)
-        if attempts < self.close_failures and handle.sandbox_id in self.alive:
-            self._close_attempts[handle.sandbox_id] = attempts + 1
-            self._raise("close", f"injected close failure {attempts + 1}/{self.close_failures}")
-        if self.inner is not None:
-            await self.inner.close(handle)
-        self._close_attempts.pop(handle.sandbox_id, None)
-        self.alive.discard(handle.sandbox_id)
-        await self._leave("close")
+        pass
 
     async def aclose(self) -> None:
-        if self.inner is not None:
-            await self.inner.aclose()
-        await anyio.lowlevel.checkpoint()
+        pass
 
 
 LOST_CREATE = "lost_create"

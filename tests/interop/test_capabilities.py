@@ -19,12 +19,9 @@ import sandbox_middleware  # noqa: E402
 from sandbox_middleware import (  # noqa: E402
     CAPABILITIES,
     LocalProvider,
-    MetricsMiddleware,
     Middleware,
     ProviderMiddleware,
-    ReleaseAccountingMiddleware,
-    RetryMiddleware,
-    TracingMiddleware,
+    recommended_middleware,
     stack,
 )
 
@@ -35,13 +32,7 @@ NEMO_CAPABILITIES = [
     for name, cls in vars(nemo_base).items()
     if inspect.isclass(cls) and getattr(cls, "_is_runtime_protocol", False) and name != "SandboxPtySession"
 ]
-FIVE_LAYERS = [
-    Middleware(TracingMiddleware),
-    Middleware(MetricsMiddleware),
-    Middleware(ReleaseAccountingMiddleware),
-    Middleware(RetryMiddleware),
-    Middleware(ProviderMiddleware),
-]
+FIVE_LAYERS = [*recommended_middleware(), Middleware(ProviderMiddleware)]
 
 
 def _members(protocol: type) -> dict[str, list[tuple[str, Any, Any]]]:

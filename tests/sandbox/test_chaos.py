@@ -17,17 +17,15 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from sandbox_middleware import (
-    MetricsMiddleware,
     Middleware,
     ProviderMiddleware,
     ReleaseAccountingMiddleware,
     RetryBudget,
-    RetryMiddleware,
     Sandbox,
     SandboxCreateError,
     SandboxHandle,
     SandboxSpec,
-    TracingMiddleware,
+    recommended_middleware,
     stack,
 )
 from sandbox_middleware.testing import FaultInjectingProvider
@@ -96,13 +94,19 @@ async def test_chaos(telemetry: TelemetryCapture, pytestconfig: pytest.Config, t
         inner,
         [
             Middleware(CountingCalls),
-            Middleware(TracingMiddleware, tracer_provider=telemetry.tracer_provider),
-            Middleware(MetricsMiddleware, meter_provider=telemetry.meter_provider),
-            Middleware(ReleaseAccountingMiddleware, meter_provider=telemetry.meter_provider),
-            Middleware(RetryMiddleware, attempts=4, wait_initial=0.0005, wait_max=0.002, wait_jitter=0.0,
-                       budget=RetryBudget(max_tokens=40, token_ratio=0.2), meter_provider=telemetry.meter_provider),
+            *recommended_middleware(
+                meter_provider=telemetry.meter_provider,
+                tracer_provider=telemetry.tracer_provider,
+                retry={
+                    "attempts": 4,
+                    "wait_initial": 0.0005,
+                    "wait_max": 0.002,
+                    "wait_jitter": 0.0,
+                    "budget": RetryBudget(max_tokens=40, token_ratio=0.2),
+                },
+            ),
         ],
-    )  # fmt: skip
+    )
     accounting: ReleaseAccountingMiddleware = provider.inner.inner.inner
     source = tmp_path / "in.txt"
     source.write_text("x")

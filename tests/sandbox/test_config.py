@@ -13,7 +13,6 @@ from sandbox_middleware import (
     ConfigError,
     LocalProvider,
     MetricsMiddleware,
-    Middleware,
     RegistryError,
     ReleaseAccountingMiddleware,
     RetryBudget,
@@ -22,6 +21,7 @@ from sandbox_middleware import (
     TracingMiddleware,
     build_provider,
     load_config,
+    recommended_middleware,
     register_provider,
     resolve_config,
     stack,
@@ -240,11 +240,8 @@ def test_config_stack_is_the_hand_built_stack(telemetry: TelemetryCapture) -> No
     }
     from_config: Any = build_provider(config, meter_provider=telemetry.meter_provider)
     by_hand: Any = stack(
-        LocalProvider(),
-        [Middleware(TracingMiddleware), Middleware(MetricsMiddleware, meter_provider=telemetry.meter_provider),
-         Middleware(ReleaseAccountingMiddleware, meter_provider=telemetry.meter_provider),
-         Middleware(RetryMiddleware, attempts=2, meter_provider=telemetry.meter_provider)],
-    )  # fmt: skip
+        LocalProvider(), recommended_middleware(meter_provider=telemetry.meter_provider, retry={"attempts": 2})
+    )
 
     def layers(provider: Any) -> list[type]:
         found = [type(provider)]

@@ -6,7 +6,7 @@ import copy
 import inspect
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -20,6 +20,7 @@ from sandbox_middleware import (
     ExecResult,
     MetricsMiddleware,
     Middleware,
+    Operation,
     ProviderMiddleware,
     RegistryError,
     ReleaseAccountingMiddleware,
@@ -40,9 +41,12 @@ from sandbox_middleware import (
 )
 from sandbox_middleware._registry import provider_registry
 from sandbox_middleware._retry import RETRYABLE_OPERATIONS
+from sandbox_middleware.testing import FaultInjectingProvider
 from tests.providers import ConnectProvider, EndpointProvider, PlainProvider, scripted_provider
 
 pytestmark = pytest.mark.anyio
+
+T = TypeVar("T")
 
 
 class Recording(ProviderMiddleware):
@@ -243,6 +247,173 @@ def _full_stack(inner: SandboxProvider, **retry: Any) -> SandboxProvider:
     )
 
 
+async def _every_operation_with_extensions(provider: Any, **exec_options: Any) -> None:
+    """Every operation, each with a keyword of KeywordProvider's own; ``exec_options`` go to exec too."""
+    handle = await provider.create(SandboxSpec(), region="eu")
+    await provider.exec(handle, "cat", stdin=b"x", **exec_options)
+    await provider.upload_file(handle, Path("a"), "b", mode=0o600)
+    await provider.download_file(handle, "b", Path("a"), follow=True)
+    await provider.status(handle, fresh=True)
+    await provider.close(handle, force=True)
+
+
+# What KeywordProvider sees of _every_operation_with_extensions.
+EXTENSIONS_SEEN = [
+    ("create", "eu"),
+    ("exec", b"x"),
+    ("upload", 0o600),
+    ("download", True),
+    ("status", True),
+    ("close", True),
+]
+
+
+class Seeing(ProviderMiddleware):
+    """A one-method layer: notes what each operation looks like in ``around``, then runs it."""
+
+    def __init__(self, inner: SandboxProvider) -> None:
+        super().__init__(inner)
+        self.seen: list[tuple[Any, ...]] = []
+
+    async def around(self, operation: Operation[T]) -> T:
+        handle = operation.handle.sandbox_id if operation.handle is not None else None
+        spec = operation.spec is not None
+        self.seen.append((operation.name, handle, operation.command, spec, operation.extensions))
+        return await operation()
+
+
+class Twice(ProviderMiddleware):
+    """Calls every operation twice and returns the second result, as a retry of one failed attempt would."""
+
+    async def around(self, operation: Operation[T]) -> T:
+        await operation()
+        return await operation()
+
+
+async def test_around_sees_all_six_operations() -> None:
+    """A layer that only overrides around sees every operation with its name, handle, command and spec;
+    each result comes back through it."""
+    inner = PlainProvider()
+    provider: Any = stack(inner, [Middleware(Seeing), Middleware(ProviderMiddleware)])
+    handle = await provider.create(SandboxSpec())
+    assert (await provider.exec(handle, "echo hi", cwd="/tmp")).stdout == "echo hi"
+    await provider.upload_file(handle, Path("a"), "b")
+    await provider.download_file(handle, "b", Path("a"))
+    assert await provider.status(handle) == SandboxStatus.RUNNING
+    await provider.close(handle)
+    await provider.aclose()
+    sid = handle.sandbox_id
+    assert provider.seen == [
+        ("create", None, None, True, {}),
+        ("exec", sid, "echo hi", False, {}),
+        ("upload", sid, None, False, {}),
+        ("download", sid, None, False, {}),
+        ("status", sid, None, False, {}),
+        ("close", sid, None, False, {}),
+    ]
+    assert [op for op, _ in inner.calls] == ["create", "exec", "upload", "download", "status", "close", "aclose"]
+
+
+async def test_around_runs_the_operation_again_each_time_it_is_called() -> None:
+    """Calling the operation twice runs it twice on the inner provider (a retry), with the same arguments."""
+    inner = KeywordProvider()
+    provider: Any = stack(inner, [Middleware(Twice)])
+    handle = await provider.create(SandboxSpec(), region="eu")
+    result = await provider.exec(handle, "cat", stdin=b"x")
+    await provider.close(handle, force=True)
+    assert result.stdout == "cat"
+    # (KeywordProvider starts its seen list afresh on each create)
+    assert inner.seen == [("create", "eu"), ("exec", b"x"), ("exec", b"x"), ("close", True), ("close", True)]
+    assert [op for op, _ in inner.calls] == ["create", "create", "exec", "exec", "close", "close"]
+
+
+async def test_around_passes_extensions_through_unchanged() -> None:
+    """Keywords a provider adds reach it through a one-method layer, and the layer sees them."""
+    inner = KeywordProvider()
+    seeing = Seeing(inner)
+    await _every_operation_with_extensions(seeing, timeout_s=5)
+    assert inner.seen == EXTENSIONS_SEEN
+    assert [extensions for *_, extensions in seeing.seen] == [
+        {"region": "eu"},
+        {"stdin": b"x"},  # the protocol's own options (timeout_s=5) are not extensions
+        {"mode": 0o600},
+        {"follow": True},
+        {"fresh": True},
+        {"force": True},
+    ]
+
+
+class Quiet(ProviderMiddleware):
+    """A layer that overrides nothing but its constructor."""
+
+    def __init__(self, inner: SandboxProvider, *, label: str = "") -> None:
+        super().__init__(inner)
+        self.label = label
+
+
+async def _every_operation(provider: Any) -> None:
+    handle = await provider.create(SandboxSpec())
+    await provider.exec(handle, "true")
+    await provider.upload_file(handle, Path("a"), "b")
+    await provider.download_file(handle, "b", Path("a"))
+    await provider.status(handle)
+    await provider.close(handle)
+
+
+async def test_layers_that_wrap_nothing_build_no_operation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer that does not override around is a pure pass-through, and so are the built-in layers on
+    what they do not wrap right now: Tracing and Metrics without an SDK, Retry outside its operations.
+    None of them makes an Operation; a layer that overrides around gets one per operation."""
+    made: list[str] = []
+
+    class Counted(Operation[Any]):
+        __slots__ = ()
+
+        def __init__(self, name: str, *args: Any) -> None:
+            made.append(name)
+            super().__init__(name, *args)
+
+    monkeypatch.setattr(sandbox_middleware._core, "Operation", Counted)
+    inner = PlainProvider()
+    provider = stack(
+        inner,
+        [
+            Middleware(Quiet, label="q"),
+            Middleware(ProviderMiddleware),
+            Middleware(TracingMiddleware),  # the global API provider: no SDK in tests
+            Middleware(MetricsMiddleware),
+            Middleware(ReleaseAccountingMiddleware),
+            Middleware(RetryMiddleware, operations=("close",)),
+        ],
+    )
+    await _every_operation(provider)
+    assert made == ["close"]  # Retry's, on the one operation it retries
+    assert [op for op, _ in inner.calls] == ["create", "exec", "upload", "download", "status", "close"]
+    made.clear()
+    await _every_operation(Seeing(PlainProvider()))
+    assert made == ["create", "exec", "upload", "download", "status", "close"]
+
+
+def test_the_built_in_layers_wrap_only_around() -> None:
+    """Retry, Metrics, Tracing and the fault injector implement around and none of the six operations:
+    their exec is the base class's, with its true signature."""
+    operations = ("create", "exec", "upload_file", "download_file", "status", "close")
+    for cls in (RetryMiddleware, MetricsMiddleware, TracingMiddleware, FaultInjectingProvider):
+        assert "around" in vars(cls)
+        assert [name for name in operations if name in vars(cls)] == []
+    signature = inspect.signature(TracingMiddleware(PlainProvider()).exec)
+    assert list(signature.parameters) == ["handle", "command", "cwd", "env", "timeout_s", "user", "extensions"]
+
+
+async def test_a_one_method_layer_pickles_and_keeps_wrapping() -> None:
+    """A user's around layer round-trips through pickle with its capabilities and still sees every call."""
+    layer: Any = pickle.loads(pickle.dumps(Seeing(EndpointProvider())))
+    assert isinstance(layer, Seeing) and isinstance(layer, SupportsSandboxEndpoint)
+    handle = await layer.create(SandboxSpec())
+    await layer.exec(handle, "true")
+    assert [name for name, *_ in layer.seen] == ["create", "exec"]
+
+
 async def test_extension_keywords_reach_the_provider_through_every_layer(telemetry: Any) -> None:
     """Keywords a provider adds to an operation pass every layer unchanged, with telemetry on and
     every operation retried (so each goes through the retry path too)."""
@@ -257,20 +428,8 @@ async def test_extension_keywords_reach_the_provider_through_every_layer(telemet
             Middleware(ProviderMiddleware),
         ],
     )
-    handle = await provider.create(SandboxSpec(), region="eu")
-    await provider.exec(handle, "cat", stdin=b"x")
-    await provider.upload_file(handle, Path("a"), "b", mode=0o600)
-    await provider.download_file(handle, "b", Path("a"), follow=True)
-    await provider.status(handle, fresh=True)
-    await provider.close(handle, force=True)
-    assert inner.seen == [
-        ("create", "eu"),
-        ("exec", b"x"),
-        ("upload", 0o600),
-        ("download", True),
-        ("status", True),
-        ("close", True),
-    ]
+    await _every_operation_with_extensions(provider)
+    assert inner.seen == EXTENSIONS_SEEN
     assert telemetry.histogram_count("gym.sandbox.exec_duration_ms") == 1
 
 

@@ -373,7 +373,9 @@ UNBUILDABLE = {  # config -> what the one line says (after the provider's name)
 
 
 @pytest.mark.parametrize("command", ["run", "check", "reap"])
-@pytest.mark.parametrize("config", list(UNBUILDABLE), ids=["unknown-option", "refused-value", "refused-by-constructor", "no-bwrap"])
+@pytest.mark.parametrize(
+    "config", list(UNBUILDABLE), ids=["unknown-option", "refused-value", "refused-by-constructor", "no-bwrap"]
+)
 def test_provider_that_cannot_be_built_is_one_line(config: str, command: str, tmp_path: Path) -> None:
     """A provider the config validates but this machine cannot build (bwrap hidden from PATH here), or an
     option it refuses: exit 2, one line on stderr naming the provider and what is wrong, nothing run."""

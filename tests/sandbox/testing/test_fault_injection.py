@@ -9,13 +9,10 @@ import pytest
 
 from sandbox_middleware import (
     LocalProvider,
-    MetricsMiddleware,
-    Middleware,
     ReleaseAccountingMiddleware,
-    RetryMiddleware,
     Sandbox,
     SandboxSpec,
-    TracingMiddleware,
+    recommended_middleware,
     stack,
 )
 from sandbox_middleware.testing import OPERATIONS, FaultInjectingProvider, InjectedFault, parse_faults
@@ -32,12 +29,7 @@ async def test_cancellation_at_every_await_point(point: str, telemetry: Telemetr
     inner = FaultInjectingProvider(hang_at={point})
     provider = stack(
         inner,
-        [
-            Middleware(TracingMiddleware, tracer_provider=telemetry.tracer_provider),
-            Middleware(MetricsMiddleware, meter_provider=telemetry.meter_provider),
-            Middleware(ReleaseAccountingMiddleware, meter_provider=telemetry.meter_provider),
-            Middleware(RetryMiddleware, meter_provider=telemetry.meter_provider),
-        ],
+        recommended_middleware(meter_provider=telemetry.meter_provider, tracer_provider=telemetry.tracer_provider),
     )
     accounting = provider.inner.inner  # type: ignore[attr-defined]
     source = tmp_path / "in.txt"
