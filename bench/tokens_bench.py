@@ -91,6 +91,18 @@ async def best_ms_async(fn: Callable[[], Awaitable[Any]]) -> float:
     return best * 1000
 
 
+async def plain_and_captured(
+    handler: Callable[[httpx.Request], httpx.Response], measure: Callable[[httpx.AsyncClient], Awaitable[float]]
+) -> tuple[float, float]:
+    """``measure`` of a plain httpx client, then of one through ``TokenCaptureTransport``, same handler."""
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as plain:
+        plain_us = await measure(plain)
+    capture = TokenCaptureTransport(httpx.MockTransport(handler), request_prompt_and_generation_token_ids=True)
+    async with httpx.AsyncClient(transport=capture) as captured:
+        captured_us = await measure(captured)
+    return plain_us, captured_us
+
+
 async def transport_cost(rounds: int = 2000) -> tuple[float, float, float]:
     """Microseconds per small completion: plain post + json.loads, the same through the transport, TokenClient."""
     body = {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
@@ -105,11 +117,7 @@ async def transport_cost(rounds: int = 2000) -> tuple[float, float, float]:
 
         return await best_ms_async(batch) * 1000 / rounds
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as plain:
-        plain_us = await per_call(plain)
-    capture = TokenCaptureTransport(httpx.MockTransport(handler), request_prompt_and_generation_token_ids=True)
-    async with httpx.AsyncClient(transport=capture) as captured:
-        transport_us = await per_call(captured)
+    plain_us, transport_us = await plain_and_captured(handler, per_call)
     http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     async with http, TokenClient("http://bench.test/v1", http_client=http) as client:
 
@@ -159,12 +167,7 @@ async def stream_cost(chunks: int) -> tuple[float, float]:
 
         return await best_ms_async(read) * 1000 / chunks
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as plain:
-        plain_us = await per_chunk(plain)
-    capture = TokenCaptureTransport(httpx.MockTransport(handler), request_prompt_and_generation_token_ids=True)
-    async with httpx.AsyncClient(transport=capture) as captured:
-        captured_us = await per_chunk(captured)
-    return plain_us, captured_us
+    return await plain_and_captured(handler, per_chunk)
 
 
 NEMO_GYM_SCRIPT = """

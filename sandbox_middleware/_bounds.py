@@ -1,7 +1,7 @@
 """What a numeric option accepts, declared once beside the parameters it bounds.
 
 A class lists its numeric options' bounds in ``BOUNDS``, next to its ``__init__``; the constructor
-checks its arguments with ``BOUNDS.check(...)`` and the config validator (``_config.py``) reads the
+checks its arguments with ``BOUNDS.check(locals())`` and the config validator (``_config.py``) reads the
 same ``BOUNDS``, so a value one refuses the other refuses too, with the same words: the
 constructor raises ``SandboxArgumentError``, the config lists the problem in its ``ConfigError``.
 
@@ -93,11 +93,11 @@ class Bounds(Mapping[str, Bound]):
     def __repr__(self) -> str:
         return f"Bounds({self.owner!r}, {', '.join(f'{k}={v}' for k, v in self._bounds.items())})"
 
-    def check(self, **values: object) -> None:
-        """Each of ``values`` against its bound; the first one refused raises ``SandboxArgumentError``
-        ("Owner: name must be ..., not ...")."""
-        for name, value in values.items():
-            self._bounds[name].check(value, f"{self.owner}: {name}")
+    def check(self, arguments: Mapping[str, object]) -> None:
+        """Every bounded option's value in ``arguments`` (the constructor's ``locals()``, so none is
+        forgotten); the first one refused raises ``SandboxArgumentError`` ("Owner: name must be ...")."""
+        for name, bound in self._bounds.items():
+            bound.check(arguments[name], f"{self.owner}: {name}")
 
 
 def bounds_of(cls: object) -> Mapping[str, Bound]:

@@ -24,7 +24,7 @@ class RetryBudget:
     BOUNDS: ClassVar[Bounds] = Bounds("RetryBudget", max_tokens=POSITIVE, token_ratio=POSITIVE)
 
     def __init__(self, max_tokens: float = 100.0, token_ratio: float = 0.1) -> None:
-        self.BOUNDS.check(max_tokens=max_tokens, token_ratio=token_ratio)
+        self.BOUNDS.check(locals())
         if token_ratio > max_tokens:
             raise SandboxArgumentError(f"RetryBudget: token_ratio must be in (0, max_tokens], not {token_ratio!r}")
         self.max_tokens = float(max_tokens)

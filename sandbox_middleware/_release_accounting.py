@@ -73,7 +73,7 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
         release_concurrency: int = 64,
     ) -> None:
         super().__init__(inner)
-        self.BOUNDS.check(release_timeout_s=release_timeout_s, release_concurrency=release_concurrency)
+        self.BOUNDS.check(locals())
         self._counter = Instruments(_active_counter, meter_provider)
         self._attributes = {PROVIDER_ATTR: inner.name}
         self._ledger: dict[str, HeldSandbox] = {}

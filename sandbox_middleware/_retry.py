@@ -114,14 +114,7 @@ class RetryMiddleware(ProviderMiddleware):
             raise SandboxArgumentError(
                 f"RetryMiddleware: operations must be a list of {list(RETRYABLE_OPERATIONS)}, got {operations!r}"
             )
-        self.BOUNDS.check(
-            attempts=attempts,
-            timeout=timeout,
-            wait_initial=wait_initial,
-            wait_max=wait_max,
-            wait_jitter=wait_jitter,
-            attempt_timeout=attempt_timeout,
-        )
+        self.BOUNDS.check(locals())
         self.on = on
         self.attempts = attempts
         self.timeout = timeout

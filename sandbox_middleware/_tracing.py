@@ -49,7 +49,7 @@ class TracingMiddleware(ProviderMiddleware):
         command_max_length: int = 1024,
     ) -> None:
         super().__init__(inner)
-        self.BOUNDS.check(command_max_length=command_max_length)
+        self.BOUNDS.check(locals())
         self._tracing = Tracing(tracer_provider)
         self._gate = self._tracing  # without an SDK there are no spans: no operation is wrapped
         self.record_command = record_command

@@ -194,11 +194,7 @@ def extract_vllm_inline(response: DecodedResponse, index: int = 0) -> Candidate 
     assert generation is not None
     entries = response.logprob_entries(index)
     if entries is None:
-        problem = MissingTokenMetadataError(
-            f"the response has vLLM inline ids but no {choice}.logprobs.content for their log probabilities; "
-            "request logprobs=true (TokenClient does)"
-        )
-        return Candidate("vllm", prompt, generation, None, problem, routed)
+        return _without_log_probs("vllm", "vLLM", choice, prompt, generation, routed)
     if not _id_tokens(entries):  # tokens as text: the inline ids are the ids, logprobs give the numbers
         log_probs = [entry.logprob for entry in entries]
         _lengths_match(generation, log_probs, f"{choice}.token_ids", f"{choice}.logprobs.content")
@@ -211,6 +207,22 @@ def extract_vllm_inline(response: DecodedResponse, index: int = 0) -> Candidate 
             f"{choice}.token_ids and the ids in {choice}.logprobs.content disagree {where}"
         )
     return Candidate("vllm", prompt, generation, log_probs, None, routed)
+
+
+def _without_log_probs(
+    source: str,
+    server: str,
+    choice: str,
+    prompt: list[int] | None,
+    generation: list[int],
+    routed: Any,
+) -> Candidate:
+    """The candidate of inline ids whose choice has no ``logprobs.content``: it cannot be complete."""
+    problem = MissingTokenMetadataError(
+        f"the response has {server} inline ids but no {choice}.logprobs.content for their log probabilities; "
+        "request logprobs=true (TokenClient does)"
+    )
+    return Candidate(source, prompt, generation, None, problem, routed)
 
 
 def extract_dynamo(response: DecodedResponse, index: int = 0) -> Candidate | None:
@@ -250,11 +262,7 @@ def extract_sglang(response: DecodedResponse, index: int = 0) -> Candidate | Non
         return Candidate("sglang", prompt, None, None, problem, routed)
     entries = response.logprob_entries(index)
     if entries is None:
-        problem = MissingTokenMetadataError(
-            f"the response has SGLang inline ids but no {choice}.logprobs.content for their log probabilities; "
-            "request logprobs=true (TokenClient does)"
-        )
-        return Candidate("sglang", prompt, generation, None, problem, routed)
+        return _without_log_probs("sglang", "SGLang", choice, prompt, generation, routed)
     log_probs = [entry.logprob for entry in entries]
     _lengths_match(generation, log_probs, f"{choice}.token_ids", f"{choice}.logprobs.content")
     return Candidate("sglang", prompt, generation, log_probs, None, routed)

@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar, Literal
 
@@ -140,15 +140,7 @@ class LocalProvider:
             raise SandboxArgumentError(
                 f"LocalProvider: limit_backend must be 'auto', 'cgroup' or 'rlimit', not {limit_backend!r}"
             )
-        self.BOUNDS.check(
-            memory_mib=memory_mib,
-            pids=pids,
-            cpu=cpu,
-            disk_gib=disk_gib,
-            max_output_bytes=max_output_bytes,
-            max_transfer_bytes=max_transfer_bytes,
-            sandbox_uid=sandbox_uid,
-        )
+        self.BOUNDS.check(locals())
         self.isolation: Isolation = isolation
         if base_dir is None:  # a private directory of ours, not the shared temp directory itself
             base = os.path.join(tempfile.gettempdir(), f"llm-sandbox-middleware-{os.geteuid()}")
@@ -584,28 +576,15 @@ class LocalProvider:
         box = self._box(handle)
         parts = sandbox_parts(target_path, box.roots, "target_path")
         source = Path(check_text(fspath(source_path, "source_path"), "source_path"))
-        try:
-            await anyio.to_thread.run_sync(upload, box.root, parts, target_path, source, box.uid)
-        except OSError as exc:
-            raise SandboxError(
-                f"LocalProvider: cannot upload {source_path} to {target_path!r} in sandbox {handle.sandbox_id!r}: {exc}"
-            ) from exc
+        what = f"upload {source_path} to {target_path!r} in sandbox {handle.sandbox_id!r}"
+        await _transfer(handle, what, upload, box.root, parts, target_path, source, box.uid)
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         box = self._box(handle)
         parts = sandbox_parts(source_path, box.roots, "source_path")
         target = Path(check_text(fspath(target_path, "target_path"), "target_path"))
-        try:
-            await anyio.to_thread.run_sync(download, box.root, parts, source_path, target, self._max_transfer)
-        except SandboxError as exc:
-            if type(exc) is SandboxError:
-                raise SandboxError(f"LocalProvider: sandbox {handle.sandbox_id!r}: {exc}") from exc
-            raise
-        except OSError as exc:
-            raise SandboxError(
-                f"LocalProvider: cannot download {source_path!r} from sandbox {handle.sandbox_id!r} "
-                f"to {target_path}: {exc}"
-            ) from exc
+        what = f"download {source_path!r} from sandbox {handle.sandbox_id!r} to {target_path}"
+        await _transfer(handle, what, download, box.root, parts, source_path, target, self._max_transfer)
 
     # --- capabilities ------------------------------------------------------------------------------
 
@@ -720,3 +699,15 @@ class LocalProvider:
 
 def _restore(options: dict[str, Any]) -> LocalProvider:
     return LocalProvider(**options)
+
+
+async def _transfer(handle: SandboxHandle, what: str, move: Callable[..., None], *args: Any) -> None:
+    """``move(*args)`` in a worker thread; a bare ``SandboxError`` or an ``OSError`` names the sandbox."""
+    try:
+        await anyio.to_thread.run_sync(move, *args)
+    except SandboxError as exc:
+        if type(exc) is SandboxError:
+            raise SandboxError(f"LocalProvider: sandbox {handle.sandbox_id!r}: {exc}") from exc
+        raise
+    except OSError as exc:
+        raise SandboxError(f"LocalProvider: cannot {what}: {exc}") from exc
