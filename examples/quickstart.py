@@ -1,14 +1,16 @@
 """Start a local sandbox through a two-layer stack and run a command in it."""
 
+from typing import Any
+
 import anyio
 
-from sandbox_middleware import LocalProvider, Middleware, ProviderMiddleware, Sandbox, SandboxSpec, stack
+from sandbox_middleware import LocalProvider, Middleware, Operation, ProviderMiddleware, Sandbox, SandboxSpec, stack
 
 
 class PrintCalls(ProviderMiddleware):
     """A tiny middleware: prints each operation on its way in and each command's exit code on the way out."""
 
-    async def around(self, operation):  # type: ignore[no-untyped-def]
+    async def around(self, operation: Operation[Any]) -> Any:
         print(f"-> {operation.name}" + (f": {operation.command}" if operation.command is not None else ""))
         result = await operation()
         if operation.name == "exec":
