@@ -35,6 +35,7 @@ import inspect
 import os
 import re
 import shutil
+import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -287,3 +288,19 @@ def test_every_page_is_in_the_index() -> None:
     assert pages
     assert not [name for name in pages if f"({name})" not in index], "docs/README.md must link every page"
     assert not [name for name in pages if f"(docs/{name})" not in readme], "README.md must link every page"
+
+
+@pytest.mark.requires_bwrap
+def test_the_quickstart_example_runs() -> None:
+    """``examples/quickstart.py``, which the README points to, runs as a user would run it."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "-> create",
+        "-> exec: echo hello from $(pwd)",
+        "<- exit 0",
+        "hello from /workspace",
+        "-> close",
+    ]
