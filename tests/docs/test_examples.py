@@ -32,9 +32,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-import os
 import re
-import shutil
 import subprocess
 import sys
 import types
@@ -50,6 +48,7 @@ import respx
 
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
+from tests.bwrap import bwrap_problem, unavailable
 from tokens.testing import FAKE_VLLM_URL, FakeVLLM
 
 ROOT = Path(__file__).parents[2]
@@ -156,12 +155,10 @@ def compiled(block: Block, flags: int = 0) -> types.CodeType:
 
 
 def require_bwrap() -> None:
-    if shutil.which("bwrap") is not None:
-        return
-    message = "bubblewrap is not installed (no bwrap on PATH): apt-get install bubblewrap"
-    if os.environ.get("REQUIRE_BWRAP") == "1":
-        pytest.fail(message + " (REQUIRE_BWRAP=1: CI must run the LocalProvider examples)", pytrace=False)
-    pytest.skip(message)
+    """The one skip line of ``tests/bwrap.py`` where bubblewrap cannot run (a failure with REQUIRE_BWRAP=1)."""
+    problem = bwrap_problem()
+    if problem is not None:
+        unavailable(problem)
 
 
 def run_script(block: Block, module: types.ModuleType) -> None:
