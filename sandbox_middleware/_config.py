@@ -108,9 +108,14 @@ class ResolvedStack:
         meter_provider: Any = None,
         tracer_provider: Any = None,
         wrap_provider: typing.Callable[[SandboxProvider], SandboxProvider] | None = None,
+        provider: SandboxProvider | None = None,
     ) -> SandboxProvider:
-        """Construct the stack with ``stack()``; telemetry providers reach the layers that accept them."""
-        provider: SandboxProvider = self.provider.cls(**self.provider.options)
+        """Construct the stack with ``stack()``; telemetry providers reach the layers that accept them.
+
+        ``provider``: this config's provider, already constructed (by default it is constructed here).
+        """
+        if provider is None:
+            provider = self.provider.cls(**self.provider.options)
         if wrap_provider is not None:
             provider = wrap_provider(provider)
         injected = {"meter_provider": meter_provider, "tracer_provider": tracer_provider}

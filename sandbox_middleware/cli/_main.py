@@ -25,6 +25,7 @@ import anyio
 
 from .._config import ResolvedStack, load_config, resolve_config
 from .._errors import ConfigError, SandboxError, UsageError
+from .._protocol import SandboxProvider
 from .._reaper import reap
 from .._recommended import recommended_middleware_config
 from ..testing import parse_faults
@@ -193,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "check":
             resolved = _resolve(args.config)
-            _check_provider(resolved, f"config {args.config}")
+            anyio.run(_provider(resolved, f"config {args.config}").aclose)
             print(resolved.describe())
             return EXIT_OK
         if args.command == "reap":
@@ -216,15 +217,15 @@ def _resolve(path: str) -> ResolvedStack:
     return resolve_config(load_config(path), source=path)
 
 
-def _check_provider(resolved: ResolvedStack, where: str) -> None:
-    """Build the stack's provider alone, then close it: one that cannot be built here (bwrap missing,
-    an option its constructor refuses) is one line naming it, before anything runs."""
+def _provider(resolved: ResolvedStack, where: str) -> SandboxProvider:
+    """The stack's provider, constructed before anything runs: one that cannot be built here (bwrap
+    missing, an option its constructor refuses) is one line naming it."""
     layer = resolved.provider
     try:
-        provider = layer.cls(**layer.options)
+        provider: SandboxProvider = layer.cls(**layer.options)
     except (SandboxError, TypeError, ValueError) as exc:  # SandboxError: ConfigError, BwrapUnavailableError ...
         raise UsageError(f"provider {layer.name!r} of {where} cannot be built: {' '.join(str(exc).split())}") from exc
-    anyio.run(provider.aclose)
+    return provider
 
 
 def _run_command(args: argparse.Namespace) -> int:
@@ -242,8 +243,8 @@ def _run_command(args: argparse.Namespace) -> int:
     telemetry = start_telemetry(args.export, args.prometheus_host, args.prometheus_port) if args.ray is None else None
     try:
         where = f"config {args.config}" if args.config else "the built-in default config"
-        if telemetry is not None:  # over Ray, each worker builds the provider on its own node
-            _check_provider(resolved, where)
+        # Over Ray, each worker builds the provider on its own node.
+        provider = _provider(resolved, where) if telemetry is not None else None
         print(f"stack from {where}:\n{resolved.describe()}", file=sys.stderr)
         print(f"run id {run_id}" if run_id else "run id: none (no ownership layer; reap cannot find this run)",
               file=sys.stderr)  # fmt: skip
@@ -256,7 +257,7 @@ def _run_command(args: argparse.Namespace) -> int:
             from ._ray import run_on_ray
 
             return run_on_ray(args, resolved, options, run_id, report)
-        result = run_process(resolved, options, telemetry, show_progress=show_progress)
+        result = run_process(resolved, options, telemetry, show_progress=show_progress, provider=provider)
         signal.signal(signal.SIGTERM, _raise_interrupted)  # the event loop put the default action back
         return report([result], [], 0)
     finally:
@@ -287,8 +288,7 @@ def _reap_command(args: argparse.Namespace) -> int:
     if args.force and args.run is None:
         raise UsageError("argument --force: needs --run ID (force takes one run's sandboxes of live owners)")
     resolved = _resolve(args.config)
-    _check_provider(resolved, f"config {args.config}")
-    provider = resolved.build()
+    provider = resolved.build(provider=_provider(resolved, f"config {args.config}"))
     try:
         reaped = anyio.run(partial(reap, provider, run_id=args.run, force=args.force, dry_run=args.dry_run))
     except SandboxError as exc:

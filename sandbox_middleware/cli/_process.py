@@ -89,8 +89,10 @@ def run_process(
     *,
     show_progress: bool = False,
     handle_signals: bool = True,
+    provider: SandboxProvider | None = None,
 ) -> ProcessResult:
-    """Build the stack, run ``options.sessions`` sessions through it, then close this process's orphans."""
+    """Build the stack (on ``provider``, the config's provider if already constructed), run
+    ``options.sessions`` sessions through it, then close this process's orphans."""
     from ..testing import LOST_CREATE, FaultInjectingProvider
 
     rates = dict(options.faults)
@@ -106,6 +108,7 @@ def run_process(
         meter_provider=telemetry.meter_provider,
         tracer_provider=telemetry.tracer_provider,
         wrap_provider=wrap if options.faults else None,
+        provider=provider,
     )
     accounting = find_layer(provider, ReleaseAccountingMiddleware)
     ownership = find_layer(provider, OwnershipMiddleware)
