@@ -165,6 +165,3 @@ class Sandbox:
             await self.stop()
         else:
             await self._stop_after_failure()
-
-
-# Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.

@@ -191,6 +191,3 @@ def parse_faults(spec: str) -> dict[str, float]:
             )
         rates[operation] = rate
     return rates
-
-
-# Errors carry their public module, so `error.type` on dashboards reads e.g. sandbox_middleware.SandboxCreateError.
