@@ -414,6 +414,8 @@ class LogProbFloorCheck(TokenMiddleware):
         return dataclasses.replace(bundle, floored_positions=positions)
 
 
+from ._vllm_responses import VLLMResponsesSource  # noqa: E402  (its own module, built on the classes above)
+
 ChainEntry = Callable[[Handler], Handler]
 DEFAULT_CHAIN: tuple[ChainEntry, ...] = (
     UsageCheck,
@@ -422,6 +424,7 @@ DEFAULT_CHAIN: tuple[ChainEntry, ...] = (
     DynamoSource,
     SGLangSource,
     VLLMInlineSource,
+    VLLMResponsesSource,
     LogprobsSource,
 )
 
