@@ -487,12 +487,14 @@ class EventStream(Response):
     """A server-sent event stream sent as it is produced: each event written within ``send_timeout``
     (a client that stops reading is dropped), the producer closed when the client goes away."""
 
-    media_type = "text/event-stream"
-
     def __init__(self, events: AsyncIterator[bytes], send_timeout: float, headers: Mapping[str, str]) -> None:
-        super().__init__(headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
         self.events = events
         self.send_timeout = send_timeout
+        self.status_code = 200
+        self.background = None
+        fields = {**headers, "content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
+                  "x-accel-buffering": "no"}  # fmt: skip
+        self.raw_headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in fields.items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         events = self.events
@@ -506,13 +508,15 @@ class EventStream(Response):
                     group.cancel_scope.cancel()
 
                 group.start_soon(disconnected)
-                async for event in events:
-                    with anyio.fail_after(self.send_timeout):
-                        await send({"type": "http.response.body", "body": event, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                group.cancel_scope.cancel()
-        except (TimeoutError, OSError):
-            pass  # the client stopped reading or went away: nothing more to send it
+                try:
+                    async for event in events:
+                        with anyio.fail_after(self.send_timeout):
+                            await send({"type": "http.response.body", "body": event, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                except (TimeoutError, OSError):
+                    pass  # the client stopped reading or went away: nothing more to send it
+                finally:
+                    group.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()  # type: ignore[attr-defined]
