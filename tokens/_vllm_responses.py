@@ -157,8 +157,11 @@ def _output_log_probs(body: Mapping[str, Any]) -> list[float] | None:
 def extract_vllm_responses(response: DecodedResponse, index: int = 0) -> Candidate | None:
     """vLLM's Responses token fields: ``input_messages`` (prompt ids), ``output_messages``
     (generation ids) and the ``output_text`` log probabilities; or None when neither id field is there."""
-    if index or not isinstance(response, ResponsesAnswer) or not any(bytes(raw) != b"null"
-                                                                         for raw in response.held.values()):
+    if (
+        index
+        or not isinstance(response, ResponsesAnswer)
+        or not any(bytes(raw) != b"null" for raw in response.held.values())
+    ):
         return None
     prompt = _raw_tokens(response, "input_messages")
     generation = _raw_tokens(response, "output_messages")

@@ -100,8 +100,14 @@ def test_bodies_that_are_not_responses_answers(data: bytes) -> None:
 
 
 def test_the_request_asks_for_ids_and_log_probabilities_and_drops_echoed_bundles() -> None:
-    echoed = {"type": "message", "role": "assistant", "content": "hi", "prompt_token_ids": [1],
-              "generation_token_ids": [2], "generation_log_probs": [-0.1]}  # fmt: skip
+    echoed = {
+        "type": "message",
+        "role": "assistant",
+        "content": "hi",
+        "prompt_token_ids": [1],
+        "generation_token_ids": [2],
+        "generation_log_probs": [-0.1],
+    }
     body = {"model": "tiny", "input": [echoed], "include": ["reasoning.encrypted_content"], "top_logprobs": 5}
     sent = prepare_responses_request(body)
     assert sent["enable_response_messages"] is True and sent["top_logprobs"] == 0
