@@ -71,7 +71,7 @@ def test_responses_whole_streamed_and_chained(capture_proxy: CaptureProxy) -> No
     whole = [*turn1["prompt_token_ids"], *turn1["generation_token_ids"]]
     assert prompt[: len(whole)] == whole  # the chain is the conversation: turn 1 is a prefix of turn 2
     third = client.responses.create(model="tiny", input="Thanks", previous_response_id=streamed.id, stream=True)
-    done = [event for event in third if event.type == "response.completed"][0]
+    done = next(event for event in third if event.type == "response.completed")
     assert fields(done.response.output[-1])["prompt_token_ids"][: len(whole)] == whole
 
 
@@ -84,7 +84,7 @@ def test_messages_whole_and_streamed(capture_proxy: CaptureProxy) -> None:
         events = list(stream)
         final = stream.get_final_message()
     assert final.content[0].type == "text" and final.content[0].text == message.content[0].text
-    delta = [event for event in events if event.type == "message_delta"][0]
+    delta = next(event for event in events if event.type == "message_delta")
     check_bundle(fields(delta), USER, message.content[0].text)
     assert final.usage.input_tokens == len(fields(message)["prompt_token_ids"])
 
@@ -92,20 +92,30 @@ def test_messages_whole_and_streamed(capture_proxy: CaptureProxy) -> None:
 def test_a_tool_call_through_each_dialect(capture_proxy: CaptureProxy) -> None:
     fake = capture_proxy.fake
     fake.reply_tool_call("get_time", {"tz": "Oslo"})
-    chat = openai_client(capture_proxy).chat.completions.create(model="tiny", messages=USER, tools=[TOOL_CHAT],  # type: ignore[arg-type,list-item]
-                                                                max_tokens=200)  # fmt: skip
+    chat = openai_client(capture_proxy).chat.completions.create(
+        model="tiny",
+        messages=USER,
+        tools=[TOOL_CHAT],  # type: ignore[arg-type,list-item]
+        max_tokens=200,
+    )
     call = chat.choices[0].message.tool_calls[0]  # type: ignore[index]
     assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"tz": "Oslo"}  # type: ignore[union-attr]
     fake.reply_tool_call("get_time", {"tz": "Oslo"})
     tool = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
-    response = openai_client(capture_proxy).responses.create(model="tiny", input="t", tools=[tool],  # type: ignore[list-item]
-                                                             max_output_tokens=200)  # fmt: skip
+    response = openai_client(capture_proxy).responses.create(
+        model="tiny",
+        input="t",
+        tools=[tool],  # type: ignore[list-item]
+        max_output_tokens=200,
+    )
     assert [item.type for item in response.output] == ["function_call"]
     assert fake.requests[-1][0] == "/v1/chat/completions" and fake.requests[-2][0] != "/v1/responses"
     assert fields(response.output[0])["generation_token_ids"][-1] == FakeTokenizer.IM_END
     fake.reply_tool_call("get_time", {"tz": "Oslo"})
     message = anthropic_client(capture_proxy).messages.create(
-        model="tiny", max_tokens=200, messages=USER,  # type: ignore[arg-type]
+        model="tiny",
+        max_tokens=200,
+        messages=USER,  # type: ignore[arg-type]
         tools=[{"name": "get_time", "input_schema": {"type": "object"}}],
     )
     assert message.stop_reason == "tool_use" and message.content[0].type == "tool_use"
@@ -116,8 +126,11 @@ def test_coordinates_from_the_path_and_headers(capture_proxy: CaptureProxy) -> N
     with httpx.Client(base_url=capture_proxy.url) as http:
         answer = http.post("/r/rollout-7/v1/chat/completions", json={"model": "tiny", "messages": USER})
         assert answer.headers["x-rollout-id"] == "rollout-7" and answer.headers["x-model-call-id"].startswith("call_")
-        answer = http.post("/v1/chat/completions", json={"model": "tiny", "messages": USER},
-                           headers={"X-Rollout-Id": "r8", "X-Model-Call-Id": "turn-1"})  # fmt: skip
+        answer = http.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": USER},
+            headers={"X-Rollout-Id": "r8", "X-Model-Call-Id": "turn-1"},
+        )
         assert (answer.headers["x-rollout-id"], answer.headers["x-model-call-id"]) == ("r8", "turn-1")
         bad = http.post("/r/bad%20id/v1/messages", json={"model": "tiny", "max_tokens": 1, "messages": USER})
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
@@ -172,8 +185,9 @@ def test_responses_through_vllms_own_endpoint(responses_proxy: tuple[ProxyServer
     server, transport = responses_proxy
     recorded = sample("responses_raw_message_tokens.response")
     client = openai.OpenAI(base_url=server.base_url("r"), api_key="k", max_retries=0)
-    answer = client.responses.create(model="tiny", input=[{"role": "user", "content": "What time is it?"}],
-                                     max_output_tokens=8, temperature=0)  # fmt: skip
+    answer = client.responses.create(
+        model="tiny", input=[{"role": "user", "content": "What time is it?"}], max_output_tokens=8, temperature=0
+    )
     extra = fields(answer.output[-1])
     assert extra["prompt_token_ids"] == recorded["input_messages"][0]["tokens"]
     assert extra["generation_token_ids"] == recorded["output_messages"][0]["tokens"]
@@ -188,8 +202,12 @@ def test_responses_through_vllms_own_endpoint(responses_proxy: tuple[ProxyServer
 
 def test_a_span_and_a_duration_per_call_by_dialect(telemetry: TelemetryCapture) -> None:
     fake = FakeVLLM()
-    app = create_app(FAKE_VLLM_URL + "/v1", transport=FakeVLLMTransport(fake), meter_provider=telemetry.meter_provider,
-                     tracer_provider=telemetry.tracer_provider)  # fmt: skip
+    app = create_app(
+        FAKE_VLLM_URL + "/v1",
+        transport=FakeVLLMTransport(fake),
+        meter_provider=telemetry.meter_provider,
+        tracer_provider=telemetry.tracer_provider,
+    )
     with ProxyServer(app) as server:
         client = openai.OpenAI(base_url=server.base_url("r"), api_key="k", max_retries=0)
         client.chat.completions.create(model="tiny", messages=USER)  # type: ignore[arg-type]
@@ -205,7 +223,11 @@ def test_a_span_and_a_duration_per_call_by_dialect(telemetry: TelemetryCapture) 
     for span in telemetry.spans():
         assert "fake-vllm.test" not in json.dumps(dict(span.attributes or {}))
     for dialect in ("chat", "responses"):
-        assert telemetry.histogram_count("tokens.proxy.duration_ms", tokens__proxy__dialect=dialect,
-                                         tokens__proxy__outcome="ok") == 1  # fmt: skip
+        assert (
+            telemetry.histogram_count(
+                "tokens.proxy.duration_ms", tokens__proxy__dialect=dialect, tokens__proxy__outcome="ok"
+            )
+            == 1
+        )
     assert telemetry.histogram_count("tokens.proxy.duration_ms", tokens__proxy__dialect="messages") == 2
     assert telemetry.histogram_count("tokens.proxy.duration_ms", tokens__proxy__outcome="ProxyError") == 1
