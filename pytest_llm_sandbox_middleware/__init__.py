@@ -18,8 +18,9 @@ Fixtures, with no import needed in the tests that use them:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["sandbox_middleware.testing.fixtures"]
 
-__all__ = ["CaptureProxy", "FakeVLLMTransport", "capture_proxy", "fake_vllm", "fault_provider"]
+__all__ = ["CaptureProxy", "FakeVLLMTransport", "capture_proxy", "fake_vllm", "fault_provider", "running_capture_proxy"]
 
 
 @pytest.fixture
@@ -98,11 +99,19 @@ class CaptureProxy:
         return self.server.base_url(rollout_id)
 
 
+@contextmanager
+def running_capture_proxy(**options: Any) -> Iterator[CaptureProxy]:
+    """The capture proxy on a loopback port in front of a fresh ``FakeVLLM`` (``options`` go to
+    ``tokens.proxy.create_app``), stopped on leaving the block."""
+    from tokens.proxy import ProxyServer, create_app  # the proxy extra, imported only when asked for
+
+    fake = FakeVLLM()
+    with ProxyServer(create_app(FAKE_VLLM_URL + "/v1", transport=FakeVLLMTransport(fake), **options)) as server:
+        yield CaptureProxy(server, fake)
+
+
 @pytest.fixture
 def capture_proxy() -> Iterator[CaptureProxy]:
     """The capture proxy on a loopback port in front of a fresh ``FakeVLLM``, stopped after the test."""
-    from tokens.proxy import ProxyServer, create_app  # the proxy extra, imported only when the fixture is used
-
-    fake = FakeVLLM()
-    with ProxyServer(create_app(FAKE_VLLM_URL + "/v1", transport=FakeVLLMTransport(fake))) as server:
-        yield CaptureProxy(server, fake)
+    with running_capture_proxy() as proxy:
+        yield proxy

@@ -498,6 +498,7 @@ class EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         events = self.events
+        ready, taken = anyio.create_memory_object_stream[bytes](_BATCH)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async with anyio.create_task_group() as group:
@@ -507,11 +508,24 @@ class EventStream(Response):
                         pass
                     group.cancel_scope.cancel()
 
+                async def produce() -> None:
+                    async with ready:
+                        async for event in events:
+                            await ready.send(event)
+
                 group.start_soon(disconnected)
+                group.start_soon(produce)
                 try:
-                    async for event in events:
-                        with anyio.fail_after(self.send_timeout):
-                            await send({"type": "http.response.body", "body": event, "more_body": True})
+                    async with taken:
+                        async for event in taken:  # what is ready now goes in one write; nothing waits for more
+                            batch = [event]
+                            while len(batch) < _BATCH:
+                                try:
+                                    batch.append(taken.receive_nowait())
+                                except (anyio.WouldBlock, anyio.EndOfStream):
+                                    break
+                            with anyio.fail_after(self.send_timeout):
+                                await send({"type": "http.response.body", "body": b"".join(batch), "more_body": True})
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 except (TimeoutError, OSError):
                     pass  # the client stopped reading or went away: nothing more to send it
@@ -520,6 +534,10 @@ class EventStream(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()  # type: ignore[attr-defined]
+
+
+_BATCH = 64
+"""Events held between the upstream and the client at most (bounded memory), and sent in one write."""
 
 
 def create_app(
