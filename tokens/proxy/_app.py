@@ -11,6 +11,7 @@ event inside one), and never names the upstream.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import secrets
 import time
@@ -511,11 +512,14 @@ class EventStream(Response):
                 async def produce() -> None:
                     async with ready:
                         async for event in events:
-                            await ready.send(event)
+                            try:  # without a checkpoint: the events of one upstream read travel together
+                                ready.send_nowait(event)
+                            except anyio.WouldBlock:
+                                await ready.send(event)
 
                 group.start_soon(disconnected)
                 group.start_soon(produce)
-                try:
+                with anyio.CancelScope() as stalled:  # its deadline is set while a write is under way
                     async with taken:
                         async for event in taken:  # what is ready now goes in one write; nothing waits for more
                             batch = [event]
@@ -524,13 +528,13 @@ class EventStream(Response):
                                     batch.append(taken.receive_nowait())
                                 except (anyio.WouldBlock, anyio.EndOfStream):
                                     break
-                            with anyio.fail_after(self.send_timeout):
-                                await send({"type": "http.response.body", "body": b"".join(batch), "more_body": True})
+                            stalled.deadline = anyio.current_time() + self.send_timeout
+                            await send({"type": "http.response.body", "body": b"".join(batch), "more_body": True})
+                            stalled.deadline = math.inf
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
-                except (TimeoutError, OSError):
-                    pass  # the client stopped reading or went away: nothing more to send it
-                finally:
-                    group.cancel_scope.cancel()
+                group.cancel_scope.cancel()  # done, or the client stopped reading: nothing more to send it
+        except OSError:
+            pass  # the client went away
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()  # type: ignore[attr-defined]
