@@ -31,8 +31,8 @@ HEAD = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1,
 
 def stream_bytes(chunks: int) -> bytes:
     """A vLLM 0.32 stream of ``chunks`` tokens with return_token_ids and logprobs (as capture asks)."""
-    events = [{**HEAD, "prompt_token_ids": list(range(3, 515)), "choices": [
-        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}]  # fmt: skip
+    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    events = [{**HEAD, "prompt_token_ids": list(range(3, 515)), "choices": [opening]}]
     for position in range(chunks):
         token = 1000 + position % 5000
         events.append({**HEAD, "choices": [{
@@ -86,7 +86,7 @@ def serve_upstream() -> None:
 
     async def run() -> None:
         task = asyncio.create_task(server.serve())
-        while not server.started:
+        while not server.started:  # noqa: ASYNC110  (uvicorn has no startup event to wait on)
             await asyncio.sleep(0.01)
         print(f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", flush=True)
         await task

@@ -41,6 +41,7 @@ __all__ = [
     "decode_responses",
     "extract_vllm_responses",
     "prepare_responses_request",
+    "without_token_fields",
 ]
 
 RESPONSES_SOURCE = "vllm-responses"
@@ -89,11 +90,12 @@ def prepare_responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
     sent["top_logprobs"] = 0
     items = body.get("input")
     if isinstance(items, list):
-        sent["input"] = [_without_token_fields(item) for item in items]
+        sent["input"] = [without_token_fields(item) for item in items]
     return sent
 
 
-def _without_token_fields(item: Any) -> Any:
+def without_token_fields(item: Any) -> Any:
+    """``item`` without the bundle fields a client may echo back from an earlier answer."""
     if isinstance(item, dict) and any(name in item for name in TOKEN_FIELDS):
         return {key: value for key, value in item.items() if key not in TOKEN_FIELDS}
     return item

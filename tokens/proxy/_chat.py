@@ -9,9 +9,10 @@ from typing import Any
 import msgspec
 
 from .._vllm_responses import TOKEN_FIELDS
+from .._vllm_responses import without_token_fields as strip_token_fields
 from ._errors import RequestRejectedError
 
-__all__ = ["TOKEN_FIELDS", "chunks_of", "sse", "strip_token_fields", "text_parts"]
+__all__ = ["TOKEN_FIELDS", "chunks_of", "function_tool", "required_string", "sse", "strip_token_fields", "text_parts"]
 
 _encode = msgspec.json.Encoder().encode
 _chunk = msgspec.json.Decoder(dict[str, Any])
@@ -31,11 +32,20 @@ def chunks_of(event: bytes) -> Iterator[dict[str, Any] | None]:
             yield None if payload == b"[DONE]" else _chunk.decode(payload)
 
 
-def strip_token_fields(item: Any) -> Any:
-    """``item`` without the bundle fields a client may echo back from an earlier answer."""
-    if isinstance(item, dict) and any(name in item for name in TOKEN_FIELDS):
-        return {key: value for key, value in item.items() if key not in TOKEN_FIELDS}
-    return item
+def required_string(item: Mapping[str, Any], param: str, name: str, where: str) -> str:
+    """``item[name]``, which must be a string (``RequestRejectedError`` naming ``where`` otherwise)."""
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise RequestRejectedError(f"{where}.{name}: must be a string", param=param)
+    return value
+
+
+def function_tool(name: str, description: Any, parameters: Any) -> dict[str, Any]:
+    """A chat completions function tool (parameters default to an empty object schema)."""
+    function = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
+    if description is not None:
+        function["description"] = description
+    return {"type": "function", "function": function}
 
 
 def text_parts(content: Any, where: str, *, text_types: frozenset[str], image: str | None = None) -> Any:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._chat import TOKEN_FIELDS, sse, text_parts
+from ._chat import TOKEN_FIELDS, function_tool, required_string, sse, text_parts
 from ._errors import RequestRejectedError, UpstreamError
 
 __all__ = ["MessagesEvents", "chat_to_messages", "messages_to_chat"]
@@ -71,13 +71,14 @@ def _add_message(messages: list[dict[str, Any]], message: Any, where: str) -> No
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}.content[{index}]"
         if kind == "tool_result" and role == "user":  # each result is a tool message, before the user's text
-            messages.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at),
-                             "content": _result(block, at)})  # fmt: skip
+            call_id = required_string(block, "messages", "tool_use_id", at)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _result(block, at)})
             results += 1
         elif kind == "tool_use" and role == "assistant":
             arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
-            calls.append({"id": _string(block, "id", at), "type": "function",
-                          "function": {"name": _string(block, "name", at), "arguments": arguments}})  # fmt: skip
+            name = required_string(block, "messages", "name", at)
+            calls.append({"id": required_string(block, "messages", "id", at), "type": "function",
+                          "function": {"name": name, "arguments": arguments}})  # fmt: skip
         elif kind in ("thinking", "redacted_thinking"):
             continue  # the model's own earlier reasoning: chat completions has no place for it
         else:
@@ -100,21 +101,11 @@ def _result(block: Mapping[str, Any], where: str) -> Any:
     return result
 
 
-def _string(block: Mapping[str, Any], name: str, where: str) -> str:
-    value = block.get(name)
-    if not isinstance(value, str):
-        raise RequestRejectedError(f"{where}.{name}: must be a string", param="messages")
-    return value
-
-
 def _tool(tool: Any, index: int) -> dict[str, Any]:
     if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
         raise RequestRejectedError(f"tools[{index}]: only client tools (name, input_schema) are served",
                                    param="tools")  # fmt: skip
-    function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}
-    if tool.get("description") is not None:
-        function["description"] = tool["description"]
-    return {"type": "function", "function": function}
+    return function_tool(tool["name"], tool.get("description"), tool.get("input_schema"))
 
 
 def _tool_choice(choice: Any) -> Any:

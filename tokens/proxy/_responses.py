@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._chat import TOKEN_FIELDS, sse, strip_token_fields, text_parts
+from ._chat import TOKEN_FIELDS, function_tool, required_string, sse, strip_token_fields, text_parts
 from ._errors import RequestRejectedError
 
 __all__ = ["ResponsesEvents", "chat_to_responses", "input_items", "responses_to_chat"]
@@ -83,9 +83,12 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         messages.append({"role": "system" if role == "developer" else role, "content": content})
     elif kind == "function_call":
         call = {
-            "id": _string(item, "call_id", where),
+            "id": required_string(item, "input", "call_id", where),
             "type": "function",
-            "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)},
+            "function": {
+                "name": required_string(item, "input", "name", where),
+                "arguments": required_string(item, "input", "arguments", where),
+            },
         }
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":  # text and calls of one turn are one message
@@ -97,19 +100,14 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
     elif kind == "function_call_output":
         output = item.get("output")
         content = output if isinstance(output, str) else text_parts(output, f"{where}.output", text_types=_TEXT)
-        messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": content})
+        messages.append(
+            {"role": "tool", "tool_call_id": required_string(item, "input", "call_id", where), "content": content}
+        )
     elif kind == "reasoning":
         return  # the model's own earlier reasoning: chat completions has no place for it
     else:
         raise RequestRejectedError(f"{where}: items of type {kind!r} are not served by the capture proxy",
                                    param="input")  # fmt: skip
-
-
-def _string(item: Mapping[str, Any], name: str, where: str) -> str:
-    value = item.get(name)
-    if not isinstance(value, str):
-        raise RequestRejectedError(f"{where}.{name}: must be a string", param="input")
-    return value
 
 
 def _tool(tool: Any, index: int) -> dict[str, Any]:
@@ -118,10 +116,7 @@ def _tool(tool: Any, index: int) -> dict[str, Any]:
         raise RequestRejectedError(
             f"tools[{index}]: only function tools are served by the capture proxy (not {kind!r})", param="tools"
         )
-    function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
-    if tool.get("description") is not None:
-        function["description"] = tool["description"]
-    return {"type": "function", "function": function}
+    return function_tool(tool["name"], tool.get("description"), tool.get("parameters"))
 
 
 def _tool_choice(choice: Any) -> Any:
