@@ -21,7 +21,15 @@ from ._errors import (
 from ._fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from ._open import open_store
 from ._reader import RolloutSample, order_records, read_rollout
-from ._record import SCHEMA_VERSION, TokenRecord, cumulative_tokens, decode_record, encode_record, weight_spans
+from ._record import (
+    SCHEMA_VERSION,
+    TokenRecord,
+    cumulative_tokens,
+    decode_record,
+    encode_record,
+    record_payload,
+    weight_spans,
+)
 from ._store import RecordStore, RolloutSummary
 from ._types import LineageMatch, LineageResolution, ParentResolutionStatus, TokenCaptureSnapshot
 from ._writer import Coordinates, RecordWriter
@@ -57,5 +65,6 @@ __all__ = [
     "open_store",
     "order_records",
     "read_rollout",
+    "record_payload",
     "weight_spans",
 ]
