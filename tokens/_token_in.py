@@ -11,10 +11,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from ._bundle import TokenBundle, TokenCompletion, WeightVersionSpan
 from ._chain import check_usage, describe_difference
 from ._decode import DecodedResponse, decode_response, token_ids_of
-from ._errors import ConflictingTokenMetadataError, MalformedTokenMetadataError, MissingTokenMetadataError
+from ._errors import (
+    ConflictingTokenMetadataError,
+    MalformedResponseError,
+    MalformedTokenMetadataError,
+    MissingTokenMetadataError,
+)
 
 __all__ = ["extract_generate", "extract_token_in", "prepare_generate", "prepare_token_in"]
 
@@ -157,16 +164,22 @@ def extract_generate(request: Mapping[str, Any], data: bytes | str) -> TokenComp
     """The bundles of an ``/inference/v1/generate`` answer, with each choice's weight-version spans;
     the echoed prompt must equal the ids sent."""
     sent: list[int] = request["token_ids"]
-    response = decode_response(data)
-    echoed = response.body.get("prompt_token_ids")
+    try:
+        body = msgspec.json.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise MalformedResponseError(f"/inference/v1/generate: the answer is not JSON ({exc})") from None
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list) or not choices:
+        raise MalformedResponseError("/inference/v1/generate: the answer has no choices list; is this vLLM's endpoint?")
+    echoed = body.get("prompt_token_ids")
     if echoed is not None and echoed != sent:
         raise ConflictingTokenMetadataError(
             f"prompt_token_ids: the server's prompt differs from the ids sent "
             f"{describe_difference(sent, echoed)}; it did not use the prompt given"
         )
-    bundles = tuple(_generate_bundle(choice, index, sent) for index, choice in enumerate(response.choices))
-    for choice, bundle in zip(response.choices, bundles, strict=True):
+    bundles = tuple(_generate_bundle(choice, index, sent) for index, choice in enumerate(choices))
+    for choice, bundle in zip(choices, bundles, strict=True):
         choice["prompt_token_ids"] = bundle.prompt_token_ids
         choice["generation_token_ids"] = bundle.generation_token_ids
         choice["generation_log_probs"] = bundle.generation_log_probs
-    return TokenCompletion(response.body, bundles)
+    return TokenCompletion(body, bundles)

@@ -15,6 +15,7 @@ from ._errors import (
     RecordSchemaError,
     RecordsError,
     RecordStoreError,
+    RecordWriteError,
     RolloutFrozenError,
     RolloutRetiredError,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "RecordSchemaError",
     "RecordStore",
     "RecordStoreError",
+    "RecordWriteError",
     "RecordWriter",
     "RecordsError",
     "RolloutFrozenError",
