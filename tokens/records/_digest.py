@@ -137,7 +137,8 @@ def _check_staged(
         raise ValueError("rollout_id, model_call_id and a present parent_call_id must be non-empty")
     if mode not in ("text", "token_in"):
         raise ValueError(f"unsupported capture mode {mode!r} (text or token_in)")
-    if (parent_call_id is None) != (prev_len == 0 and mode == "text"):
+    root = parent_call_id is None
+    if (root and (prev_len != 0 or mode != "text")) or (not root and (prev_len == 0 or mode != "token_in")):
         raise ValueError("a root is a text-mode call with prev_len 0; a child is token_in with prev_len > 0")
     if delta_len == 0 or delta_len != len(token_ids_delta) or cum_len != prev_len + delta_len:
         raise ValueError(

@@ -35,6 +35,7 @@ def make_record(
         assert prompt[: len(parent_tokens)] == parent_tokens
         lineage = {"parent_resolution": RESOLVED, "parent_call_id": parent_id, "prompt_is_delta": True}
         prompt = prompt[len(parent_tokens) :]
+    fields = dict(cum_len=len(full), digest=compute_digest(full), **lineage) | extra
     return TokenRecord(
         rollout_id=rollout,
         model_call_id=call,
@@ -45,12 +46,9 @@ def make_record(
         output_items=outputs,
         token_item_index=0,
         created_at=1700000000.0 + len(full),
-        cum_len=len(full),
-        digest=compute_digest(full),
         continuation_fingerprint=assistant_fingerprint(items + outputs),
         continuation_context_len=len(items),
         continuation_context_digest=conversation_digest(items),
         fingerprint_version=2,
-        **lineage,
-        **extra,
+        **fields,
     )
