@@ -48,12 +48,25 @@ class PostgresBackend:
                 f"{self._shown}: cannot connect to PostgreSQL ({exc}); check the URL, the server and its pg_hba.conf"
             ) from None
         if not self._schema_ready:
-            with self.transaction(connection, write=True) as cursor:
-                cursor.execute("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
-                for statement in ddl(blob="BYTEA", float_="DOUBLE PRECISION", int_="BIGINT"):
-                    cursor.execute(statement)
+            try:
+                with self.transaction(connection, write=True) as cursor:
+                    (present,) = cursor.execute("SELECT to_regclass('token_intents') IS NOT NULL")
+                    if not present[0]:
+                        self._create(cursor)
+            except BaseException:
+                connection.close()
+                raise
             self._schema_ready = True
         return connection
+
+    @staticmethod
+    def _create(cursor: _Cursor) -> None:
+        """The tables, made once (other clients wait on the advisory lock, then find them made)."""
+        cursor.execute("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
+        for statement in ddl(blob="BYTEA", float_="DOUBLE PRECISION", int_="BIGINT"):
+            cursor.execute(statement)
+        # Token arrays barely compress and pglz costs milliseconds per record: store them as they are.
+        cursor.execute("ALTER TABLE token_records ALTER COLUMN payload SET STORAGE EXTERNAL")
 
     @contextmanager
     def transaction(self, connection: Any, *, write: bool) -> Iterator[_Cursor]:
