@@ -27,6 +27,19 @@ def vllm_python() -> Path | None:
     return venv / "bin" / "python" if (venv / ".complete").exists() else None
 
 
+def require_vllm_python() -> Path:
+    """The vLLM venv's python; the calling test is skipped without it (failed with REQUIRE_VLLM=1)."""
+    import pytest
+
+    python = vllm_python()
+    if python is None:
+        message = "vLLM is not installed for the integration tests; run: bash scripts/install-vllm.sh"
+        if os.environ.get("REQUIRE_VLLM") == "1":
+            pytest.fail(message + " (REQUIRE_VLLM=1: CI must run them)")
+        pytest.skip(message)
+    return python
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -115,21 +115,25 @@ def compute_extras_digest(extras: Mapping[str, Any] | None) -> str:
     return hashlib.sha256(_EXTRAS_DOMAIN + payload).hexdigest()
 
 
-def _check_staged(
-    schema_version: int,
-    digest_version: int,
-    extras_digest_version: int,
-    rollout_id: str,
-    model_call_id: str,
-    parent_call_id: str | None,
-    mode: str,
-    prev_len: int,
-    delta_len: int,
-    cum_len: int,
-    token_ids_delta: Sequence[int],
-    token_mask_delta: Sequence[float],
-    generation_log_probs_delta: Sequence[float],
-) -> None:
+def _check_staged(fields: Mapping[str, Any]) -> None:
+    """The rules of a staged call (``compute_staging_digest``'s arguments, by name)."""
+    schema_version, digest_version, extras_digest_version = (
+        fields["schema_version"],
+        fields["digest_version"],
+        fields["extras_digest_version"],
+    )
+    rollout_id, model_call_id, parent_call_id, mode = (
+        fields["rollout_id"],
+        fields["model_call_id"],
+        fields["parent_call_id"],
+        fields["mode"],
+    )
+    prev_len, delta_len, cum_len = fields["prev_len"], fields["delta_len"], fields["cum_len"]
+    token_ids_delta, token_mask_delta, generation_log_probs_delta = (
+        fields["token_ids_delta"],
+        fields["token_mask_delta"],
+        fields["generation_log_probs_delta"],
+    )
     versions = (schema_version, digest_version, extras_digest_version)
     if versions != (STAGING_SCHEMA_VERSION, STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION):
         raise ValueError(f"unsupported staging versions (schema, digest, extras) {versions}; this writes (2, 2, 1)")
@@ -173,21 +177,7 @@ def compute_staging_digest(
     cumulative_hash: str,
 ) -> str:
     """SHA-256 of one staged call delta (NeMo Gym's staging schema 2, digest version 2)."""
-    _check_staged(
-        schema_version,
-        digest_version,
-        extras_digest_version,
-        rollout_id,
-        model_call_id,
-        parent_call_id,
-        mode,
-        prev_len,
-        delta_len,
-        cum_len,
-        token_ids_delta,
-        token_mask_delta,
-        generation_log_probs_delta,
-    )
+    _check_staged(locals())
     parent = b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id)
     ids = _u64(len(token_ids_delta), "token_ids length") + _u64s(token_ids_delta, "token_ids_delta")
     payload = b"".join(

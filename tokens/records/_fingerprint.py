@@ -130,6 +130,18 @@ def _tool_results(message: dict[str, Any]) -> list[tuple[str, str]]:
     return results
 
 
+def _content_and_calls(hasher: Any, message: dict[str, Any], first_tag: int) -> None:
+    """A turn's content parts, then its tool calls, as tagged fields: tags ``first_tag`` onwards."""
+    tags = [bytes([first_tag + offset]) for offset in range(5)]
+    for kind, payload in _parts(message.get("content")):
+        _field(hasher, tags[0], kind)
+        _field(hasher, tags[1], payload)
+    for call_id, name, arguments in _tool_calls(message):
+        _field(hasher, tags[2], call_id)
+        _field(hasher, tags[3], name)
+        _field(hasher, tags[4], arguments)
+
+
 def assistant_fingerprint(messages: Iterable[Any]) -> str:
     """The model-authored turns (role ``assistant``, Responses ``function_call`` items), in order;
     "" when there are none (the request is a root). Reasoning items are left out on purpose."""
@@ -140,13 +152,7 @@ def assistant_fingerprint(messages: Iterable[Any]) -> str:
         if message.get("role") != "assistant" and message.get("type") != "function_call":
             continue
         authored += 1
-        for kind, payload in _parts(message.get("content")):
-            _field(hasher, b"\x00", kind)
-            _field(hasher, b"\x01", payload)
-        for call_id, name, arguments in _tool_calls(message):
-            _field(hasher, b"\x02", call_id)
-            _field(hasher, b"\x03", name)
-            _field(hasher, b"\x04", arguments)
+        _content_and_calls(hasher, message, 0)
     return hasher.hexdigest() if authored else ""
 
 
@@ -156,13 +162,7 @@ def conversation_digest(messages: Iterable[Any]) -> str:
     for item in messages:
         message = _message(item)
         _field(hasher, b"\x00", str(message.get("role") or message.get("type") or ""))
-        for kind, payload in _parts(message.get("content")):
-            _field(hasher, b"\x01", kind)
-            _field(hasher, b"\x02", payload)
-        for call_id, name, arguments in _tool_calls(message):
-            _field(hasher, b"\x03", call_id)
-            _field(hasher, b"\x04", name)
-            _field(hasher, b"\x05", arguments)
+        _content_and_calls(hasher, message, 1)
         for call_id, output in _tool_results(message):
             _field(hasher, b"\x06", call_id)
             _field(hasher, b"\x07", output)

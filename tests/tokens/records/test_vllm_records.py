@@ -7,7 +7,6 @@ reported them. Run under ``flock /work/wt/vllm.lock`` on a shared machine."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.vllm.server import running_server, vllm_python
+from tests.vllm.server import require_vllm_python, running_server
 from tokens import TokenBundle, TokenCaptureTransport, TokenClient, Trajectory, WeightVersionSpan
 from tokens.records import open_store, order_records, read_rollout, weight_spans
 
@@ -30,13 +29,8 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def scale_out_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    python = vllm_python()
-    if python is None:
-        message = "vLLM is not installed for the integration tests; run: bash scripts/install-vllm.sh"
-        if os.environ.get("REQUIRE_VLLM") == "1":
-            pytest.fail(message + " (REQUIRE_VLLM=1: CI must run them)")
-        pytest.skip(message)
-    with running_server(python, tmp_path_factory.mktemp("vllm-scale-out"), extra_args=["--enable-scale-out"],
+    workdir = tmp_path_factory.mktemp("vllm-scale-out")
+    with running_server(require_vllm_python(), workdir, extra_args=["--enable-scale-out"],
                         extra_env={"VLLM_SERVER_DEV_MODE": "1"}) as url:  # fmt: skip
         yield url
 
