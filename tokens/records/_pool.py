@@ -8,6 +8,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from ._errors import RecordStoreError
+
 __all__ = ["Pool"]
 
 C = TypeVar("C")
@@ -28,7 +30,7 @@ class Pool(Generic[C]):
         with self._cond:
             while True:
                 if self._closed:
-                    raise RuntimeError("the record store is closed; open a new one with tokens.records.open_store")
+                    raise RecordStoreError("this record store client is closed; open a new one with open_store(url)")
                 if self._idle:
                     return self._idle.pop()
                 if self._open < self._size:

@@ -5,7 +5,6 @@ host share it (writers take the database lock in turn, readers never wait)."""
 from __future__ import annotations
 
 import sqlite3
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,8 +15,6 @@ from ._schema import ddl
 __all__ = ["SQLiteBackend"]
 
 BUSY_TIMEOUT_MS = 60_000
-_created: set[str] = set()
-_created_lock = threading.Lock()
 
 
 class _Cursor:
@@ -42,13 +39,11 @@ class SQLiteBackend:
             connection.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             connection.execute("PRAGMA journal_mode = WAL")
             connection.execute("PRAGMA synchronous = FULL")
-            key = str(self.path.resolve())
-            with _created_lock:
-                if key not in _created:
-                    with self.transaction(connection, write=True) as cursor:
-                        for statement in ddl(blob="BLOB", float_="REAL", int_="INTEGER"):
-                            cursor.execute(statement)
-                    _created.add(key)
+            present = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'token_intents'"
+            if not connection.execute(present).fetchall():
+                with self.transaction(connection, write=True) as cursor:
+                    for statement in ddl(blob="BLOB", float_="REAL", int_="INTEGER"):
+                        cursor.execute(statement)
         except BaseException:
             connection.close()
             raise

@@ -4,6 +4,8 @@ answers of our own API."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.tokens.records.helpers import USER, answer, make_record
@@ -122,3 +124,16 @@ async def test_open_store_refuses_bad_urls_without_showing_passwords() -> None:
     with pytest.raises(RecordStoreError) as caught:
         open_store("redis://user:hunter2@host/0")
     assert "hunter2" not in str(caught.value)
+
+
+async def test_a_closed_client_says_so_and_a_recreated_file_gets_its_tables(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/r.db"
+    store = open_store(url)
+    await store.put(make_record("r", "c", [1], [2]))
+    await store.close()
+    await store.close()  # idempotent
+    with pytest.raises(RecordStoreError, match="closed; open a new one"):
+        await store.freeze("r")
+    (tmp_path / "r.db").unlink()
+    async with open_store(url) as again:
+        assert await again.rollouts() == []
