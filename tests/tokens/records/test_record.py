@@ -66,7 +66,8 @@ def test_extras_digest_refuses_ambiguous_values() -> None:
 def test_records_round_trip_and_refuse_newer_schemas() -> None:
     record = make_record("r", "c", [1, 2], [3], weight_versions=[{"version": "v", "start": 0, "end": 1}])
     data, sha = encode_record(record)
-    assert decode_record(data) == record and encode_record(decode_record(data)) == (data, sha)
+    assert record_payload(decode_record(data)) == record_payload(record)  # ours, or NeMo Gym's TokenEntry
+    assert encode_record(decode_record(data)) == (data, sha)
     assert "weight_versions" not in record_payload(make_record("r", "c", [1], [2]))  # an extra field: absent if unset
     newer = msgspec.json.encode({**record_payload(record), "schema_version": 2})
     with pytest.raises(RecordSchemaError, match="schema_version 2; this reader understands up to 1"):
