@@ -31,8 +31,9 @@ from typing import Any, Protocol, TypeVar
 
 import anyio.to_thread
 
+from ._cache import TokenCache
 from ._digest import compute_digest
-from ._errors import RecordConflictError, RolloutFrozenError, RolloutRetiredError
+from ._errors import MalformedRecordError, RecordConflictError, RolloutFrozenError, RolloutRetiredError
 from ._fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from ._pool import Pool
 from ._record import TokenRecord, check_digest, cumulative_tokens, decode_record, encode_record
@@ -43,6 +44,8 @@ __all__ = ["Backend", "RecordStore", "RolloutSummary"]
 T = TypeVar("T")
 Row = tuple[Any, ...]
 
+CACHED_TOKENS = 4_000_000
+"""Cumulative tokens a client keeps of the parents it resolved (about 32 MB as tuples of ids)."""
 TABLES = ("token_rollouts", "token_records", "token_marks", "token_intents")
 
 
@@ -103,6 +106,7 @@ class RecordStore:
         self._backend = backend
         self._pool: Pool[Any] = Pool(backend.connect, pool_size)
         self._process_shared = process_shared
+        self._cumulative = TokenCache(CACHED_TOKENS)
 
     def __repr__(self) -> str:
         return f"RecordStore({self.url!r})"
@@ -368,21 +372,22 @@ class RecordStore:
     async def match(self, rollout_id: str, model_call_id: str) -> LineageMatch | None:
         """A recorded call as a verified parent (its cumulative tokens rebuilt through its delta
         chain and checked against its digest), or None when the rollout has no such record."""
-        chain = await self._run(lambda cursor: self._chain(cursor, rollout_id, model_call_id), write=False)
+        chain, base = await self._run(lambda cursor: self._chain(cursor, rollout_id, model_call_id), write=False)
         if not chain:
             return None
-        tokens: list[int] = []
+        tokens: list[int] = list(base)
         for record in reversed(chain):
             tokens = cumulative_tokens(record, tokens)
             check_digest(record, tokens)
+            self._cumulative.put((rollout_id, record.model_call_id), tuple(tokens))
         last = chain[0]
         return LineageMatch(
             last.model_call_id, tuple(tokens), last.digest or compute_digest(tokens), prev_len=len(tokens)
         )
 
-    @staticmethod
-    def _chain(cursor: Cursor, rollout_id: str, model_call_id: str) -> list[TokenRecord]:
-        """The record and, while it stores a delta prompt, its ancestors (child first)."""
+    def _chain(self, cursor: Cursor, rollout_id: str, model_call_id: str) -> tuple[list[TokenRecord], tuple[int, ...]]:
+        """The record and, while it stores a delta prompt, its ancestors (child first), up to the
+        first whose cumulative tokens this client already holds (returned with them)."""
         chain: list[TokenRecord] = []
         call_id: str | None = model_call_id
         while call_id is not None:
@@ -390,13 +395,15 @@ class RecordStore:
                 "SELECT payload FROM token_records WHERE rollout_id = ? AND model_call_id = ?", (rollout_id, call_id)
             )
             if not rows:
-                return chain  # a missing ancestor: the rebuild fails its digest check
+                return chain, ()  # a missing ancestor: the rebuild fails its digest check
             record = decode_record(bytes(rows[0][0]))
             chain.append(record)
             call_id = record.parent_call_id if record.prompt_is_delta else None
+            if call_id is not None and (known := self._cumulative.get((rollout_id, call_id))) is not None:
+                return chain, known
             if len(chain) > 100_000:
-                raise RecordConflictError(f"rollout {rollout_id!r}: the parent chain of {model_call_id!r} loops")
-        return chain
+                raise MalformedRecordError(f"rollout {rollout_id!r}: the parent chain of {model_call_id!r} loops")
+        return chain, ()
 
     # -- inspection (not part of NeMo Gym's protocols) -------------------------------------------
 

@@ -5,6 +5,7 @@ answers of our own API."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from tokens.records import (
     open_store,
     record_payload,
 )
+from tokens.records._cache import TokenCache
 
 pytestmark = pytest.mark.anyio
 
@@ -137,3 +139,49 @@ async def test_a_closed_client_says_so_and_a_recreated_file_gets_its_tables(tmp_
     (tmp_path / "r.db").unlink()
     async with open_store(url) as again:
         assert await again.rollouts() == []
+
+
+async def test_a_long_chain_rebuilds_from_the_parents_already_resolved(sqlite_url: str) -> None:
+    """Thirty turns, each a delta on the previous: each match reads only the new record once its
+    parent was matched (the client's cache), and every rebuild still equals the whole sequence."""
+    async with open_store(sqlite_url) as store:
+        tokens: list[int] = [1, 2]
+        parent: tuple[str, list[int]] | None = None
+        for turn in range(30):
+            generation = [100 + turn, 200 + turn]
+            await store.put(make_record("r", f"t{turn}", tokens, generation, parent=parent))
+            tokens = [*tokens, *generation]
+            parent = (f"t{turn}", list(tokens))
+            match = await store.match("r", f"t{turn}")
+            assert match is not None and list(match.cumulative_token_ids) == tokens
+            tokens = [*tokens, 7]
+        executed: list[str] = []
+        chain = store._chain
+
+        def counting(cursor: Any, rollout: str, call: str) -> Any:
+            original = cursor.execute
+
+            class Counting:
+                def execute(self, sql: str, params: Any = ()) -> Any:
+                    executed.append(sql)
+                    return original(sql, params)
+
+            return chain(Counting(), rollout, call)
+
+        store._chain = counting  # type: ignore[method-assign]
+        fresh = await store.match("r", "t29")
+        assert fresh is not None and len(executed) == 1  # t28 was cached by the turn before
+        async with open_store(sqlite_url) as other:  # a fresh client rebuilds the whole chain, equally
+            again = await other.match("r", "t29")
+        assert again is not None and again.cumulative_token_ids == fresh.cumulative_token_ids
+
+
+def test_the_token_cache_keeps_to_its_budget() -> None:
+    cache = TokenCache(10)
+    cache.put(("r", "a"), (1,) * 6)
+    cache.put(("r", "b"), (2,) * 4)
+    assert cache.get(("r", "a")) is not None  # a is now the most recently used
+    cache.put(("r", "c"), (3,) * 3)
+    assert cache.get(("r", "b")) is None and cache.get(("r", "a")) and cache.get(("r", "c"))
+    cache.put(("r", "huge"), (4,) * 11)
+    assert cache.get(("r", "huge")) is None
