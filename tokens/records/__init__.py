@@ -33,9 +33,11 @@ from ._record import (
 )
 from ._store import RecordStore, RolloutSummary
 from ._types import LineageMatch, LineageResolution, ParentResolutionStatus, TokenCaptureSnapshot
-from ._writer import Coordinates, RecordWriter
+from ._writer import COORDINATE_FIELDS, COORDINATE_HEADERS, Coordinates, RecordWriter, take_coordinates
 
 __all__ = [
+    "COORDINATE_FIELDS",
+    "COORDINATE_HEADERS",
     "FINGERPRINT_VERSION",
     "SCHEMA_VERSION",
     "Coordinates",
@@ -68,5 +70,6 @@ __all__ = [
     "order_records",
     "read_rollout",
     "record_payload",
+    "take_coordinates",
     "weight_spans",
 ]

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from .._bundle import WeightVersionSpan
 from ._digest import compute_digest
 from ._errors import MalformedRecordError, RecordSchemaError
-from ._types import NEMO_TOKEN_ENTRY, ParentResolutionStatus
+from ._types import NEMO_TOKEN_ENTRY
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -169,7 +169,3 @@ def weight_spans(record: TokenRecord) -> tuple[WeightVersionSpan, ...]:
         return tuple(WeightVersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in spans)
     except (KeyError, TypeError, ValueError) as exc:
         raise MalformedRecordError(f"record {record.model_call_id!r}: malformed weight_versions {spans!r}") from exc
-
-
-if TYPE_CHECKING:
-    _ = ParentResolutionStatus
