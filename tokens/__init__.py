@@ -4,8 +4,8 @@ The chain's extension API (``Exchange``, ``Candidate``, the sources and ``extrac
 public module ``tokens.chain``.
 """
 
-from . import chain
-from ._bundle import TokenBundle, TokenCompletion
+from . import chain, records
+from ._bundle import TokenBundle, TokenCompletion, WeightVersionSpan
 from ._client import RetryPolicy, TokenClient
 from ._errors import (
     ConflictingTokenMetadataError,
@@ -51,5 +51,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryDriftError",
     "UnsupportedRequestError",
+    "WeightVersionSpan",
     "chain",
+    "records",
 ]
