@@ -8,6 +8,7 @@ serves it; ``ProxyServer`` serves it on a loopback port in a background thread (
 
 from ._app import DEFAULT_MAX_REQUEST_BYTES, Coordinates, EventStream, create_app
 from ._errors import (
+    CaptureFailedError,
     ClientTimeoutError,
     ProxyError,
     RequestRejectedError,
@@ -24,6 +25,7 @@ from ._sink import TokenSink
 
 __all__ = [
     "DEFAULT_MAX_REQUEST_BYTES",
+    "CaptureFailedError",
     "ClientTimeoutError",
     "Coordinates",
     "EventStream",

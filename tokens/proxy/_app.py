@@ -42,6 +42,7 @@ from .._transport import TokenCaptureTransport
 from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_request
 from ._chat import chunks_of, sse
 from ._errors import (
+    CaptureFailedError,
     ClientTimeoutError,
     ProxyError,
     RequestRejectedError,
@@ -52,6 +53,7 @@ from ._errors import (
     openai_error_body,
 )
 from ._messages import MessagesEvents, chat_to_messages, messages_to_chat
+from ._records import Recorder, StreamRecord, completion_of
 from ._responses import ResponsesEvents, chat_to_responses, history_of, responses_to_chat
 from ._sink import TokenSink
 from ._telemetry import DIALECT_ATTR, OUTCOME_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyInstruments
@@ -81,12 +83,6 @@ class Coordinates:
     model_call_id: str
     parent_call_id: str | None = None
     weight_version: str | None = None
-
-    def headers(self) -> dict[str, str]:
-        """The coordinates as the capture transport reads them (none of them reaches the upstream server)."""
-        pairs = ((ROLLOUT_HEADER, self.rollout_id), (CALL_HEADER, self.model_call_id),
-                 (PARENT_HEADER, self.parent_call_id), (WEIGHT_HEADER, self.weight_version))  # fmt: skip
-        return {name: value for name, value in pairs if value is not None}
 
 
 def _coordinate(value: str | None, where: str) -> str | None:
@@ -152,7 +148,7 @@ class _App:
                  middleware: Sequence[ChainEntry] | None, meter_provider: MeterProvider | None,
                  tracer_provider: TracerProvider | None) -> None:  # fmt: skip
         self.upstreams = upstreams
-        self.store = store
+        self.recorder = None if store is None else Recorder(store)
         self.max_request_bytes = max_request_bytes
         self.max_response_bytes = max_response_bytes
         self.client_timeout = client_timeout
@@ -268,16 +264,36 @@ class _App:
                 return served
         chat = body if dialect == "chat" else responses_to_chat(body, history) if dialect == "responses" else (
             messages_to_chat(body))  # fmt: skip
-        headers = {**coordinates.headers()} if self.store is not None else {}
+        headers: dict[str, str] = {}
+        recorded = self.record_coordinates(coordinates)
+        if self.recorder is not None:
+            await self.recorder.begin(recorded, chat)
         span_attributes = {DIALECT_ATTR: dialect, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
         if stream:
             return await self.serve_stream(dialect, upstream, chat, body, history, coordinates, headers, started,
-                                           span_attributes)  # fmt: skip
+                                           span_attributes, recorded)  # fmt: skip
         with self.span(span_attributes) as span:
-            completion = await self.post(upstream, "/chat/completions", chat, headers, dialect)
+            try:
+                completion = await self.post(upstream, "/chat/completions", chat, headers, dialect)
+            except CaptureFailedError:
+                await self.incomplete(recorded)
+                raise
+            if self.recorder is not None and recorded is not None:
+                message = completion["choices"][0]["message"]
+                await self.recorder.write(recorded, chat, completion_of(completion, message))
             answer = self.answer(dialect, completion, body, history, coordinates)
             self.finished(dialect, False, started, None, span)
         return JSONResponse(answer, headers=_call_headers(coordinates))
+
+    def record_coordinates(self, coordinates: Coordinates) -> Any:
+        if self.recorder is None:
+            return None
+        return self.recorder.coordinates(coordinates.rollout_id, coordinates.model_call_id, coordinates.parent_call_id,
+                                         coordinates.weight_version)  # fmt: skip
+
+    async def incomplete(self, recorded: Any) -> None:
+        if self.recorder is not None:
+            await self.recorder.incomplete(recorded)
 
     def via_responses(self, upstream: _Upstream, body: Mapping[str, Any]) -> bool:
         """Whether to ask vLLM's own ``/v1/responses`` (it has no log probabilities for tool calls)."""
@@ -318,6 +334,10 @@ class _App:
         sent["input"] = [*history, *sent["input"]] if isinstance(sent.get("input"), list) else (
             [*history, {"type": "message", "role": "user", "content": sent.get("input", "")}])  # fmt: skip
         attributes = {DIALECT_ATTR: "responses", STREAM_ATTR: False, UPSTREAM_ATTR: "responses"}
+        recorded = self.record_coordinates(coordinates)
+        chat = responses_to_chat(body, history) if recorded is not None else {}
+        if self.recorder is not None:
+            await self.recorder.begin(recorded, chat)
         with self.span(attributes) as span:
             try:
                 response = await upstream.client.post(upstream.base + "/responses", json=sent)
@@ -329,7 +349,10 @@ class _App:
                 decoded = decode_responses(data)
                 bundle = await self.chain(Exchange(sent, decoded))
             except (TokensError, httpx.HTTPError) as exc:
-                raise self.upstream_error(exc, "responses") from None
+                error = self.upstream_error(exc, "responses")
+                if isinstance(error, CaptureFailedError):
+                    await self.incomplete(recorded)
+                raise error from None
             upstream.serves_responses = True
             answer = decoded.answer
             answer.pop("choices", None)
@@ -340,13 +363,17 @@ class _App:
             output[-1].update(zip(TOKEN_FIELDS, (bundle.prompt_token_ids, bundle.generation_token_ids,
                                                  bundle.generation_log_probs), strict=True))  # fmt: skip
             answer["previous_response_id"] = body.get("previous_response_id")
+            if self.recorder is not None and recorded is not None:
+                message = {"role": "assistant", "content": _output_text(output)}
+                as_chat = {"id": answer.get("id"), "model": answer.get("model"), "choices": [{"message": message}]}
+                await self.recorder.write(recorded, chat, completion_of(as_chat, output[-1]))
             self.remember(body, answer, history, coordinates)
             self.finished("responses", False, started, None, span)
         return JSONResponse(answer, headers=_call_headers(coordinates))
 
     async def serve_stream(self, dialect: Dialect, upstream: _Upstream, chat: dict[str, Any], body: Mapping[str, Any],
                            history: list[Any], coordinates: Coordinates, headers: Mapping[str, str], started: float,
-                           attributes: dict[str, Any]) -> Response:  # fmt: skip
+                           attributes: dict[str, Any], recorded: Any) -> Response:  # fmt: skip
         tracer = self.tracing.get()
         span = None if tracer is None else _start_span(tracer, dialect, attributes)
         request = upstream.client.build_request("POST", upstream.base + "/chat/completions",
@@ -359,6 +386,8 @@ class _App:
                 await read_body(response, "answer", self.max_response_bytes)  # raises the typed error
         except (TokensError, httpx.HTTPError) as exc:
             error = self.upstream_error(exc, dialect)
+            if isinstance(error, CaptureFailedError):
+                await self.incomplete(recorded)
             if span is not None:
                 safely("tokens.proxy span", _end_span, span, error)
             raise error from None
@@ -366,25 +395,34 @@ class _App:
         async def events() -> AsyncIterator[bytes]:
             error: ProxyError | None = None
             converter = _converter(dialect, body)
+            gathered = StreamRecord() if recorded is not None else None
             try:
                 if isinstance(converter, ResponsesEvents):
                     for event in converter.start():
                         yield event
                 async for event in response.aiter_raw():
-                    if converter is None:
+                    if converter is None and gathered is None:
                         yield event
                         continue
                     for chunk in chunks_of(event):
-                        if chunk is not None:
+                        if chunk is None:
+                            continue
+                        if gathered is not None and gathered.feed(chunk) and self.recorder is not None:
+                            await self.recorder.write(recorded, chat, gathered.completion())  # before the end goes out
+                        if converter is not None:
                             for out in converter.feed(chunk):
                                 yield out
+                    if converter is None:
+                        yield event
                 if converter is not None:
                     for out in converter.finish():
                         yield out
                     if isinstance(converter, ResponsesEvents) and converter.completed is not None:
                         self.remember(body, converter.completed, history, coordinates)
-            except (TokensError, httpx.HTTPError) as exc:
+            except (TokensError, httpx.HTTPError, ProxyError) as exc:
                 error = self.upstream_error(exc, dialect)
+                if isinstance(error, CaptureFailedError):
+                    await self.incomplete(recorded)
                 yield self.error_event(dialect, error, converter)
             finally:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
@@ -413,8 +451,8 @@ class _App:
             return ProxyError(f"the upstream answered HTTP {exc.status_code}: {_safe(str(message))}", status=status)
         self.count_capture_error(dialect, exc)
         if isinstance(exc, ResponseTooLargeError):
-            return UpstreamError(f"the upstream's answer is over the proxy's max_response_bytes={exc.limit:,}")
-        return UpstreamError(f"token capture failed ({type(exc).__name__}): {_safe(str(exc))}")
+            return CaptureFailedError(f"the upstream's answer is over the proxy's max_response_bytes={exc.limit:,}")
+        return CaptureFailedError(f"token capture failed ({type(exc).__name__}): {_safe(str(exc))}")
 
     def count_capture_error(self, dialect: Dialect | None, exc: BaseException) -> None:
         instruments = self.instruments.get()
@@ -467,6 +505,12 @@ def _end_span(span: Span, error: ProxyError | None) -> None:
         span.set_attribute(ERROR_TYPE_ATTR, error_type(error))
         span.set_status(trace.StatusCode.ERROR, type(error).__name__)
     span.end()
+
+
+def _output_text(output: Sequence[Any]) -> str:
+    messages = [item for item in output if isinstance(item, dict) and item.get("type") == "message"]
+    parts = [part for item in messages for part in item.get("content") or () if isinstance(part, dict)]
+    return "".join(str(part.get("text", "")) for part in parts if part.get("type") == "output_text")
 
 
 def _call_headers(coordinates: Coordinates) -> dict[str, str]:

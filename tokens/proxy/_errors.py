@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from .._errors import TokensError
 
 __all__ = [
+    "CaptureFailedError",
     "ClientTimeoutError",
     "ProxyError",
     "RequestRejectedError",
@@ -69,6 +70,11 @@ class UpstreamError(ProxyError):
     anthropic_type = "api_error"
 
 
+class CaptureFailedError(UpstreamError):
+    """The upstream answered, but capture cannot give exact tokens from it (missing, partial or
+    conflicting token metadata, a malformed or oversized answer); with a store, the rollout is marked incomplete."""
+
+
 class UpstreamTimeoutError(UpstreamError):
     """The upstream did not answer (or went silent mid-stream) within ``upstream_timeout``."""
 
@@ -98,6 +104,13 @@ def anthropic_error_body(error: ProxyError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": _anthropic_type(error), "message": str(error)}}
 
 
-for _cls in (ProxyError, RequestRejectedError, RequestTooLargeError, ClientTimeoutError, UpstreamError,
-             UpstreamTimeoutError):  # fmt: skip
+for _cls in (
+    ProxyError,
+    CaptureFailedError,
+    RequestRejectedError,
+    RequestTooLargeError,
+    ClientTimeoutError,
+    UpstreamError,
+    UpstreamTimeoutError,
+):
     _cls.__module__ = "tokens.proxy"
