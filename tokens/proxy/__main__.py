@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from ..records import RecordsError, open_store
 from ._app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from ._server import bound_url, server_config
 
@@ -56,11 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     store = None
     if args.store:
         try:
-            from tokens.records import open_store  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:
-            print("tokens.proxy: --store needs tokens.records (not in this installation)", file=sys.stderr)
+            store = open_store(args.store)
+        except RecordsError as exc:
+            print(f"tokens.proxy: --store: {exc}", file=sys.stderr)
             return 2
-        store = open_store(args.store)
     try:
         app = create_app(args.upstream, store=store, upstream_api_key=key, responses_upstream=args.responses_upstream,
                          max_request_bytes=args.max_request_bytes, upstream_timeout=args.upstream_timeout,
@@ -69,8 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokens.proxy: {exc}", file=sys.stderr)
         return 2
     server = uvicorn.Server(server_config(app, args.host, args.port))
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(server, args.host))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_serve(server, args.host))
+    finally:
+        if store is not None:
+            asyncio.run(store.close())
     return 0
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -129,7 +128,6 @@ def test_a_slow_loris_client_is_answered_408_and_dropped() -> None:
                 b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b'Content-Length: 1000\r\n\r\n{"model"'
             )
-            started = time.monotonic()
             answer = sock.recv(65536)
         assert answer.startswith(b"HTTP/1.1 408")
         assert b'"type":"error"' in answer and b"client_timeout=0.5" in answer
@@ -249,7 +247,6 @@ def test_an_upstream_silent_mid_stream_times_out() -> None:
         thread = threading.Thread(target=answer, daemon=True)
         thread.start()
         with ProxyServer(create_app(f"http://127.0.0.1:{port}/v1", upstream_timeout=0.5)) as server:
-            started = time.monotonic()
             events = list(
                 openai.OpenAI(base_url=server.base_url(), api_key="k", max_retries=0).responses.create(
                     model="t", input="x", stream=True

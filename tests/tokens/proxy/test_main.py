@@ -7,11 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 
 
-def test_the_command_prints_its_url_and_serves() -> None:
+def test_the_command_prints_its_url_and_serves(tmp_path: Path) -> None:
     with socket.socket() as closed:  # an upstream port where nothing listens
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
@@ -27,6 +28,8 @@ def test_the_command_prints_its_url_and_serves() -> None:
             "0",
             "--upstream-api-key-env",
             "UPSTREAM_KEY",
+            "--store",
+            f"sqlite:///{tmp_path / 'records.db'}",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -47,6 +50,7 @@ def test_the_command_prints_its_url_and_serves() -> None:
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=20)
     assert process.returncode == 0 and str(port) not in err and "sk-secret" not in err
+    assert (tmp_path / "records.db").exists()
 
 
 def test_bad_options_are_one_line_and_exit_2() -> None:
