@@ -14,6 +14,7 @@ import logging
 import math
 import re
 import secrets
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -134,6 +135,8 @@ class _Upstream:
         base, auth = strip_credentials(url.rstrip("/"))
         self.base = base
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        if transport is None:  # no Nagle delay between a request's headers and its body, nor between events
+            transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         capture = TokenCaptureTransport(
             transport, request_prompt_and_generation_token_ids=True, middleware=middleware,
             max_response_bytes=max_response_bytes, meter_provider=meter_provider, tracer_provider=tracer_provider,
