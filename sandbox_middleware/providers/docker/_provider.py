@@ -29,6 +29,7 @@ from ..._errors import (
     SandboxImageNotFoundError,
     SandboxLimitError,
     SandboxNotFoundError,
+    SandboxPathError,
     SandboxTransferLimitError,
 )
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
@@ -48,7 +49,7 @@ from ._container import (
     workdir_of,
 )
 from ._descriptors import signed, verified
-from ._exec import KILL, new_marker
+from ._exec import KILL, RUN, PidReader, new_marker
 from ._streams import Demultiplexer, OutputCapture
 from ._ttl import WatchdogLauncher
 
@@ -398,7 +399,7 @@ class DockerProvider:
         if remaining is not None:
             deadline = remaining if deadline is None else min(deadline, remaining)
         body = {
-            "Cmd": ["/bin/sh", "-c", command],
+            "Cmd": ["/bin/sh", "-c", RUN, "sh", command],
             "Env": [*(f"{name}={value}" for name, value in call_env.items()), marker],
             "WorkingDir": str(workdir),
             "User": as_user,
@@ -409,18 +410,19 @@ class DockerProvider:
         }
         exec_id = await self._exec_create(handle, box, body)
         out, err = OutputCapture(self._max_output), OutputCapture(self._max_output)
+        stderr = PidReader(err)
         timed_out = False
         try:
             with anyio.move_on_after(deadline) as scope:
-                await self._stream(exec_id, Demultiplexer(out, err))
+                await self._stream(exec_id, Demultiplexer(out, stderr))
             timed_out = scope.cancelled_caught
         except BaseException:
             with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_TIMEOUT_S):
-                await self._kill(box, marker, as_user)
+                await self._kill(box, marker, stderr.pid, as_user)
             raise
         if timed_out:
             with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_TIMEOUT_S):
-                await self._kill(box, marker, as_user)
+                await self._kill(box, marker, stderr.pid, as_user)
         code = await self._exit_code(exec_id, box)
         if box.closed:
             return SandboxExecResult(out.text(), err.text(), code or -9, error_type="closed")
@@ -503,9 +505,9 @@ class DockerProvider:
             await anyio.sleep(0.05)
         return None
 
-    async def _kill(self, box: Box, marker: str, user: str) -> None:
+    async def _kill(self, box: Box, marker: str, group: int | None, user: str) -> None:
         """Kill every process of one command inside the container (``_exec.KILL``), as its user."""
-        body = {"Cmd": ["/bin/sh", "-c", KILL, "kill", marker], "User": user, "AttachStdout": True,
+        body = {"Cmd": ["/bin/sh", "-c", KILL, "kill", marker, str(group or "")], "User": user, "AttachStdout": True,
                 "AttachStderr": True, "Tty": False}  # fmt: skip
         try:
             reply = await self._api.call("POST", f"/containers/{box.container}/exec", "kill a timed-out command",
@@ -545,6 +547,11 @@ class DockerProvider:
                                  params={"path": str(mount), "noOverwriteDirNonDir": "true"},
                                  content=tar_stream(fd, info.st_size, parts, owner))  # fmt: skip
         except EngineError as exc:
+            if "cannot overwrite non-directory" in exc.message:
+                raise SandboxPathError(
+                    f"DockerProvider: cannot {what}: a component of {target_path!r} is not a directory (a symlink?); "
+                    "transfers never follow one: name a path through real directories"
+                ) from exc
             raise SandboxError(f"DockerProvider: cannot {what}: {exc.message}") from exc
         finally:
             os.close(fd)

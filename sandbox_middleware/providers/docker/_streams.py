@@ -8,9 +8,16 @@ of what was dropped), so memory stays bounded whatever a command prints.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from ..local._output import OutputCapture
 
-__all__ = ["Demultiplexer", "OutputCapture"]
+__all__ = ["Demultiplexer", "OutputCapture", "Sink"]
+
+
+class Sink(Protocol):
+    def feed(self, data: bytes) -> None: ...
+
 
 _HEADER = 8
 
@@ -18,8 +25,8 @@ _HEADER = 8
 class Demultiplexer:
     """Feeds the frames of a multiplexed exec stream to ``stdout`` and ``stderr``."""
 
-    def __init__(self, stdout: OutputCapture, stderr: OutputCapture) -> None:
-        self._captures = {1: stdout, 2: stderr}
+    def __init__(self, stdout: Sink, stderr: Sink) -> None:
+        self._captures: dict[int, Sink] = {1: stdout, 2: stderr}
         self._header = bytearray()
         self._stream = 1
         self._left = 0  # bytes of the current frame still to come

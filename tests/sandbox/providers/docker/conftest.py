@@ -42,4 +42,3 @@ async def make(docker: None) -> AsyncIterator[Callable[..., DockerProvider]]:
 @pytest.fixture
 def provider(make: Callable[..., DockerProvider]) -> DockerProvider:
     return make()
-

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,7 +41,7 @@ async def test_exec_output_exit_code_env_cwd(provider: DockerProvider) -> None:
     await provider.exec(handle, "mkdir sub")
     assert (await provider.exec(handle, "pwd", cwd="sub")).stdout == "/workspace/work/sub\n"
     assert (await provider.exec(handle, "pwd", cwd="/tmp")).stdout == "/tmp\n"
-    with pytest.raises(SandboxError, match="cwd '/workspace/work/nowhere'"):
+    with pytest.raises(SandboxError, match=re.escape("cwd '/workspace/work/nowhere'")):
         await provider.exec(handle, "true", cwd="nowhere")
     await provider.close(handle)
 
@@ -73,7 +74,7 @@ async def test_files_workdir_and_transfers(provider: DockerProvider, tmp_path: P
     assert (tmp_path / "back" / "in.bin").read_bytes() == source.read_bytes()
     await provider.download_file(handle, "data/deep/in.bin", tmp_path / "grown.bin")
     assert (tmp_path / "grown.bin").read_bytes() == source.read_bytes() + b"more\n"
-    with pytest.raises(SandboxError, match="'missing.txt' is not a file"):
+    with pytest.raises(SandboxError, match=re.escape("'missing.txt' is not a file")):
         await provider.download_file(handle, "missing.txt", tmp_path / "x")
     with pytest.raises(SandboxError, match="cannot upload"):
         await provider.upload_file(handle, tmp_path / "missing", "x")
@@ -108,25 +109,27 @@ async def test_status_close_and_unknown_handles(provider: DockerProvider) -> Non
 
 async def test_a_missing_image_is_a_typed_error_naming_it(provider: DockerProvider) -> None:
     """Not a SandboxCreateError: retrying cannot help, and nothing is pulled."""
-    with pytest.raises(SandboxImageNotFoundError, match="'sandbox-middleware/nothing:here' is not on the daemon"):
+    with pytest.raises(
+        SandboxImageNotFoundError, match=re.escape("'sandbox-middleware/nothing:here' is not on the daemon")
+    ):
         await provider.create(spec("sandbox-middleware/nothing:here"))
-    with pytest.raises(SandboxArgumentError, match="spec.image"):
+    with pytest.raises(SandboxArgumentError, match=re.escape("spec.image")):
         await provider.create(spec(image=""))
 
 
 async def test_bad_arguments_are_typed_errors_naming_them(make: Callable[..., DockerProvider]) -> None:
     with pytest.raises(SandboxArgumentError, match="memory_mib"):
         make(memory_mib=-1)
-    with pytest.raises(DockerUnavailableError, match="no Docker daemon answers at /nowhere.sock"):
+    with pytest.raises(DockerUnavailableError, match=re.escape("no Docker daemon answers at /nowhere.sock")):
         make(socket="/nowhere.sock")
-    with pytest.raises(DockerUnavailableError, match="api_version '1.99'"):
+    with pytest.raises(DockerUnavailableError, match=re.escape("api_version '1.99'")):
         make(api_version="1.99")
     provider = make()
     with pytest.raises(SandboxLimitError, match="no GPUs"):
         await provider.create(spec(resources={"gpu": 1}))
     with pytest.raises(SandboxArgumentError, match="need a network"):
         await provider.create(spec(ports=[8000]))
-    with pytest.raises(SandboxArgumentError, match="spec.metadata key"):
+    with pytest.raises(SandboxArgumentError, match=re.escape("spec.metadata key")):
         await provider.create(spec(metadata={"a=b": "c"}))
 
 
