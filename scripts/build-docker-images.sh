@@ -5,8 +5,8 @@
 #                                    /etc/passwd with a non-root user `sandbox` (uid 1000), USER unset
 #   sandbox-middleware/python:test   the same, plus this machine's /usr/bin/python3 and its standard
 #                                    library and shared libraries; USER sandbox
-# An image that already exists is kept (FORCE=1 rebuilds). DOCKER_HOST is honoured, so a private
-# daemon can be given the same images. Needs the docker CLI and busybox-static (apt-get install
+# Arguments name the images to build (busybox, python; default both). An image that already exists
+# is kept (FORCE=1 rebuilds). DOCKER_HOST is honoured, so a private daemon can be given them too. Needs the docker CLI and busybox-static (apt-get install
 # docker.io busybox-static).
 set -euo pipefail
 docker=(docker)
@@ -15,6 +15,7 @@ python="${IMAGE_PYTHON:-/usr/bin/python3}"
 exists() { [ -z "${FORCE:-}" ] && "${docker[@]}" image inspect "$1" >/dev/null 2>&1; }
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
+wanted=" ${*:-busybox python} "
 
 base() {  # $1: root directory to fill with busybox and a minimal /etc
   local root="$1"
@@ -29,13 +30,13 @@ base() {  # $1: root directory to fill with busybox and a minimal /etc
   chown 1000:1000 "$root/home/sandbox"
 }
 
-if ! exists sandbox-middleware/busybox:test; then
+if [[ "$wanted" == *" busybox "* ]] && ! exists sandbox-middleware/busybox:test; then
   base "$work/busybox"
   tar -C "$work/busybox" -c . | "${docker[@]}" import --change 'CMD ["/bin/sh"]' - sandbox-middleware/busybox:test >/dev/null
   echo "built sandbox-middleware/busybox:test" >&2
 fi
 
-if ! exists sandbox-middleware/python:test; then
+if [[ "$wanted" == *" python "* ]] && ! exists sandbox-middleware/python:test; then
   root="$work/python"
   base "$root"
   real="$(readlink -f "$python")"
