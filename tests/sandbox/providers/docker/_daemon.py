@@ -1,5 +1,7 @@
 """A private ``dockerd`` for the tests that kill one: its own data root, exec root, pid file and socket,
-no bridge and no iptables, so killing it touches nothing of the machine's own daemon."""
+no bridge and no iptables, in a network namespace of its own, so nothing it does touches the
+machine's own daemon. The namespace matters: a dockerd started with ``--bridge=none`` deletes the
+host's ``docker0`` interface (Docker's ``removeDefaultBridgeInterface``), which the machine's daemon needs."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class PrivateDaemon:
 
     def start(self) -> None:
         argv = [
-            shutil.which("dockerd") or "dockerd", "--data-root", str(self.root / "data"),
+            "unshare", "--net", shutil.which("dockerd") or "dockerd", "--data-root", str(self.root / "data"),
             "--exec-root", str(self.root / "exec"), "--pidfile", str(self.root / "docker.pid"),
             "-H", f"unix://{self.socket}", "--bridge=none", "--iptables=false", "--ip-masq=false",
             "--storage-driver=vfs", "--containerd-namespace", f"sm-test-{self.root.name}",

@@ -46,6 +46,7 @@ async def test_dockerd_killed_mid_run_then_reap_takes_exactly_that_run(
     """Creates in flight when dockerd dies are retried or fail typed; the metrics count each outcome
     once; after the restart, `reap CONFIG --run ID --force` removes that run's containers and no other's."""
     require_docker()
+    bridge = Path("/sys/class/net/docker0").exists()
     with private_daemon() as daemon:
         bare = DockerProvider(socket=daemon.socket)
         other = stack(bare, [Middleware(OwnershipMiddleware, run_id="other-run")])
@@ -102,6 +103,7 @@ async def test_dockerd_killed_mid_run_then_reap_takes_exactly_that_run(
         assert set(made) <= set(done.stdout.split())  # reported by id
         await bare.close(kept)
         await bare.aclose()
+    assert Path("/sys/class/net/docker0").exists() == bridge  # the machine's daemon keeps its bridge
 
 
 _WORKER = """

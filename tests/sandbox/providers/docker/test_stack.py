@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from sandbox_middleware import (
     stack,
 )
 from sandbox_middleware.testing.fixtures import TelemetryCapture
+from tests.providers import PlainProvider
 
 from ._support import PYTHON, containers, spec
 
@@ -67,3 +69,22 @@ async def test_every_operation_through_the_recommended_stack(
     assert names[:5] == ["gym.sandbox.start", "gym.sandbox.upload", "gym.sandbox.exec", "gym.sandbox.download",
                          "gym.sandbox.status"]  # fmt: skip
     assert names.count("gym.sandbox.stop") == 1
+
+
+async def test_ownership_says_when_nothing_can_reap(
+    make: Callable[..., DockerProvider], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Over a provider that cannot list, OwnershipMiddleware warns once instead of promising a reaper;
+    over DockerProvider (labels) it does not."""
+
+    class Unlistable(PlainProvider):
+        name = "unlistable"
+
+    with caplog.at_level(logging.WARNING, logger="sandbox_middleware"):
+        assert stack(make(), [Middleware(OwnershipMiddleware)]).reapable  # type: ignore[attr-defined]
+        assert caplog.records == []
+        for _ in range(2):
+            layer = stack(Unlistable(), [*recommended_middleware(), Middleware(OwnershipMiddleware)])
+            assert not layer.inner.inner.inner.inner.reapable  # type: ignore[attr-defined]
+    [warning] = caplog.records
+    assert "'unlistable'" in warning.getMessage() and "can never find" in warning.getMessage()
