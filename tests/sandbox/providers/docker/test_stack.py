@@ -14,6 +14,7 @@ from sandbox_middleware import (
     Middleware,
     OwnershipMiddleware,
     SandboxStatus,
+    _ownership,
     recommended_middleware,
     stack,
 )
@@ -72,10 +73,11 @@ async def test_every_operation_through_the_recommended_stack(
 
 
 async def test_ownership_says_when_nothing_can_reap(
-    make: Callable[..., DockerProvider], caplog: pytest.LogCaptureFixture
+    make: Callable[..., DockerProvider], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over a provider that cannot list, OwnershipMiddleware warns once instead of promising a reaper;
     over DockerProvider (labels) it does not."""
+    monkeypatch.setattr(_ownership, "_WARNED", set())
 
     class Unlistable(PlainProvider):
         name = "unlistable"
