@@ -31,20 +31,25 @@ from ..sandbox.providers.docker._support import (  # noqa: E402
     BUSYBOX,
     SESSION,
     SESSION_KEY,
-    remove_containers,
+    containers,
+    engine,
     require_docker,
 )
 
 pytestmark = pytest.mark.anyio
+NEMO_LABEL = "nemo-gym.sandbox=1"
 
 
 @pytest.fixture(params=["ours", "nemo_gym"])
 async def inner(request: pytest.FixtureRequest) -> Any:
     require_docker()
+    before = set(containers(NEMO_LABEL))  # other runs' NeMo Gym containers are never touched
     provider = DockerProvider() if request.param == "ours" else NemoDockerProvider()
     yield provider
     await provider.aclose()
-    remove_containers("nemo-gym.sandbox=1") if request.param == "nemo_gym" else None
+    with engine() as client:  # NeMo Gym's containers carry only its fixed label: remove the ones made here
+        for container in set(containers(NEMO_LABEL)) - before:
+            client.delete(f"/containers/{container}", params={"force": "1", "v": "1"})
 
 
 async def _workload(provider: Any, tmp_path: Path) -> None:
