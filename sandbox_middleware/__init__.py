@@ -7,12 +7,14 @@ from ._errors import (
     SANDBOX_CREATE_ERRORS,
     BwrapUnavailableError,
     ConfigError,
+    DockerUnavailableError,
     RegistryError,
     SandboxArgumentError,
     SandboxCreateError,
     SandboxCreateVerificationError,
     SandboxError,
     SandboxExpiredError,
+    SandboxImageNotFoundError,
     SandboxLimitError,
     SandboxNotFoundError,
     SandboxNotStartedError,
@@ -55,7 +57,7 @@ from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
 from ._retry import DEFAULT_RETRY_ON, RetryMiddleware
 from ._sandbox import Sandbox
 from ._tracing import TracingMiddleware
-from .providers import LocalProvider
+from .providers import DockerProvider, LocalProvider
 
 __all__ = [
     "CAPABILITIES",
@@ -64,6 +66,8 @@ __all__ = [
     "BwrapUnavailableError",
     "ConfigError",
     "ConnectableProvider",
+    "DockerProvider",
+    "DockerUnavailableError",
     "ExecResult",
     "HeldSandbox",
     "LocalProvider",
@@ -87,6 +91,7 @@ __all__ = [
     "SandboxExecResult",
     "SandboxExpiredError",
     "SandboxHandle",
+    "SandboxImageNotFoundError",
     "SandboxLimitError",
     "SandboxListing",
     "SandboxNotFoundError",
