@@ -24,6 +24,11 @@ if [ ! -f "$marker" ]; then
   "$venv/bin/python" -m pip install --quiet pydantic omegaconf pyyaml >&2
   touch "$marker"
 fi
+# orjson: what NeMo Gym's servers parse responses with (server_utils.py), for bench/tokens_bench.py's
+# side-by-side run; installed into venvs made before it was listed too.
+if ! "$venv/bin/python" -c "import orjson" 2>/dev/null; then
+  "$venv/bin/python" -m pip install --quiet orjson >&2
+fi
 # pip's resolver lists NeMo Gym's dependencies left out on purpose on every install: keep only other lines.
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT

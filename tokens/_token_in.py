@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._bundle import TokenBundle, TokenCompletion
-from ._chain import check_usage, describe_difference
+from ._chain import check_choice_count, check_usage, describe_difference
 from ._decode import DecodedResponse, decode_response, token_ids_of
 from ._errors import ConflictingTokenMetadataError, MalformedTokenMetadataError, MissingTokenMetadataError
 
@@ -64,6 +64,7 @@ def extract_token_in(request: Mapping[str, Any], data: bytes | str) -> TokenComp
     """The bundles of a token-in completion (one per choice), checked against the ids sent."""
     sent: list[int] = request["prompt"]
     response = decode_response(data)
+    check_choice_count(request, len(response.choices))
     bundles = tuple(_choice_bundle(response, index, sent) for index in range(len(response.choices)))
     check_usage(response.body.get("usage"), bundles[0], sum(len(b.generation_token_ids) for b in bundles),
                 "generated ids")  # fmt: skip

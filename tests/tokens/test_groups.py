@@ -47,7 +47,8 @@ async def complete(response: dict[str, Any], **body: Any) -> tuple[Any, int]:
         with respx.mock(assert_all_called=False) as router:
             router.post(CHAT).mock(return_value=httpx.Response(200, json=response))
             tokenize = router.post(TOKENIZE).mock(return_value=httpx.Response(200, json=TOKENIZED))
-            completion = await client.chat_completion(**(body or {"model": "tiny", "messages": MESSAGES, "n": 2}))
+            n = len(response["choices"])
+            completion = await client.chat_completion(**(body or {"model": "tiny", "messages": MESSAGES, "n": n}))
             return completion, tokenize.call_count
 
 
