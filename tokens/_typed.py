@@ -24,8 +24,8 @@ from ._decode import _MESSAGE_RAW, DecodedResponse, TokenId, _Logprobs, decode_r
 
 __all__ = ["decode_typed"]
 
-_TOKEN_PREFIX = "token_id:"
-_SEPARATED_PREFIX = "," + _TOKEN_PREFIX
+_PREFIX_BYTES = b"token_id:"
+_SEPARATED_PREFIX_BYTES = b"," + _PREFIX_BYTES
 
 
 class _Choice(msgspec.Struct, forbid_unknown_fields=True):
@@ -91,23 +91,16 @@ class _TypedResponse(DecodedResponse):
 def _same_ids(entries: list[Any], ids: list[int]) -> bool:
     """Whether the entries' tokens are exactly ``token_id:<id>`` for ``ids``, compared as text.
 
-    Joined with commas, they must equal the ids' JSON without its brackets once each token's one
-    prefix is removed: with as many prefixes as tokens, one after each comma and one at the start,
-    and no other comma, each token is its prefix then the canonical digits of its id.
+    The ids' JSON (canonical digits, comma-separated) with the prefix before each id is one string;
+    the tokens joined by commas equal it only if each token is exactly its id's text, since that
+    string has as many commas as the tokens have separators.
     """
     if len(entries) != len(ids):
         return False
     if not ids:
         return True
-    joined = ",".join([entry.token for entry in entries])
-    count = len(ids)
-    return (
-        joined.startswith(_TOKEN_PREFIX)
-        and joined.count(_TOKEN_PREFIX) == count
-        and joined.count(_SEPARATED_PREFIX) == count - 1
-        and joined.count(",") == count - 1
-        and joined.replace(_TOKEN_PREFIX, "") == msgspec.json.encode(ids)[1:-1].decode()
-    )
+    expected = _PREFIX_BYTES + msgspec.json.encode(ids)[1:-1].replace(b",", _SEPARATED_PREFIX_BYTES)
+    return ",".join([entry.token for entry in entries]) == expected.decode("ascii")
 
 
 def _plain(value: msgspec.Struct, names: tuple[str, ...]) -> dict[str, Any]:
