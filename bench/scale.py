@@ -151,6 +151,11 @@ async def table(gc_paused: bool) -> None:
         print(
             f"{LABELS[variant]:>14}: the stack's own cost (minus the bare provider) at 100 / 1,000 / 10,000 us: {own}"
         )
+        if not gc_paused:
+            low, high = sum(extra[LEVELS[0]]), sum(extra[LEVELS[-1]])
+            ratio = f"{high / low:.2f}x" if low > 0 else "-"
+            print(f"{'':>14}  create + exec + close at {LEVELS[-1]:,} / at {LEVELS[0]:,}: {high:.1f} / {low:.1f} us = "
+                  f"{ratio} (goal <= 1.30x)")  # fmt: skip
 
 
 LABELS = {"sdk": "stack + SDK", "no-sdk": "stack, no SDK", "bare": "bare provider"}

@@ -197,7 +197,8 @@ class RetryMiddleware(ProviderMiddleware):
         # tens of microseconds). Its failure is replayed as stamina's first attempt, which decides.
         started = time.monotonic()
         try:
-            result = await self._attempt(operation)
+            # No extra frame for the collector to track while the attempt runs, unless it is bounded.
+            result = await (operation() if self.attempt_timeout is None else self._attempt(operation))
         except Exception as exc:
             first = exc
         else:
