@@ -7,7 +7,8 @@ the comparison; ``NEMO_GYM_VENV`` or ``NEMO_GYM_PYTHON`` point at another one). 
    0.7.0's real path on the same bytes, ``orjson.loads`` (what ``nemo_gym.server_utils`` parses
    responses with) then ``nemo_gym.token_id_capture.adapters.vllm.VLLMCaptureAdapter``, and beside
    our own decode forced onto its fallback path (today's two-scan decode, the "before"), interleaved
-   in one process in NeMo Gym's venv, at 1,024+256, 8,192+2,048, 32,768+8,192 and 131,072+32,768
+   in one process in NeMo Gym's venv (that process's CPU time: other load on the machine does not
+   count), at 1,024+256, 8,192+2,048, 32,768+8,192 and 131,072+32,768
    prompt + generated tokens (goals: capture / NeMo Gym <= 0.75 at 1,024+256 and <= 0.6 from
    8,192+2,048 up); the bundles of both of our paths must be equal, and NeMo Gym's ids ours;
 2. ``TokenCaptureTransport`` per completion over a plain ``httpx.AsyncClient`` post and
@@ -77,14 +78,17 @@ def vllm_response(prompt_len: int, generation_len: int, seed: int = 0) -> bytes:
     return json.dumps(response).encode()
 
 
-async def best_ms_async(fn: Callable[[], Awaitable[Any]], repeats: int = REPEATS) -> float:
-    """Milliseconds of the fastest of ``repeats`` runs, inside one running event loop (its start-up is not capture)."""
+async def best_ms_async(
+    fn: Callable[[], Awaitable[Any]], repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """Milliseconds of the fastest of ``repeats`` runs by ``clock``, inside one running event loop (its
+    start-up is not capture)."""
     best = float("inf")
     for _ in range(repeats):
         gc.collect()
-        started = time.perf_counter()
+        started = clock()
         await fn()
-        best = min(best, time.perf_counter() - started)
+        best = min(best, clock() - started)
     return best * 1000
 
 
@@ -203,8 +207,8 @@ async def capture_table() -> int:
     typed = TokenClient("http://unused.invalid/v1", request_prompt_and_generation_token_ids=True)
     fallback = TokenClient("http://unused.invalid/v1", request_prompt_and_generation_token_ids=True)
     fallback._capture._decode = decode_response  # type: ignore[method-assign]  # today's path, forced
-    print("1. capture, vLLM 0.32 body in, bundle out (ms, best of rounds, interleaved), beside NeMo Gym 0.7.0's "
-          "path: orjson.loads + VLLMCaptureAdapter")  # fmt: skip
+    print("1. capture, vLLM 0.32 body in, bundle out (CPU ms of this process, best of rounds, interleaved), beside "
+          "NeMo Gym 0.7.0's path: orjson.loads + VLLMCaptureAdapter")  # fmt: skip
     print(f"{'prompt':>8} {'generated':>9} {'MB':>6} {'NeMo Gym':>9} {'ours':>8} {'ours/NeMo':>9} {'goal':>6} "
           f"{'fallback':>9} {'fallback/NeMo':>13} {'ours/fallback':>13}")  # fmt: skip
     met = True
@@ -232,7 +236,7 @@ async def capture_table() -> int:
         best = [float("inf")] * len(timed)
         for _ in range(ROUNDS):
             for index, run in enumerate(timed):
-                best[index] = min(best[index], await best_ms_async(run, repeats=1) / calls)
+                best[index] = min(best[index], await best_ms_async(run, 1, time.process_time) / calls)
         if nemo is None:
             ours_ms, before_ms = best
             print(f"{prompt_len:>8} {generation_len:>9} {len(data) / 1e6:>6.2f} {'absent':>9} {ours_ms:>8.3f} "
