@@ -26,6 +26,7 @@ from sandbox_middleware import (
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests.providers import PlainProvider
+from tests.retry_probe import count_retry_contexts
 
 pytestmark = pytest.mark.anyio
 
@@ -258,14 +259,7 @@ def test_bad_options_are_clear_errors() -> None:
 
 async def test_a_call_that_succeeds_sets_up_no_retry_context(monkeypatch: pytest.MonkeyPatch) -> None:
     """Retries cost nothing until something fails: stamina is entered only after a first failure."""
-    entered: list[int] = []
-    real = stamina.retry_context
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        entered.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(stamina, "retry_context", counting)
+    entered = count_retry_contexts(monkeypatch)
     budget = RetryBudget(max_tokens=10, token_ratio=1)
     scripted = Scripted(PlainProvider())
     provider = RetryMiddleware(scripted, operations=["create", "close"], budget=budget, attempt_timeout=5)

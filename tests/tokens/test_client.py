@@ -13,6 +13,7 @@ import pytest
 import respx
 import stamina
 
+from tests.retry_probe import count_retry_contexts
 from tests.token_samples import BASE, CHAT, INLINE, LOGPROBS_ONLY, TOKENIZE, TOKENIZED, sample
 from tokens import (
     ConflictingTokenMetadataError,
@@ -440,14 +441,7 @@ async def test_a_call_that_succeeds_sets_up_no_retry_context(
 ) -> None:
     """Retries cost nothing until something fails: stamina is entered only after a first failure, and
     then the attempts are the policy's (the first one included)."""
-    entered: list[int] = []
-    real = stamina.retry_context
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        entered.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(stamina, "retry_context", counting)
+    entered = count_retry_contexts(monkeypatch)
     chat = server.post(CHAT).mock(return_value=httpx.Response(200, json=INLINE))
     async with TokenClient(BASE, request_prompt_and_generation_token_ids=True) as client:
         await client.chat_completion(**USER_BODY)
