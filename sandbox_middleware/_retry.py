@@ -80,7 +80,8 @@ class RetryMiddleware(ProviderMiddleware):
 
     ``budget``, a ``RetryBudget``, is shared by every call through this layer: while it is
     exhausted the error propagates at once and ``gym.sandbox.retry_throttled_total`` counts it.
-    Cancellation is never retried and never swallowed.
+    Cancellation is never retried and never swallowed. The first attempt runs without stamina: a call
+    that succeeds at once sets up no retry state; a failure is handed to stamina as its first attempt.
     """
 
     BOUNDS: ClassVar[Bounds] = Bounds(
