@@ -24,7 +24,8 @@ if [ ! -f "$marker" ]; then
   "$venv/bin/python" -m pip install --quiet pydantic omegaconf pyyaml >&2
   touch "$marker"
 fi
-# orjson: NeMo Gym's token_id_capture (records, lineage, conformance suite) imports it; a venv made
+# orjson: NeMo Gym's token_id_capture (records, lineage, conformance suite) imports it, and its servers
+# parse responses with it (server_utils.py: bench/tokens_bench.py's side-by-side run); a venv made
 # before it was needed gets it here.
 "$venv/bin/python" -c "import orjson" 2>/dev/null || "$venv/bin/python" -m pip install --quiet orjson >&2
 # pip's resolver lists NeMo Gym's dependencies left out on purpose on every install: keep only other lines.

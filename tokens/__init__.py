@@ -8,6 +8,7 @@ from . import chain, records
 from ._bundle import TokenBundle, TokenCompletion, WeightVersionSpan
 from ._client import RetryPolicy, TokenClient
 from ._errors import (
+    ChoiceCountError,
     ConflictingTokenMetadataError,
     ContextLengthExceededError,
     MalformedResponseError,
@@ -28,6 +29,7 @@ from ._transport import TokenCaptureTransport
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
+    "ChoiceCountError",
     "ConflictingTokenMetadataError",
     "ContextLengthExceededError",
     "Drift",

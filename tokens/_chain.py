@@ -23,6 +23,7 @@ from typing import Any
 from ._bundle import TokenBundle
 from ._decode import DecodedResponse
 from ._errors import (
+    ChoiceCountError,
     ConflictingTokenMetadataError,
     MalformedTokenMetadataError,
     MissingTokenMetadataError,
@@ -379,6 +380,19 @@ def check_usage(usage: Any, bundle: TokenBundle, generated: int | None, what: st
                 f"usage.{key} is {count} but the {bundle.source!r} source has {length} {counted}; the server's "
                 "accounting and its token lists disagree"
             )
+
+
+def check_choice_count(request: Mapping[str, Any], count: int) -> None:
+    """A request that named ``n`` gets exactly ``n`` choices (a GRPO group of the wrong size is a
+    silent wrong answer); ``ChoiceCountError`` otherwise."""
+    n = request.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and count != n:
+        raise ChoiceCountError(
+            f"the request asked for n={n} choices but the response has {count}; a group of another size "
+            "cannot be trained on as asked (is the server ignoring n, or did a proxy cut the response?)",
+            requested=n,
+            received=count,
+        )
 
 
 class UsageCheck(TokenMiddleware):

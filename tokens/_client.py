@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -147,15 +148,25 @@ class TokenClient:
         policy = self.retry
         if policy is None:
             return await once()
+        # The first attempt runs bare (no retry context on the success path); its failure is
+        # replayed as stamina's first attempt, which decides on retrying as it always did.
+        started = time.monotonic()
+        try:
+            return await once()
+        except Exception as exc:
+            first = exc
+        remaining = max(policy.timeout - (time.monotonic() - started), 1e-6)
         async for attempt in stamina.retry_context(
             on=_retryable(policy),
             attempts=policy.attempts,
-            timeout=policy.timeout,
+            timeout=remaining,
             wait_initial=policy.wait_initial,
             wait_max=policy.wait_max,
             wait_jitter=policy.wait_jitter,
         ):
             with attempt:
+                if attempt.num == 1:
+                    raise first
                 return await once()
         raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
 

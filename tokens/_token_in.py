@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from ._bundle import TokenBundle, TokenCompletion, WeightVersionSpan
-from ._chain import check_usage, describe_difference
+from ._chain import check_choice_count, check_usage, describe_difference
 from ._decode import DecodedResponse, decode_response, token_ids_of
 from ._errors import (
     ConflictingTokenMetadataError,
@@ -75,6 +75,7 @@ def extract_token_in(request: Mapping[str, Any], data: bytes | str) -> TokenComp
     """The bundles of a token-in completion (one per choice), checked against the ids sent."""
     sent: list[int] = request["prompt"]
     response = decode_response(data)
+    check_choice_count(request, len(response.choices))
     bundles = tuple(_choice_bundle(response, index, sent) for index in range(len(response.choices)))
     check_usage(response.body.get("usage"), bundles[0], sum(len(b.generation_token_ids) for b in bundles),
                 "generated ids")  # fmt: skip
@@ -171,6 +172,8 @@ def extract_generate(request: Mapping[str, Any], data: bytes | str) -> TokenComp
     choices = body.get("choices") if isinstance(body, dict) else None
     if not isinstance(choices, list) or not choices:
         raise MalformedResponseError("/inference/v1/generate: the answer has no choices list; is this vLLM's endpoint?")
+    params = request.get("sampling_params")
+    check_choice_count(params if isinstance(params, Mapping) else {}, len(choices))
     echoed = body.get("prompt_token_ids")
     if echoed is not None and echoed != sent:
         raise ConflictingTokenMetadataError(
