@@ -212,7 +212,7 @@ class CgroupBackend:
         hierarchy = self._root / "memory" if self.version == "v1" else self._root
         levels = [parent.parent, *[p for p in parent.parent.parents if p.is_relative_to(hierarchy)]]
         total, available = _meminfo()
-        tightest = (available + sandboxes, total, "the machine (MemAvailable)")
+        tightest = (available + sandboxes, total, "the machine")
         for level in levels:
             limit = _read_int(level / files.limit)
             if limit is None or limit >= _UNLIMITED:

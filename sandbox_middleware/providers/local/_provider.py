@@ -192,6 +192,11 @@ class LocalProvider:
         return (_restore, (self._options,))
 
     @property
+    def _shared_uid(self) -> bool:
+        """Whether all sandboxes' commands run as one uid (this process's, or ``sandbox_uid``)."""
+        return self._bwrap is None or not self._bwrap.drops_privileges or self._sandbox_uid is not None
+
+    @property
     def _commands_run_as_root(self) -> bool:
         """Whether commands run as host root (RLIMIT_NPROC does not bind root)."""
         return os.geteuid() == 0 and not (self._bwrap is not None and self._bwrap.drops_privileges)
@@ -210,7 +215,10 @@ class LocalProvider:
     def _launch(self, limits: Limits, cgroups: Sequence[Path], uid: int | None) -> Launch:
         """How the commands of a sandbox with these limits and groups start (see ``_launch.py``)."""
         cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
-        rlimits = [("nofile", self._nofile)]
+        nofile = self._nofile
+        if limits.pids is not None and "pids" not in cgroup:  # RLIMIT_NPROC (per uid) bounds the processes
+            nofile = max(16, min(nofile, file_max() // (_FILE_SHARE * limits.pids)))
+        rlimits = [("nofile", nofile)]
         if limits.memory_bytes is not None and "memory" not in cgroup:
             rlimits.append(("as", limits.memory_bytes))
         if limits.pids is not None and "pids" not in cgroup and not self._commands_run_as_root:
@@ -235,19 +243,78 @@ class LocalProvider:
 
     @property
     def mechanisms(self) -> dict[str, str]:
-        """How each limit is enforced on this machine (or ``"not enforced"``)."""
+        """How each limit is enforced on this machine: only what is enforced, and where a limit is off
+        by default (None), that it is."""
         cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
         version = f"cgroup {self._cgroups.version}" if self._cgroups is not None else ""
         root = self._commands_run_as_root
-        return {
-            "memory": version if "memory" in cgroup else "rlimit RLIMIT_AS (per process)",
-            "pids": version if "pids" in cgroup else ("not enforced" if root else "rlimit RLIMIT_NPROC (per uid)"),
-            "cpu": version if "cpu" in cgroup else "not enforced",
-            "disk": "tmpfs size" if self._tmpfs else "rlimit RLIMIT_FSIZE (per file)",
+
+        def limit(name: str, mechanism: str) -> str:
+            if self._defaults[name] is not None or mechanism == "not enforced":
+                return mechanism
+            return f"not limited by default ({name}=None); {mechanism} when spec.resources sets it"
+
+        memory = version if "memory" in cgroup else "rlimit RLIMIT_AS (per process)"
+        report = {
+            "memory": limit("memory_mib", memory),
+            "pids": limit(
+                "pids",
+                version if "pids" in cgroup else ("not enforced" if root else "rlimit RLIMIT_NPROC (per uid)"),
+            ),
+            "cpu": limit("cpu", version if "cpu" in cgroup else "not enforced"),
+            "disk": limit("disk_gib", self._disk_report()),
+            "memory budget": self._budget_report(),
+            "tcp buffers": {
+                "v1": "cgroup v1 memory.kmem.tcp.limit_in_bytes, memory_mib per sandbox (besides its memory)",
+                "v2": "cgroup v2 memory.max (socket buffers are charged to the sandbox's memory)",
+            }.get(self._cgroups.version or "", "not limited")
+            if "memory" in cgroup and self._cgroups is not None
+            else "not limited",
+            "open files": self._files_report(),
+            "oom": "oom_score_adj 1000: the kernel kills a sandbox's processes before the trainer",
             "ttl": "watchdog thread (SIGKILL)",
             "output": f"pipes, {self._max_output} bytes kept per stream",
             "isolation": self._isolation_report(),
         }
+        if self._bwrap is not None:
+            report["pty"] = "none: no /dev/pts, no /dev/ptmx"
+        return report
+
+    def _disk_report(self) -> str:
+        if not self._tmpfs:
+            return "rlimit RLIMIT_FSIZE (per file)"
+        if self._bwrap is None:
+            return "tmpfs size: the sandbox directory and its TMPDIR (not the host's /tmp, which commands can reach)"
+        return "tmpfs size: the sandbox directory, its /tmp and /dev/shm"
+
+    def _budget_report(self) -> str:
+        budget = self._cgroups.memory_budget() if self._cgroups is not None else None
+        if budget is None:
+            return "none (no memory cgroup): sandboxes together are not bounded"
+        return f"{budget.describe()}; a create beyond it is refused"
+
+    def _files_report(self) -> str:
+        cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
+        if self._cgroups is not None and "pids" in cgroup:
+            together = self._cgroups.all_pids
+            how = f"all sandboxes together at most {together} processes (cgroup {self._cgroups.version} pids)"
+        elif self._defaults["pids"] is not None and not self._commands_run_as_root and self._shared_uid:
+            together = int(self._defaults["pids"])
+            how = f"all sandboxes and this user together at most {together} processes (RLIMIT_NPROC, per uid)"
+        elif self._defaults["pids"] is not None and not self._commands_run_as_root:
+            per = int(self._defaults["pids"])
+            nofile = self._launch(Limits(None, per, None, None), (), None).rlimits[0][1]
+            return (
+                f"RLIMIT_NOFILE {nofile} per process, RLIMIT_NPROC {per} per sandbox uid: at most {nofile * per} "
+                "open files per sandbox; not bounded for all sandboxes together (no pids cgroup)"
+            )
+        else:
+            return f"RLIMIT_NOFILE {self._nofile} per process; processes not bounded, so files are not either"
+        nofile = self._launch(Limits(None, together, None, None), (), None).rlimits[0][1]
+        return (
+            f"RLIMIT_NOFILE {nofile} per process; {how}: at most {nofile * together} open files, "
+            f"of fs.file-max {file_max()}"
+        )
 
     def _isolation_report(self) -> str:
         if self._bwrap is None:
@@ -684,7 +751,9 @@ class LocalProvider:
             },
             created=positive_number(created, "recorded created") or 0.0,
             # Its uid stays leased by the process that made it (the lease is that process's).
-            launch=self._launch(limits, cgroups, uid if self._bwrap is not None and self._bwrap.drops_privileges else None),
+            launch=self._launch(
+                limits, cgroups, uid if self._bwrap is not None and self._bwrap.drops_privileges else None
+            ),
         )
         self._boxes[sandbox_id] = box
         if box.deadline is not None:
