@@ -347,3 +347,34 @@ async def test_sandboxes_of_two_processes_never_share_a_uid(sandbox_base: Path) 
             await process.aclose()
     assert len(set(uids)) == 4, uids
     assert set(uids) <= set(range(_uids.UID_BASE + 7, _uids.UID_BASE + 11))
+
+
+def test_unprivileged_mechanisms_say_what_is_not_bounded(sandbox_base: Path) -> None:
+    """As a normal user there are no cgroups and no tmpfs: the sandbox writes to disk (so its files
+    cost no RAM), and ``mechanisms`` says there is no memory budget and no TCP limit rather than
+    claiming them; sandboxes share the user's uid, and a command can lower its oom_score_adj only
+    back to the trainer's."""
+    report = run_unprivileged(
+        """
+import anyio, json, os, sys
+from pathlib import Path
+from sandbox_middleware import LocalProvider, SandboxSpec
+
+async def main():
+    local = LocalProvider(isolation="none", base_dir=sys.argv[1])
+    handle = await local.create(SandboxSpec())
+    oom = await local.exec(handle, "cat /proc/self/oom_score_adj; echo -5 > /proc/self/oom_score_adj || echo refused")
+    print(json.dumps({"mechanisms": local.mechanisms, "owner": Path(handle.raw["root"]).stat().st_uid,
+                      "me": os.getuid(), "oom": oom.stdout}))
+    await local.aclose()
+
+anyio.run(main)
+""",
+        sandbox_base,
+    )
+    mechanisms = report["mechanisms"]
+    assert mechanisms["memory budget"].startswith("none (no memory cgroup)")
+    assert mechanisms["tcp buffers"] == "not limited"
+    assert mechanisms["disk"] == "rlimit RLIMIT_FSIZE (per file)"
+    assert report["owner"] == report["me"]
+    assert report["oom"].split() == ["1000", "refused"]
