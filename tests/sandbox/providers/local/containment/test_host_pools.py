@@ -103,6 +103,8 @@ async def test_trainer_survives_a_sandbox_filling_its_tmpfs(
     code, stdout = report["fill"]
     assert "written" not in stdout and code != 0  # the writer was killed inside the sandbox's own cgroup
     assert int((enclosing_cgroup / "memory.failcnt").read_text()) == 0  # the enclosing cgroup never filled
+    assert str(sandbox_base) not in Path("/proc/self/mountinfo").read_text()  # close unmounted its tmpfs
+    assert list(enclosing_cgroup.glob("sandbox-middleware/local-*")) == []  # and removed its cgroups
 
 
 _TCP = """
