@@ -75,9 +75,9 @@ async def main():
     fill = await local.exec(handle, 'head -c 900M /dev/zero > "${TMPDIR:-/tmp}/fill" && echo written', timeout_s=120)
     report["fill"] = [fill.return_code, fill.stdout]
     try:
-        await local.create(SandboxSpec(resources={"memory_mib": 512}))  # 256 + 512 overcommit the budget
+        await local.create(SandboxSpec(resources={"memory_mib": 512}))  # the 256 MiB its tmpfs holds + 512: beyond the budget
     except SandboxLimitError as exc:
-        report["overcommit refused"] = str(exc)
+        report["second refused"] = str(exc)
     await local.aclose()
     report["held"] = len(held)
     print(json.dumps(report))
@@ -91,7 +91,7 @@ async def test_trainer_survives_a_sandbox_filling_its_tmpfs(
     enclosing_cgroup: Path, isolation: str, backend: str, sandbox_base: Path
 ) -> None:
     """A trainer holding 300 MiB in a 1 GiB cgroup: a default-sized sandbox is refused (it would
-    overcommit the budget), a 256 MiB one writing 900 MiB to its tmpfs dies alone, the trainer lives."""
+    exceed the budget), a 256 MiB one writing 900 MiB to its tmpfs dies alone, the trainer lives."""
     join = 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"'
     argv = ["/bin/sh", "-c", join, "sh", str(enclosing_cgroup), sys.executable, "-c", _TRAINER]
     run = await anyio.run_process([*argv, isolation, str(sandbox_base), backend], check=False)
@@ -99,7 +99,7 @@ async def test_trainer_survives_a_sandbox_filling_its_tmpfs(
     report = json.loads(run.stdout)
     assert report["held"] == 300 * _MiB
     assert "memory budget" in report["default refused"] and "4096 MiB" in report["default refused"]
-    assert "memory budget" in report["overcommit refused"]
+    assert "memory budget" in report["second refused"]
     code, stdout = report["fill"]
     assert "written" not in stdout and code != 0  # the writer was killed inside the sandbox's own cgroup
     assert int((enclosing_cgroup / "memory.failcnt").read_text()) == 0  # the enclosing cgroup never filled

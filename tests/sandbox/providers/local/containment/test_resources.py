@@ -222,7 +222,8 @@ async def test_exec_at_the_descriptor_limit_is_a_typed_error_and_leaks_nothing(
 def test_memory_budget_from_the_tightest_ancestor_v2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On cgroup v2 the budget comes from the tightest ancestor (a 1 GiB pod around an unlimited job):
     its limit less what the trainer's processes use without file cache, less the reserve; a create
-    beyond it is refused naming the budget (checked on a v2-shaped directory: this machine is v1)."""
+    beyond what live sandboxes leave of it is refused naming the budget (checked on a v2-shaped
+    directory: this machine is v1)."""
     from sandbox_middleware import SandboxLimitError
     from sandbox_middleware.providers.local import _cgroups
     from sandbox_middleware.providers.local._limits import Limits
@@ -249,5 +250,7 @@ def test_memory_budget_from_the_tightest_ancestor_v2(tmp_path: Path, monkeypatch
     assert (group / "memory.max").read_text() == str(400 << 20)
     assert not (group / "memory.kmem.tcp.limit_in_bytes").exists()  # v2 charges sockets to memory.max
     assert (parent / "memory.max").read_text() == str(budget.total)  # all sandboxes together, kernel-enforced
-    with pytest.raises(SandboxLimitError, match=r"memory budget is 468 MiB .* 400 MiB of it is given"):
+    (parent / "memory.current").write_text(str(400 << 20))  # the first sandbox now uses its 400 MiB,
+    (pod / "memory.current").write_text(str(800 << 20))  # which the pod's usage includes
+    with pytest.raises(SandboxLimitError, match=r"memory budget is 468 MiB .* live sandboxes use 400 MiB of it"):
         backend.create("local-000000000002", Limits(memory_bytes=100 << 20, pids=None, cpu=None, disk_bytes=None))
