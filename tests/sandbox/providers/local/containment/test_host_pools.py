@@ -75,7 +75,7 @@ async def main():
     fill = await local.exec(handle, 'head -c 900M /dev/zero > "${TMPDIR:-/tmp}/fill" && echo written', timeout_s=120)
     report["fill"] = [fill.return_code, fill.stdout]
     try:
-        await local.create(SandboxSpec(resources={"memory_mib": 512}))  # the 256 MiB its tmpfs holds + 512: beyond the budget
+        await local.create(SandboxSpec(resources={"memory_mib": 512}))  # its tmpfs holds 256 MiB: 512 more is too much
     except SandboxLimitError as exc:
         report["second refused"] = str(exc)
     await local.aclose()
