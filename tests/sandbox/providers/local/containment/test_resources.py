@@ -1,4 +1,5 @@
-"""Resource exhaustion: output floods, memory, fork bombs, disk, and limits that cannot be enforced."""
+"""Resource exhaustion: output floods, memory, fork bombs, disk, the trainer's descriptors, and limits that cannot be
+enforced."""
 
 from __future__ import annotations
 
@@ -167,3 +168,89 @@ def test_cgroup_v2_layout(tmp_path: Path) -> None:
     assert (group / "pids.max").read_text() == "32"
     assert (group / "cpu.max").read_text() == "50000 100000"
     assert backend.groups_of("local-000000000001") == [group]
+
+
+_DESCRIPTORS = """
+import anyio, json, os, resource, sys
+from sandbox_middleware import LocalProvider, SandboxError, SandboxSpec
+
+async def main():
+    local = LocalProvider(isolation=sys.argv[1], base_dir=sys.argv[2])
+    handle = await local.create(SandboxSpec())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+    outcomes = []
+    for room in range(12):  # every point where exec opens a descriptor: pipes, memfds, the process
+        before = sorted(os.listdir("/proc/self/fd"))
+        fillers = []
+        try:  # take every free descriptor, then give back exactly `room` of them
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        for fd in fillers[len(fillers) - room :]:
+            os.close(fd)
+        try:
+            result = await local.exec(handle, "echo ok")
+            outcomes.append(result.stdout)
+        except SandboxError as exc:
+            outcomes.append(type(exc).__name__)
+        finally:
+            for fd in fillers[: len(fillers) - room]:
+                os.close(fd)
+        assert sorted(os.listdir("/proc/self/fd")) == before, (room, before)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    await local.aclose()
+    print(json.dumps(outcomes))
+
+anyio.run(main)
+"""
+
+
+async def test_exec_at_the_descriptor_limit_is_a_typed_error_and_leaks_nothing(
+    isolation: str, sandbox_base: Path
+) -> None:
+    """With the trainer at its open-file limit, exec raises SandboxError (never a bare OSError) and
+    leaves no pipe or memfd open, at every point it could fail; with room it runs."""
+    run = await anyio.run_process([sys.executable, "-c", _DESCRIPTORS, isolation, str(sandbox_base)], check=False)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    outcomes = json.loads(run.stdout)
+    assert outcomes[0] == "SandboxError" and outcomes[-1] == "ok\n", outcomes
+    assert set(outcomes) == {"SandboxError", "ok\n"}, outcomes
+
+
+def test_memory_budget_from_the_tightest_ancestor_v2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On cgroup v2 the budget comes from the tightest ancestor (a 1 GiB pod around an unlimited job):
+    its limit less what the trainer's processes use without file cache, less the reserve; a create
+    beyond what live sandboxes leave of it is refused naming the budget (checked on a v2-shaped
+    directory: this machine is v1)."""
+    from sandbox_middleware import SandboxLimitError
+    from sandbox_middleware.providers.local import _cgroups
+    from sandbox_middleware.providers.local._limits import Limits
+
+    monkeypatch.setattr(_cgroups, "_own_cgroups", lambda: {"": "/pod/job"})
+    monkeypatch.setattr(_cgroups, "_meminfo", lambda: (64 << 30, 60 << 30))  # the machine is not the tightest
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    pod, job = tmp_path / "pod", tmp_path / "pod" / "job"
+    parent = job / "sandbox-middleware"
+    parent.mkdir(parents=True)
+    (parent / "cgroup.controllers").write_text("memory pids\n")
+    (pod / "memory.max").write_text(str(1 << 30))
+    (pod / "memory.current").write_text(str(400 << 20))
+    (pod / "memory.stat").write_text(f"anon 1\ninactive_file {100 << 20}\n")
+    (job / "memory.max").write_text("max\n")
+    backend = _cgroups.CgroupBackend(root=tmp_path)
+    budget = backend.memory_budget()
+    assert budget is not None
+    assert (budget.limit, budget.where, budget.reserve) == (1 << 30, str(pod), 256 << 20)
+    assert budget.total == (1024 - 300 - 256) << 20
+    (group,) = backend.create(
+        "local-000000000001", Limits(memory_bytes=400 << 20, pids=None, cpu=None, disk_bytes=None)
+    )
+    assert (group / "memory.max").read_text() == str(400 << 20)
+    assert not (group / "memory.kmem.tcp.limit_in_bytes").exists()  # v2 charges sockets to memory.max
+    assert (parent / "memory.max").read_text() == str(budget.total)  # all sandboxes together, kernel-enforced
+    (parent / "memory.current").write_text(str(400 << 20))  # the first sandbox now uses its 400 MiB,
+    (pod / "memory.current").write_text(str(800 << 20))  # which the pod's usage includes
+    with pytest.raises(SandboxLimitError, match=r"memory budget is 468 MiB .* live sandboxes use 400 MiB of it"):
+        backend.create("local-000000000002", Limits(memory_bytes=100 << 20, pids=None, cpu=None, disk_bytes=None))
