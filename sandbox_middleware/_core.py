@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
+from ._errors import as_create_error
+from ._nemo import NEMO_GYM, NemoCreateError
 from ._protocol import CAPABILITIES, SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 
 __all__ = ["OPERATIONS", "Middleware", "Operation", "ProviderMiddleware", "stack"]
@@ -100,6 +103,20 @@ class _Open:
 _OPEN = _Open()
 
 
+async def _translated_create(
+    create: Callable[..., Coroutine[Any, Any, SandboxHandle]], spec: SandboxSpec, **extensions: Any
+) -> SandboxHandle:
+    """``create`` of a provider under the innermost layer, whose NeMo Gym ``SandboxCreateError`` comes
+    out as an instance of both libraries' class (``as_create_error``), so either ``except`` catches it."""
+    try:
+        return await create(spec, **extensions)
+    except NemoCreateError as exc:  # type: ignore[misc]  # a class of NeMo Gym's, here where it is installed
+        translated = as_create_error(exc)
+        if translated is exc:  # already ours (ours derive from NeMo Gym's)
+            raise
+        raise translated from exc
+
+
 class ProviderMiddleware:
     """A ``SandboxProvider`` that delegates every call to ``inner``: the base class of every layer.
 
@@ -167,9 +184,12 @@ class ProviderMiddleware:
     # rather than coroutines of their own: a pass-through layer then adds no frame for the collector
     # to track per call (thousands of calls in flight each held four or five), and costs one call.
     def create(self, spec: SandboxSpec, **extensions: Any) -> Coroutine[Any, Any, SandboxHandle]:
+        create: Callable[..., Coroutine[Any, Any, SandboxHandle]] = self.inner.create
+        if NEMO_GYM is not None and not isinstance(self.inner, ProviderMiddleware):
+            create = partial(_translated_create, create)  # the innermost layer: a NeMo Gym provider's error
         if "create" in self._wrapped and self._gate.get() is not None:
-            return self.around(Operation("create", None, self.inner.create, (spec,), extensions))
-        return self.inner.create(spec, **extensions)
+            return self.around(Operation("create", None, create, (spec,), extensions))
+        return create(spec, **extensions)
 
     def exec(
         self,

@@ -64,11 +64,6 @@ async def test_a_nemo_create_failure_becomes_an_instance_of_both(
     assert as_create_error(other) is other
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the catch in ProviderMiddleware.create (_core.py, not this branch's file): "
-    "`except NemoCreateError as exc: raise as_create_error(exc) from exc`",
-)
 async def test_a_nemo_create_failure_out_of_our_stack_is_caught_by_our_class(tmp_path: Path) -> None:
     provider = stack(FailingCreate(workspace_root=str(tmp_path / "boxes")), [])
     with pytest.raises(sandbox_middleware.SandboxCreateError):
