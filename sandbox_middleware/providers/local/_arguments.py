@@ -71,15 +71,21 @@ def positive_number(value: object, what: str, *, allow_none: bool = True, maximu
     return number
 
 
-def sandbox_parts(path: str, roots: Sequence[PurePosixPath], what: str) -> tuple[str, ...]:
+def sandbox_parts(path: str | bytes, roots: Sequence[PurePosixPath], what: str) -> tuple[str, ...]:
     """The components of sandbox path ``path`` below the sandbox root.
+
+    A name that is not UTF-8 (a command may make one) is a ``str`` with surrogate escapes, as
+    ``os.listdir`` returns it, or ``bytes``: either names the same file, byte for byte.
 
     Relative paths are taken against the root; absolute ones must lie under one of ``roots`` (the
     paths at which the root is seen). ``..`` is refused outright rather than resolved.
     """
+    if isinstance(path, bytes):  # a name as the OS has it: kept byte for byte (surrogateescape)
+        path = os.fsdecode(path)
     check_text(path, what)
-    if len(path.encode()) > _PATH_MAX:
-        raise SandboxArgumentError(f"{what} is {len(path.encode())} bytes long; paths are limited to {_PATH_MAX}")
+    size = len(os.fsencode(path))
+    if size > _PATH_MAX:
+        raise SandboxArgumentError(f"{what} is {size} bytes long; paths are limited to {_PATH_MAX}")
     pure = PurePosixPath(path)
     if pure.is_absolute():
         for root in roots:
@@ -95,9 +101,9 @@ def sandbox_parts(path: str, roots: Sequence[PurePosixPath], what: str) -> tuple
     if ".." in parts:
         raise SandboxPathError(f"{what} {path!r} uses '..', which could lead outside the sandbox; name the file")
     for part in parts:
-        if len(part.encode()) > _NAME_MAX:
+        if len(os.fsencode(part)) > _NAME_MAX:
             raise SandboxArgumentError(
-                f"{what} {path!r} has a component of {len(part.encode())} bytes; names are limited to {_NAME_MAX}"
+                f"{what} {path!r} has a component of {len(os.fsencode(part))} bytes; names are limited to {_NAME_MAX}"
             )
     return parts
 
@@ -129,12 +135,11 @@ def checked_ro_path(path: str) -> str:
 
 
 def fspath(value: object, what: str) -> str:
-    if not isinstance(value, str | os.PathLike):
-        raise SandboxArgumentError(f"{what} must be a path (str or os.PathLike), not {type(value).__name__}")
+    """A host path as ``str`` (bytes kept byte for byte, as surrogate escapes)."""
+    if not isinstance(value, str | bytes | os.PathLike):
+        raise SandboxArgumentError(f"{what} must be a path (str, bytes or os.PathLike), not {type(value).__name__}")
     path = os.fspath(value)
-    if not isinstance(path, str):
-        raise SandboxArgumentError(f"{what} must be a text path, not bytes")
-    return path
+    return os.fsdecode(path) if isinstance(path, bytes) else path
 
 
 def checked_timeout(timeout_s: object) -> float | None:

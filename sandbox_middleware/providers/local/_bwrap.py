@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
 from ..._errors import BwrapUnavailableError
+from ._launch import Launch
 from ._seccomp import seccomp_program
 
 __all__ = [
@@ -41,12 +42,25 @@ OWN_ETC = {
     "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
     "hostname": "sandbox\n",
 }
+# /dev without a terminal: no devpts, no ptmx (a sandbox could take every pty outside the host's reserve).
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+_NO_PTY_DEV = [
+    "--tmpfs", "/dev", *(arg for name in _DEVICES for arg in ("--dev-bind", f"/dev/{name}", f"/dev/{name}")),
+    "--symlink", "/proc/self/fd", "/dev/fd", "--symlink", "/proc/self/fd/0", "/dev/stdin",
+    "--symlink", "/proc/self/fd/1", "/dev/stdout", "--symlink", "/proc/self/fd/2", "/dev/stderr",
+]  # fmt: skip
 
 
 def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    os.write(fd, data)
-    os.lseek(fd, 0, os.SEEK_SET)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -108,9 +122,11 @@ class BwrapCommand:
         cwd: PurePosixPath,
         env: Mapping[str, str],
         command: Sequence[str],
-        uid: int | None,
-    ) -> tuple[list[str], list[int]]:
-        """The argv and the descriptors to pass (the caller closes them once the process started)."""
+        launch: Launch,
+        fds: list[int],
+    ) -> list[str]:
+        """The argv; the descriptors to pass are appended to ``fds`` (the caller closes them once the
+        process started, or when this fails half-way)."""
         options = [
             "--unshare-all", "--unshare-user", "--disable-userns", "--uid", "0", "--gid", "0",
             "--cap-drop", "ALL", "--new-session", "--die-with-parent", "--hostname", "sandbox",
@@ -118,7 +134,8 @@ class BwrapCommand:
         ]  # fmt: skip
         for name in OWN_ETC:
             options += ["--ro-bind", str(outer / "etc" / name), f"/etc/{name}"]
-        options += ["--proc", "/proc", "--dev", "/dev", "--bind", str(outer / "shm"), "/dev/shm"]
+        options += ["--proc", "/proc", *(["--dev", "/dev"] if launch.pty else _NO_PTY_DEV)]
+        options += ["--bind", str(outer / "shm"), "/dev/shm"]
         options += ["--bind", str(outer / "tmp"), "/tmp"]
         for path in self._ro_paths:  # after /tmp, which would hide one below it
             options += ["--ro-bind", path, path]
@@ -126,17 +143,18 @@ class BwrapCommand:
         options += ["--chdir", str(cwd), "--clearenv"]
         for name, value in env.items():
             options += ["--setenv", name, value]
-        fds = []
         if self._seccomp is not None:
             fds.append(_memfd("sandbox-seccomp", self._seccomp))
             options += ["--add-seccomp-fd", str(fds[-1])]
         fds.append(_memfd("sandbox-args", b"".join(os.fsencode(option) + b"\0" for option in options)))
-        return [*self._prefix(uid), "--args", str(fds[-1]), "--", *command], fds
+        return [*self._prefix(launch.uid), "--args", str(fds[-1]), "--", *command]
 
-    def probe(self, outer: Path, uid: int | None) -> None:
+    def probe(self, outer: Path, launch: Launch) -> None:
         """Run ``true`` the way commands will run, so a machine where it cannot fails at construction."""
-        argv, fds = self.argv(outer, PurePosixPath("/workspace"), PurePosixPath("/workspace"), {}, ["true"], uid)
+        fds: list[int] = []
         try:
+            workspace = PurePosixPath("/workspace")
+            argv = launch.argv(self.argv(outer, workspace, workspace, {}, ["true"], launch, fds))
             result = subprocess.run(
                 argv, pass_fds=fds, env=HOST_ENV, stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
                 check=False,

@@ -1,16 +1,19 @@
 """Per-sandbox cgroups of LocalProvider, in whichever version the machine offers (v1 or v2).
 
 Each sandbox gets a group per controller below this process's own cgroup (``sandbox-middleware/<id>``),
-its limits written there; all sandboxes together are capped on the shared parent. Its commands join
-before they exec (``JOIN``), and its processes are killed through the group, never by a pid that
-could have been reused.
+its limits written there; all sandboxes together are capped on the shared parent (memory: the
+budget of ``memory_budget``; processes: what keeps the open-file table safe). Its commands join
+before they exec (``_launch.py``), and its processes are killed through the group, never by a pid
+that could have been reused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,13 +22,13 @@ from pathlib import Path
 from ..._errors import SandboxLimitError
 from ._limits import Limits
 
-__all__ = ["JOIN", "JOIN_FAILED", "CgroupBackend"]
+__all__ = ["MEMORY_RESERVE", "CgroupBackend", "MemoryBudget", "file_max"]
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _PARENT = "sandbox-middleware"
-# Joins the sandbox's cgroups, then becomes the command: nothing it starts is ever outside them.
-JOIN_FAILED = 125
-JOIN = f'while [ "$1" != -- ]; do echo $$ > "$1" || exit {JOIN_FAILED}; shift; done; shift; exec "$@"'
+_UNLIMITED = 2**62
+_MiB = 1 << 20
+MEMORY_RESERVE = (256 * _MiB, 10)  # kept free for the trainer: the larger of 256 MiB and 1/10 of the tightest limit
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ def _memory_v1(group: Path, limits: Limits) -> None:
     _write(group / "memory.limit_in_bytes", str(limits.memory_bytes))
     if (group / "memory.memsw.limit_in_bytes").exists():  # no escape into swap
         _write(group / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
+    # v1 charges socket buffers to a counter of their own, unlimited unless set (v2 charges them to memory.max)
+    _write(group / "memory.kmem.tcp.limit_in_bytes", str(limits.memory_bytes))
 
 
 def _memory_v2(group: Path, limits: Limits) -> None:
@@ -92,22 +97,65 @@ def _own_cgroups() -> dict[str, str]:
     return own
 
 
+@dataclass(frozen=True)
+class _Files:
+    """The names of a version's memory files."""
+
+    limit: str
+    usage: str
+    inactive: str  # the memory.stat key of reclaimable file cache, left out of a working set
+
+
+_MEMORY_FILES = {
+    "v1": _Files("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    "v2": _Files("memory.max", "memory.current", "inactive_file"),
+}
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The memory all sandboxes together may be given: ``headroom`` minus ``reserve``.
+
+    ``headroom`` is the least, over the provider's own cgroup, its ancestors and the machine, of the
+    limit minus what everything but the sandboxes uses now (the working set: usage without inactive
+    file cache); ``where`` names that tightest level and ``limit`` is its limit.
+    """
+
+    total: int
+    headroom: int
+    reserve: int
+    limit: int
+    where: str
+
+    def describe(self) -> str:
+        return (
+            f"{self.total // _MiB} MiB for all sandboxes together (the tightest limit is {self.limit // _MiB} MiB at "
+            f"{self.where}; {self.headroom // _MiB} MiB of it is not used by the trainer and its other processes, "
+            f"less a reserve of {self.reserve // _MiB} MiB)"
+        )
+
+
 class CgroupBackend:
     """Per-sandbox cgroups below this process's own, in whichever version the machine offers.
 
-    ``resources`` lists what it can limit. Processes join by writing their pid to ``procs_files``
-    before they exec the command, so nothing the command starts is ever outside the group.
+    ``resources`` lists what it can limit. Processes join by writing their pid to the groups'
+    ``cgroup.procs`` before they exec the command, so nothing the command starts is ever outside
+    the group. ``all_pids`` is the cap on the processes of all sandboxes together, chosen so that
+    ``nofile`` open files each keep the host's file table (``fs.file-max``) at most a quarter full.
     """
 
-    def __init__(self, root: Path = _CGROUP_ROOT) -> None:
+    def __init__(self, root: Path = _CGROUP_ROOT, *, nofile: int = 256) -> None:
         self.version: str | None = None
         self.resources: frozenset[str] = frozenset()
         self._parents: dict[str, Path] = {}
-        own = _own_cgroups()
+        self._root = root
+        self._own = _own_cgroups()
+        self._lock = threading.Lock()
+        self.all_pids = max(1, min(_pid_max() // 2, file_max() // (4 * nofile)))
         if (root / "cgroup.controllers").exists():  # pure v2
-            self._init_v2(root, own.get("", "/"))
+            self._init_v2(root, self._own.get("", "/"))
         else:
-            self._init_v1(root, own)
+            self._init_v1(root, self._own)
 
     def _init_v1(self, root: Path, own: dict[str, str]) -> None:
         for controller in _V1:
@@ -123,7 +171,7 @@ class CgroupBackend:
             self._parents[controller.resource] = parent
         self.resources = frozenset(self._parents)
         self.version = "v1" if self._parents else None
-        self._cap_all_sandboxes({"memory": "memory.limit_in_bytes", "pids": "pids.max"})
+        self._cap_pids()
 
     def _init_v2(self, root: Path, own: str) -> None:
         parent = root / own.lstrip("/") / _PARENT
@@ -137,24 +185,102 @@ class CgroupBackend:
         self._parents = dict.fromkeys(wanted, parent)
         self.resources = frozenset(wanted)
         self.version = "v2" if wanted else None
-        self._cap_all_sandboxes({"memory": "memory.max", "pids": "pids.max"})
+        self._cap_pids()
 
-    def _cap_all_sandboxes(self, files: dict[str, str]) -> None:
-        """All sandboxes together may take at most half the machine's pids and 90% of its memory (set on
-        the shared parent where nobody has limited it yet), so many sandboxes at their own limits
-        cannot exhaust the host either."""
-        caps = {"memory": _total_memory() * 9 // 10, "pids": _pid_max() // 2}
-        for resource, name in files.items():
-            parent = self._parents.get(resource)
-            if parent is None or not caps[resource]:
+    def _cap_pids(self) -> None:
+        """All sandboxes together may run at most ``all_pids`` processes (lowered on the shared parent,
+        never raised: another provider may have set a tighter cap)."""
+        parent = self._parents.get("pids")
+        if parent is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            current = (parent / "pids.max").read_text().strip()
+            if current == "max" or int(current) > self.all_pids:
+                (parent / "pids.max").write_text(str(self.all_pids))
+            else:
+                self.all_pids = int(current)
+
+    # --- the memory budget of all sandboxes together ----------------------------------------------
+
+    def memory_budget(self) -> MemoryBudget | None:
+        """What all sandboxes together may be given now (None without a memory controller)."""
+        parent = self._parents.get("memory")
+        if parent is None or self.version is None:
+            return None
+        files = _MEMORY_FILES[self.version]
+        sandboxes = _working_set(parent, files)
+        hierarchy = self._root / "memory" if self.version == "v1" else self._root
+        levels = [parent.parent, *[p for p in parent.parent.parents if p.is_relative_to(hierarchy)]]
+        total, available = _meminfo()
+        tightest = (available + sandboxes, total, "the machine")
+        for level in levels:
+            limit = _read_int(level / files.limit)
+            if limit is None or limit >= _UNLIMITED:
                 continue
-            with contextlib.suppress(OSError, ValueError):
-                current = (parent / name).read_text().strip()
-                if current == "max" or int(current) >= 2**62:
-                    (parent / name).write_text(str(caps[resource]))
+            headroom = limit - max(0, _working_set(level, files) - sandboxes)
+            if headroom < tightest[0]:
+                tightest = (headroom, limit, str(level))
+        headroom, limit, where = tightest
+        reserve = max(MEMORY_RESERVE[0], limit // MEMORY_RESERVE[1])
+        return MemoryBudget(max(0, headroom - reserve), headroom, reserve, limit, where)
+
+    def _committed_memory(self, budget: MemoryBudget) -> int:
+        """The memory limits of every sandbox group in the shared parent (any process's); an unlimited
+        one counts as the whole budget."""
+        parent = self._parents["memory"]
+        files = _MEMORY_FILES[self.version or "v1"]
+        committed = 0
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(parent):
+                if entry.is_dir(follow_symlinks=False):
+                    limit = _read_int(Path(entry.path) / files.limit)
+                    if limit is not None:
+                        committed += budget.total if limit >= _UNLIMITED else limit
+        return committed
+
+    def _admit(self, sandbox_id: str, limits: Limits) -> None:
+        """Refuse a sandbox whose memory would overcommit the budget; cap the shared parent at it."""
+        budget = self.memory_budget()
+        if budget is None:
+            return
+        wanted = budget.total if limits.memory_bytes is None else limits.memory_bytes
+        committed = self._committed_memory(budget)
+        if committed + wanted > budget.total:
+            raise SandboxLimitError(
+                f"LocalProvider: sandbox {sandbox_id!r} asks for {wanted // _MiB} MiB of memory, but the memory "
+                f"budget is {budget.describe()} and {committed // _MiB} MiB of it is given to live sandboxes; "
+                "close some, ask for less (memory_mib), or run where the trainer's cgroup allows more"
+            )
+        parent = self._parents["memory"]
+        files = _MEMORY_FILES[self.version or "v1"]
+        if budget.total > _working_set(parent, files):  # the kernel enforces the budget for all together
+            with contextlib.suppress(OSError):
+                _write(parent / files.limit, str(budget.total))
+            if self.version == "v1":
+                with contextlib.suppress(OSError):
+                    _write(parent / "memory.kmem.tcp.limit_in_bytes", str(budget.total))
+
+    # --- one sandbox's groups --------------------------------------------------------------------
 
     def create(self, sandbox_id: str, limits: Limits) -> list[Path]:
-        """Make the sandbox's groups with its limits; returns their directories."""
+        """Make the sandbox's groups with its limits (admitted against the memory budget, one create at
+        a time on this host's shared parent); returns their directories."""
+        memory_parent = self._parents.get("memory")
+        if memory_parent is None:
+            return self._make(sandbox_id, limits)
+        with self._lock:
+            try:
+                lock_fd = os.open(memory_parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise SandboxLimitError(f"cannot open the sandboxes' memory cgroup {memory_parent}: {exc}") from exc
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX)  # other processes sharing this parent admit one at a time
+                self._admit(sandbox_id, limits)
+                return self._make(sandbox_id, limits)
+            finally:
+                os.close(lock_fd)
+
+    def _make(self, sandbox_id: str, limits: Limits) -> list[Path]:
         controllers = _V2 if self.version == "v2" else _V1
         groups: dict[Path, None] = {}
         try:
@@ -213,11 +339,49 @@ class CgroupBackend:
         return failed
 
 
-def _total_memory() -> int:
+def _meminfo() -> tuple[int, int]:
+    """The machine's MemTotal and MemAvailable, in bytes."""
+    values = {}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            name, value = line.split(":", 1)
+            values[name] = int(value.split()[0]) * 1024
+    total = values.get("MemTotal", 0)
+    return total, values.get("MemAvailable", total)
+
+
+def file_max() -> int:
+    """The host's open-file table size (``fs.file-max``)."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(Path("/proc/sys/fs/file-max").read_text())
     except (OSError, ValueError):
-        return 0
+        return 1 << 20
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return _UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _working_set(group: Path, files: _Files) -> int:
+    """What ``group`` uses, reclaimable file cache left out (as the kubelet counts it)."""
+    usage = _read_int(group / files.usage) or 0
+    inactive = 0
+    with contextlib.suppress(OSError, ValueError):
+        for line in (group / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == files.inactive:
+                inactive = int(value)
+                break
+    return max(0, usage - inactive)
 
 
 def _pid_max() -> int:

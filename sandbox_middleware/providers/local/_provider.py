@@ -10,7 +10,6 @@ import contextlib
 import fcntl
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -47,8 +46,9 @@ from ._arguments import (
     sandbox_parts,
 )
 from ._bwrap import BASE_PATH, HOST_ENV, SYSTEM_DIRS, BwrapCommand
-from ._cgroups import JOIN, JOIN_FAILED, CgroupBackend
+from ._cgroups import CgroupBackend, file_max
 from ._descriptors import DESCRIPTOR_KEYS, sign, verified_body
+from ._launch import LAUNCH_FAILED, Launch
 from ._limits import LIMIT_BOUNDS, Limits
 from ._mounts import bind_nosuid, is_mount_point, mount_tmpfs, probe_tmpfs
 from ._output import OutputCapture, drain, pump
@@ -67,6 +67,7 @@ from ._records import (
     write_private,
 )
 from ._transfers import check_directory, download, open_directory, upload
+from ._uids import UidLease, lease_uid
 from ._watchdog import Watchdog
 
 __all__ = [
@@ -77,8 +78,7 @@ Isolation = Literal["none", "bwrap"]
 LimitBackend = Literal["auto", "cgroup", "rlimit"]
 
 _MAX_TTL_S = 30 * 24 * 3600.0
-# Per-sandbox host uids come from here: far above any account or container range in common use.
-_UID_BASE, _UID_COUNT = 1_500_000_000, 1 << 24  # below 2**31: bwrap writes its uid map as a signed int
+_FILE_SHARE = 4  # all sandboxes' open files together: at most a quarter of the host's file table
 
 
 class LocalProvider:
@@ -108,6 +108,7 @@ class LocalProvider:
         max_output_bytes=Bound(0, strict=True, whole=True, high=2**53),
         max_transfer_bytes=Bound(0, strict=True, whole=True, high=2**53),
         sandbox_uid=Bound(0, strict=True, whole=True, high=2**32 - 2, optional=True),  # never root, never -1
+        nofile=Bound(16, whole=True, high=2**20),  # bwrap and bash need a few descriptors
     )
 
     def __init__(
@@ -126,13 +127,14 @@ class LocalProvider:
         limit_backend: LimitBackend = "auto",
         connect_key: bytes | None = None,
         sandbox_uid: int | None = None,
+        nofile: int = 256,
     ) -> None:
         # What pickling sends (a Ray actor builds its own provider from it): options, not sandboxes.
         self._options: dict[str, Any] = {
             "isolation": isolation, "base_dir": base_dir, "pass_env": tuple(pass_env), "memory_mib": memory_mib,
             "pids": pids, "cpu": cpu, "disk_gib": disk_gib, "max_output_bytes": max_output_bytes,
             "max_transfer_bytes": max_transfer_bytes, "ro_paths": tuple(ro_paths), "limit_backend": limit_backend,
-            "connect_key": connect_key, "sandbox_uid": sandbox_uid,
+            "connect_key": connect_key, "sandbox_uid": sandbox_uid, "nofile": nofile,
         }  # fmt: skip
         if isolation not in ("none", "bwrap"):
             raise SandboxArgumentError(f"LocalProvider: isolation must be 'none' or 'bwrap', not {isolation!r}")
@@ -143,10 +145,10 @@ class LocalProvider:
         self.BOUNDS.check(locals())
         self.isolation: Isolation = isolation
         if base_dir is None:  # a private directory of ours, not the shared temp directory itself
-            base = os.path.join(tempfile.gettempdir(), f"llm-sandbox-middleware-{os.geteuid()}")
+            # Not resolved: a symlink planted under that name by another user is refused (prepare_base).
+            self._base = Path(tempfile.gettempdir()).resolve() / f"llm-sandbox-middleware-{os.geteuid()}"
         else:
-            base = check_text(fspath(base_dir, "base_dir"), "base_dir")
-        self._base = Path(base).resolve()
+            self._base = Path(check_text(fspath(base_dir, "base_dir"), "base_dir")).resolve()
         for name in pass_env:
             check_text(name, "pass_env entry")
         self._pass_env = tuple(pass_env)
@@ -170,7 +172,8 @@ class LocalProvider:
                 check_reachable(self._base)
         self._sandbox_uid = sandbox_uid
         prepare_base(self._base)
-        self._cgroups = CgroupBackend() if limit_backend != "rlimit" else None
+        self._nofile = nofile
+        self._cgroups = CgroupBackend(nofile=nofile) if limit_backend != "rlimit" else None
         if limit_backend == "cgroup" and (self._cgroups is None or not self._cgroups.resources):
             raise SandboxLimitError("LocalProvider(limit_backend='cgroup'): no writable cgroup controllers here")
         self._tmpfs = probe_tmpfs()
@@ -189,46 +192,129 @@ class LocalProvider:
         return (_restore, (self._options,))
 
     @property
+    def _shared_uid(self) -> bool:
+        """Whether all sandboxes' commands run as one uid (this process's, or ``sandbox_uid``)."""
+        return self._bwrap is None or not self._bwrap.drops_privileges or self._sandbox_uid is not None
+
+    @property
     def _commands_run_as_root(self) -> bool:
         """Whether commands run as host root (RLIMIT_NPROC does not bind root)."""
         return os.geteuid() == 0 and not (self._bwrap is not None and self._bwrap.drops_privileges)
 
-    def _new_uid(self) -> int | None:
-        """The host uid a new sandbox's commands run as: its own (random in a high range, so no two
-        sandboxes and no host account share it), ``sandbox_uid`` if given; None: this process's."""
+    def _new_uid(self) -> tuple[int | None, UidLease | None]:
+        """The host uid a new sandbox's commands run as, and its lease: its own (leased host-wide, so
+        no two live sandboxes and no host account share it), ``sandbox_uid`` if given (shared by all,
+        no lease); None: this process's."""
         if self._bwrap is None or not self._bwrap.drops_privileges:
-            return None
+            return None, None
         if self._sandbox_uid is not None:
-            return self._sandbox_uid
-        return _UID_BASE + secrets.randbelow(_UID_COUNT)
+            return self._sandbox_uid, None
+        lease = lease_uid()
+        return lease.uid, lease
+
+    def _launch(self, limits: Limits, cgroups: Sequence[Path], uid: int | None) -> Launch:
+        """How the commands of a sandbox with these limits and groups start (see ``_launch.py``)."""
+        cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
+        nofile = self._nofile
+        if limits.pids is not None and "pids" not in cgroup:  # RLIMIT_NPROC (per uid) bounds the processes
+            nofile = max(16, min(nofile, file_max() // (_FILE_SHARE * limits.pids)))
+        rlimits = [("nofile", nofile)]
+        if limits.memory_bytes is not None and "memory" not in cgroup:
+            rlimits.append(("as", limits.memory_bytes))
+        if limits.pids is not None and "pids" not in cgroup and not self._commands_run_as_root:
+            rlimits.append(("nproc", limits.pids))
+        if limits.disk_bytes is not None and not self._tmpfs:
+            rlimits.append(("fsize", limits.disk_bytes))
+        return Launch(tuple(rlimits), tuple(group / "cgroup.procs" for group in cgroups), pty=False, uid=uid)
 
     def _probe(self) -> None:
         """Start one command under bwrap in a scratch sandbox, so a machine where it cannot fails now."""
         assert self._bwrap is not None
         self._base.mkdir(parents=True, exist_ok=True)
         outer = Path(tempfile.mkdtemp(prefix="local-probe-", dir=self._base))
-        uid = self._new_uid()
+        uid, lease = self._new_uid()
         try:
             lay_out(outer, uid)
-            self._bwrap.probe(outer, uid)
+            self._bwrap.probe(outer, self._launch(Limits(None, None, None, None), (), uid))
         finally:
             shutil.rmtree(outer, ignore_errors=True)
+            if lease is not None:
+                lease.release()
 
     @property
     def mechanisms(self) -> dict[str, str]:
-        """How each limit is enforced on this machine (or ``"not enforced"``)."""
+        """How each limit is enforced on this machine: only what is enforced, and where a limit is off
+        by default (None), that it is."""
         cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
         version = f"cgroup {self._cgroups.version}" if self._cgroups is not None else ""
         root = self._commands_run_as_root
-        return {
-            "memory": version if "memory" in cgroup else "rlimit RLIMIT_AS (per process)",
-            "pids": version if "pids" in cgroup else ("not enforced" if root else "rlimit RLIMIT_NPROC (per uid)"),
-            "cpu": version if "cpu" in cgroup else "not enforced",
-            "disk": "tmpfs size" if self._tmpfs else "rlimit RLIMIT_FSIZE (per file)",
+
+        def limit(name: str, mechanism: str) -> str:
+            if self._defaults[name] is not None or mechanism == "not enforced":
+                return mechanism
+            return f"not limited by default ({name}=None); {mechanism} when spec.resources sets it"
+
+        memory = version if "memory" in cgroup else "rlimit RLIMIT_AS (per process)"
+        report = {
+            "memory": limit("memory_mib", memory),
+            "pids": limit(
+                "pids",
+                version if "pids" in cgroup else ("not enforced" if root else "rlimit RLIMIT_NPROC (per uid)"),
+            ),
+            "cpu": limit("cpu", version if "cpu" in cgroup else "not enforced"),
+            "disk": limit("disk_gib", self._disk_report()),
+            "memory budget": self._budget_report(),
+            "tcp buffers": {
+                "v1": "cgroup v1 memory.kmem.tcp.limit_in_bytes, memory_mib per sandbox (besides its memory)",
+                "v2": "cgroup v2 memory.max (socket buffers are charged to the sandbox's memory)",
+            }.get(self._cgroups.version or "", "not limited")
+            if "memory" in cgroup and self._cgroups is not None
+            else "not limited",
+            "open files": self._files_report(),
+            "oom": "oom_score_adj 1000: the kernel kills a sandbox's processes before the trainer",
             "ttl": "watchdog thread (SIGKILL)",
             "output": f"pipes, {self._max_output} bytes kept per stream",
             "isolation": self._isolation_report(),
         }
+        if self._bwrap is not None:
+            report["pty"] = "none: no /dev/pts, no /dev/ptmx"
+        return report
+
+    def _disk_report(self) -> str:
+        if not self._tmpfs:
+            return "rlimit RLIMIT_FSIZE (per file)"
+        if self._bwrap is None:
+            return "tmpfs size: the sandbox directory and its TMPDIR (not the host's /tmp, which commands can reach)"
+        return "tmpfs size: the sandbox directory, its /tmp and /dev/shm"
+
+    def _budget_report(self) -> str:
+        budget = self._cgroups.memory_budget() if self._cgroups is not None else None
+        if budget is None:
+            return "none (no memory cgroup): sandboxes together are not bounded"
+        return f"{budget.describe()}; a create beyond it is refused"
+
+    def _files_report(self) -> str:
+        cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
+        if self._cgroups is not None and "pids" in cgroup:
+            together = self._cgroups.all_pids
+            how = f"all sandboxes together at most {together} processes (cgroup {self._cgroups.version} pids)"
+        elif self._defaults["pids"] is not None and not self._commands_run_as_root and self._shared_uid:
+            together = int(self._defaults["pids"])
+            how = f"all sandboxes and this user together at most {together} processes (RLIMIT_NPROC, per uid)"
+        elif self._defaults["pids"] is not None and not self._commands_run_as_root:
+            per = int(self._defaults["pids"])
+            nofile = self._launch(Limits(None, per, None, None), (), None).rlimits[0][1]
+            return (
+                f"RLIMIT_NOFILE {nofile} per process, RLIMIT_NPROC {per} per sandbox uid: at most {nofile * per} "
+                "open files per sandbox; not bounded for all sandboxes together (no pids cgroup)"
+            )
+        else:
+            return f"RLIMIT_NOFILE {self._nofile} per process; processes not bounded, so files are not either"
+        nofile = self._launch(Limits(None, together, None, None), (), None).rlimits[0][1]
+        return (
+            f"RLIMIT_NOFILE {nofile} per process; {how}: at most {nofile * together} open files, "
+            f"of fs.file-max {file_max()}"
+        )
 
     def _isolation_report(self) -> str:
         if self._bwrap is None:
@@ -305,8 +391,9 @@ class LocalProvider:
         cgroups: list[Path] = []
         outer: Path | None = None
         mounted = False
-        uid = self._new_uid()
+        lease: UidLease | None = None
         try:
+            uid, lease = self._new_uid()
             outer = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=self._base))
             if self._cgroups is not None:
                 cgroups = self._cgroups.create(sandbox_id, limits)
@@ -330,7 +417,8 @@ class LocalProvider:
                 limits=limits,
                 metadata=metadata,
                 created=time.time(),
-                uid=uid,
+                launch=self._launch(limits, cgroups, uid),
+                lease=lease,
             )
             write_private(outer, RECORD, json.dumps(box.record()).encode())
             with open_directory(box.root, cwd, "spec.workdir", create=True, owner=uid):
@@ -338,6 +426,8 @@ class LocalProvider:
             return box
         except BaseException as exc:
             leftovers = remove_box(outer, mounted, cgroups) if outer is not None else []
+            if lease is not None:
+                lease.release()
             suffix = f"; could not remove {leftovers}" if leftovers else ""
             if isinstance(exc, SandboxError):
                 raise
@@ -409,7 +499,11 @@ class LocalProvider:
         # connect() checked that it lies there.
         if not box.outer.is_relative_to(self._base):
             return [f"{box.outer} (outside base_dir {self._base}; not touched)"]
-        return remove_box(box.outer, box.mounted, box.cgroups)
+        try:
+            return remove_box(box.outer, box.mounted, box.cgroups)
+        finally:
+            if box.lease is not None:  # its processes are dead: the uid is free for another sandbox
+                box.lease.release()
 
     async def aclose(self) -> None:
         """Close every sandbox still open here, then raise one error naming those that failed."""
@@ -457,9 +551,12 @@ class LocalProvider:
         if box.deadline is not None:
             remaining = max(0.0, box.deadline - time.monotonic())
             deadline = remaining if deadline is None else min(deadline, remaining)
-        argv, env, workdir, fds = self._argv(box, parts, command, child_env)
+        fds: list[int] = []
         try:
+            argv, env, workdir = self._argv(box, parts, command, child_env, fds)
             return await self._run(handle, box, argv, workdir, env, deadline, fds)
+        except OSError as exc:  # out of descriptors or memory for pipes and memfds, say
+            raise SandboxError(f"LocalProvider: cannot run a command in {handle.sandbox_id!r}: {exc}") from exc
         finally:
             for fd in fds:
                 os.close(fd)
@@ -473,31 +570,19 @@ class LocalProvider:
         return env
 
     def _argv(
-        self, box: Box, parts: tuple[str, ...], command: str, env: dict[str, str]
-    ) -> tuple[list[str], dict[str, str], Path, list[int]]:
-        """argv, the environment of the process started, its cwd, and descriptors it must get."""
-        argv = [*self._rlimit_prefix(box.limits), "bash", "-c", command]
-        fds: list[int] = []
+        self, box: Box, parts: tuple[str, ...], command: str, env: dict[str, str], fds: list[int]
+    ) -> tuple[list[str], dict[str, str], Path]:
+        """argv, the environment of the process started and its cwd; descriptors it must get are
+        appended to ``fds`` (the caller closes them, also when this fails half-way)."""
+        argv = ["bash", "-c", command]
         workdir = box.root.joinpath(*parts)
         if self._bwrap is not None:
             # The command's environment travels inside bwrap's options: the host-side helpers
             # (sh, setpriv, bwrap) run with HOST_ENV only, so no LD_PRELOAD or the like reaches them.
-            argv, fds = self._bwrap.argv(box.outer, box.view_root, box.view_root.joinpath(*parts), env, argv, box.uid)
+            cwd = box.view_root.joinpath(*parts)
+            argv = self._bwrap.argv(box.outer, box.view_root, cwd, env, argv, box.launch, fds)
             env, workdir = HOST_ENV, Path("/")
-        if box.cgroups:
-            argv = ["/bin/sh", "-c", JOIN, "sh", *(str(group / "cgroup.procs") for group in box.cgroups), "--", *argv]
-        return argv, env, workdir, fds
-
-    def _rlimit_prefix(self, limits: Limits) -> list[str]:
-        cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
-        options = []
-        if limits.memory_bytes is not None and "memory" not in cgroup:
-            options.append(f"--as={limits.memory_bytes}")
-        if limits.pids is not None and "pids" not in cgroup and not self._commands_run_as_root:
-            options.append(f"--nproc={limits.pids}")
-        if limits.disk_bytes is not None and not self._tmpfs:
-            options.append(f"--fsize={limits.disk_bytes}")
-        return ["prlimit", *options, "--"] if options else []
+        return box.launch.argv(argv), env, workdir
 
     async def _run(
         self,
@@ -511,7 +596,12 @@ class LocalProvider:
     ) -> SandboxExecResult:
         out, err = OutputCapture(self._max_output), OutputCapture(self._max_output)
         out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            os.close(out_r)
+            os.close(out_w)
+            raise
         try:
             for fd in (out_w, err_w):
                 os.set_blocking(fd, True)
@@ -559,7 +649,7 @@ class LocalProvider:
         code = process.returncode if process.returncode is not None else -signal.SIGKILL
         if box.closed:
             return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="closed")
-        if code == JOIN_FAILED and box.cgroups and not await anyio.to_thread.run_sync(intact, box):
+        if code == LAUNCH_FAILED and box.cgroups and not await anyio.to_thread.run_sync(intact, box):
             raise SandboxNotFoundError(
                 f"LocalProvider: sandbox {handle.sandbox_id!r} was removed from under this provider (closed or "
                 "reaped by another process); create a new one"
@@ -641,6 +731,8 @@ class LocalProvider:
         metadata = record.get("metadata") or {}
         if not isinstance(metadata, Mapping):
             raise SandboxArgumentError("recorded metadata is not a mapping")
+        limits = Limits.from_record(record.get("limits") or [None, None, None, None])
+        cgroups = self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else []
         box = Box(
             outer=outer,
             view_root=checked_view_root(check_text(record.get("view_root", DEFAULT_VIEW_ROOT), "recorded view_root")),
@@ -648,17 +740,20 @@ class LocalProvider:
             env=checked_env(record.get("env") or {}, "recorded env"),
             cwd=sandbox_parts("/".join(record.get("cwd") or ()), (), "cwd") if record.get("cwd") else (),
             ports=tuple(int(port) for port in record.get("ports") or ()),
-            cgroups=self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else [],
+            cgroups=cgroups,
             mounted=is_mount_point(outer),
             deadline=None
             if expires_at is None
             else time.monotonic() + (positive_number(expires_at, "recorded expires_at") or 0.0) - time.time(),
-            limits=Limits.from_record(record.get("limits") or [None, None, None, None]),
+            limits=limits,
             metadata={
                 check_text(k, "recorded metadata"): check_text(v, "recorded metadata") for k, v in metadata.items()
             },
             created=positive_number(created, "recorded created") or 0.0,
-            uid=uid if self._bwrap is not None and self._bwrap.drops_privileges else None,
+            # Its uid stays leased by the process that made it (the lease is that process's).
+            launch=self._launch(
+                limits, cgroups, uid if self._bwrap is not None and self._bwrap.drops_privileges else None
+            ),
         )
         self._boxes[sandbox_id] = box
         if box.deadline is not None:

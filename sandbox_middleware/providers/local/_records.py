@@ -12,10 +12,9 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import stat
-import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -23,9 +22,11 @@ from typing import Any
 from ..._errors import SandboxArgumentError, SandboxError
 from ._bwrap import OWN_ETC
 from ._cgroups import CgroupBackend
+from ._launch import Launch
 from ._limits import Limits
 from ._mounts import is_mount_point, unmount
 from ._transfers import open_directory
+from ._uids import UidLease
 
 __all__ = [
     "RECORD",
@@ -62,11 +63,17 @@ class Box:
     limits: Limits
     metadata: dict[str, str]
     created: float  # time.time() at create
-    uid: int | None  # the host uid its commands run as (None: this process's)
+    launch: Launch  # how its commands start: rlimits, cgroups joined, PTY or not, host uid
+    lease: UidLease | None = None  # the host-wide lease of its uid, held while it lives here
     groups: set[int] = field(default_factory=set)
     expired: bool = False
     closed: bool = False  # close() has begun
     broken: bool = False  # a close could not remove everything
+
+    @property
+    def uid(self) -> int | None:
+        """The host uid its commands run as (None: this process's)."""
+        return self.launch.uid
 
     def is_expired(self) -> bool:
         return self.expired or (self.deadline is not None and time.monotonic() >= self.deadline)
@@ -141,14 +148,25 @@ def write_private(directory: Path, name: str, data: bytes, *, mode: int = 0o600)
 
 
 def prepare_base(base: Path) -> None:
-    """Make ``base`` (0711) or check it: ours, a real directory, writable by nobody else, since
-    sandbox directories, their records and their mounts are made there."""
+    """Make ``base`` (0711) or check it: ours, a real directory (not a symlink), writable by nobody
+    else, since sandbox directories, their records and their mounts are made there. Checked on the
+    directory opened without following a symlink, not by name."""
     try:
         base.mkdir(mode=0o711, parents=True, exist_ok=True)
-        info = os.lstat(base)
     except OSError as exc:
         raise SandboxArgumentError(f"LocalProvider: cannot make base_dir {base}: {exc}") from exc
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+    try:
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SandboxArgumentError(
+            f"LocalProvider: base_dir {base} is not a real directory ({exc.strerror}: a symlink, planted there "
+            "by another user, would send sandboxes elsewhere); remove it or choose another base_dir"
+        ) from exc
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
         raise SandboxArgumentError(
             f"LocalProvider: base_dir {base} must be a directory of this user (uid {os.geteuid()}) that no one "
             f"else can write to (it is uid {info.st_uid}, mode {oct(info.st_mode & 0o7777)}); others could plant "
@@ -212,25 +230,79 @@ def is_real_directory(path: Path) -> bool:
 
 def remove_box(outer: Path, mounted: bool, cgroups: list[Path]) -> list[str]:
     """Kill, unmount and delete a sandbox's directory and cgroups; returns what could not be removed."""
-    failed = CgroupBackend.remove(cgroups) if cgroups else []
+    CgroupBackend.kill(cgroups)
+    failed = []
     if mounted and is_mount_point(outer):  # another process may have closed it already
         try:
-            unmount(outer)
+            unmount(outer)  # frees the tmpfs (and its memory) at once
         except OSError as exc:
             failed.append(f"{outer} (unmount: {exc.strerror})")
+    if os.path.lexists(outer):
+        failed += remove_tree(outer)
+    return (CgroupBackend.remove(cgroups) if cgroups else []) + failed
 
-    def note(_function: Any, path: str, exc: BaseException) -> None:
-        failed.append(f"{path} ({exc})")
 
-    # rmtree walks by descriptor and never follows a symlink out of the directory.
-    if not outer.exists():
-        pass
-    else:
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_OPEN = 64  # directories held open at once while removing; deeper ones are moved up first
+
+
+def remove_tree(top: Path) -> list[str]:
+    """Delete ``top`` and everything in it, by descriptor, following no symlink, at any depth.
+
+    No recursion and at most ``_MAX_OPEN`` descriptors: a directory deeper than that is renamed into
+    ``top`` itself and removed from there, so a tree thousands deep is removed like a flat one.
+    Returns what could not be removed (its processes must be dead: nothing races the walk).
+    """
+    failed: list[str] = []
+    try:
+        root = os.open(top, _DIR)
+    except OSError as exc:
+        return [f"{top} ({exc.strerror})"]
+    # Per open directory: its descriptor, its name in its parent, the names left alone, what is left to visit.
+    stack: list[tuple[int, str, set[str], Iterator[str]]] = [(root, "", set(), iter(os.listdir(root)))]
+    moved = 0
+    try:
+        while stack:
+            fd, _, skipped, pending = stack[-1]
+            name = next(pending, None)
+            if name is None:
+                left = [entry for entry in os.listdir(fd) if entry not in skipped]  # moved in meanwhile
+                if left:
+                    stack[-1] = (fd, stack[-1][1], skipped, iter(left))
+                    continue
+                fd, name, _, _ = stack.pop()
+                os.close(fd)
+                if stack:
+                    try:
+                        os.rmdir(name, dir_fd=stack[-1][0])
+                    except OSError as exc:
+                        stack[-1][2].add(name)
+                        failed.append(f"{top}/.../{name} ({exc.strerror})")
+                continue
+            if name in skipped:
+                continue
+            try:
+                if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=fd)
+                    continue
+                with contextlib.suppress(OSError):  # not empty: go in
+                    os.rmdir(name, dir_fd=fd)
+                    continue
+                if len(stack) >= _MAX_OPEN:
+                    moved += 1
+                    os.rename(name, f".deep-{moved}", src_dir_fd=fd, dst_dir_fd=root)
+                    continue
+                child = os.open(name, _DIR, dir_fd=fd)
+                stack.append((child, name, set(), iter(os.listdir(child))))
+            except OSError as exc:
+                skipped.add(name)
+                failed.append(f"{top}/.../{name} ({exc.strerror})")
+    finally:
+        for fd, _, _, _ in stack:
+            os.close(fd)
+    if not failed:
         try:
-            if sys.version_info >= (3, 12):
-                shutil.rmtree(outer, onexc=note)
-            else:
-                shutil.rmtree(outer, onerror=lambda function, path, info: note(function, path, info[1]))
-        except Exception as exc:  # e.g. RecursionError on a very deep tree before Python 3.13
-            failed.append(f"{outer} ({type(exc).__name__}: {exc})")
+            os.rmdir(top)
+        except OSError as exc:
+            failed.append(f"{top} ({exc.strerror})")
     return failed

@@ -1,4 +1,5 @@
-"""Resource exhaustion: output floods, memory, fork bombs, disk, and limits that cannot be enforced."""
+"""Resource exhaustion: output floods, memory, fork bombs, disk, the trainer's descriptors, and limits that cannot be
+enforced."""
 
 from __future__ import annotations
 
@@ -167,3 +168,52 @@ def test_cgroup_v2_layout(tmp_path: Path) -> None:
     assert (group / "pids.max").read_text() == "32"
     assert (group / "cpu.max").read_text() == "50000 100000"
     assert backend.groups_of("local-000000000001") == [group]
+
+
+_DESCRIPTORS = """
+import anyio, json, os, resource, sys
+from sandbox_middleware import LocalProvider, SandboxError, SandboxSpec
+
+async def main():
+    local = LocalProvider(isolation=sys.argv[1], base_dir=sys.argv[2])
+    handle = await local.create(SandboxSpec())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+    outcomes = []
+    for room in range(12):  # every point where exec opens a descriptor: pipes, memfds, the process
+        before = sorted(os.listdir("/proc/self/fd"))
+        fillers = []
+        try:  # take every free descriptor, then give back exactly `room` of them
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        for fd in fillers[len(fillers) - room :]:
+            os.close(fd)
+        try:
+            result = await local.exec(handle, "echo ok")
+            outcomes.append(result.stdout)
+        except SandboxError as exc:
+            outcomes.append(type(exc).__name__)
+        finally:
+            for fd in fillers[: len(fillers) - room]:
+                os.close(fd)
+        assert sorted(os.listdir("/proc/self/fd")) == before, (room, before)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    await local.aclose()
+    print(json.dumps(outcomes))
+
+anyio.run(main)
+"""
+
+
+async def test_exec_at_the_descriptor_limit_is_a_typed_error_and_leaks_nothing(
+    isolation: str, sandbox_base: Path
+) -> None:
+    """With the trainer at its open-file limit, exec raises SandboxError (never a bare OSError) and
+    leaves no pipe or memfd open, at every point it could fail; with room it runs."""
+    run = await anyio.run_process([sys.executable, "-c", _DESCRIPTORS, isolation, str(sandbox_base)], check=False)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    outcomes = json.loads(run.stdout)
+    assert outcomes[0] == "SandboxError" and outcomes[-1] == "ok\n", outcomes
+    assert set(outcomes) == {"SandboxError", "ok\n"}, outcomes

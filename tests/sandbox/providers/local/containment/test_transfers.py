@@ -1,4 +1,5 @@
-"""File transfers against a hostile sandbox: symlink races, FIFOs, sparse files, and the event loop."""
+"""File transfers against a hostile sandbox: symlink races, FIFOs, sparse files, names that are not UTF-8, and
+the event loop."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from sandbox_middleware import (
     LocalProvider,
+    SandboxArgumentError,
     SandboxError,
     SandboxHandle,
     SandboxPathError,
@@ -134,3 +136,28 @@ async def test_transfers_do_not_block_the_event_loop(provider: LocalProvider, tm
 async def _then_set(call: Callable[[], Awaitable[None]], done: anyio.Event) -> None:
     await call()
     done.set()
+
+
+async def test_non_utf8_names_travel_byte_for_byte(provider: LocalProvider, tmp_path: Path) -> None:
+    """A file a command names in bytes that are not UTF-8 can be downloaded, uploaded next to, and used
+    as cwd (as ``os.listdir`` names it, a str with surrogate escapes, or as bytes); a name the OS
+    cannot hold at all is a typed error."""
+    handle = await provider.create(SandboxSpec())
+    made = await provider.exec(handle, "mkdir \"$(printf 'd\\376')\" && printf hi > \"$(printf 'd\\376/f\\377')\"")
+    assert made.return_code == 0, made.stderr
+    name = os.fsdecode(b"d\xfe/f\xff")
+    await provider.download_file(handle, name, tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == b"hi"
+    await provider.download_file(handle, b"d\xfe/f\xff", tmp_path / "bytes")  # type: ignore[arg-type]
+    assert (tmp_path / "bytes").read_bytes() == b"hi"
+    await provider.upload_file(handle, tmp_path / "out", os.fsdecode(b"d\xfe/up\xfd"))
+    listed = await provider.exec(handle, "ls | od -An -c", cwd=os.fsdecode(b"d\xfe"))
+    assert listed.stdout.split() == ["f", "377", "\\n", "u", "p", "375", "\\n"]
+    for call in (
+        provider.download_file(handle, "\ud800", tmp_path / "x"),
+        provider.exec(handle, "true", cwd="\ud800"),
+        provider.create(SandboxSpec(workdir="/w\ud800")),
+    ):
+        with pytest.raises(SandboxArgumentError, match="cannot be encoded"):
+            await call
+    await provider.aclose()
