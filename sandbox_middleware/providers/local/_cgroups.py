@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -299,6 +299,11 @@ class CgroupBackend:
             self.remove(list(groups))
             raise SandboxLimitError(f"cannot set up the cgroups of sandbox {sandbox_id!r}: {exc}") from exc
         return list(groups)
+
+    def join_files(self, groups: Sequence[Path]) -> tuple[Path, ...]:
+        """The files a single-threaded process joins ``groups`` by, writing ``0`` (itself): ``tasks`` on
+        v1, which skips the kernel's global lock (and its RCU grace period) that ``cgroup.procs`` takes."""
+        return tuple(group / ("tasks" if self.version == "v1" else "cgroup.procs") for group in groups)
 
     def groups_of(self, sandbox_id: str) -> list[Path]:
         """The existing groups of sandbox ``sandbox_id`` (derived from its id, never taken from a record)."""

@@ -204,8 +204,9 @@ class _Command:
 class Starter:
     """The starter's loop: commands from the control socket, kills from their reply sockets, exits from pidfds."""
 
-    def __init__(self, control: _socket.socket) -> None:
+    def __init__(self, control: _socket.socket, oom_score_adj: int) -> None:
         self._libc = _Libc()
+        self._oom_score_adj = oom_score_adj
         self._control = control
         self._poll = select.poll()
         self._spare: _Spare | None = None
@@ -218,6 +219,7 @@ class Starter:
         _signal.signal(_signal.SIGINT, _signal.SIG_DFL)  # an init with a handler could be signalled from inside
         self._control.setblocking(False)
         self._poll.register(self._control.fileno(), select.POLLIN)
+        self._spare = self._prepare()  # before READY: a sandbox whose commands cannot start fails at create
         self._control.send(READY)
         while True:
             if self._spare is None:  # the next command's init, made while its command is not waited for
@@ -377,6 +379,8 @@ class Starter:
             if os.path.exists(path):
                 libc.mount(path, path, None, _MS_BIND | _MS_REC)
                 libc.mount(path, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        with open("/proc/self/oom_score_adj", "w") as file:  # above the starter's: a command dies first
+            file.write(str(self._oom_score_adj))
         loopback = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
         try:
             fcntl.ioctl(loopback.fileno(), _SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", _IFF_UP))
@@ -446,7 +450,7 @@ def main() -> None:
         sys.exit(_INIT_FAILED)
     control = _socket.socket(fileno=int(sys.argv[1]))
     _close_fds_except(control.fileno())  # the script's memfd, and whatever bwrap left open
-    Starter(control).serve()
+    Starter(control, int(sys.argv[2])).serve()
 
 
 if __name__ == "__main__":

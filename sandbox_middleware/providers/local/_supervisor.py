@@ -78,12 +78,14 @@ class CommandStarter:
         env: dict[str, str],
         where: str,
         *,
+        oom_score_adj: int,
         timeout_s: float = 30.0,
     ) -> CommandStarter:
         """Start the starter and wait until it serves (blocking: call it in a worker thread).
 
         ``build(command, fds)`` returns the host command line that runs ``command`` in the sandbox,
-        appending the descriptors it needs to ``fds`` (closed here once the process started).
+        appending the descriptors it needs to ``fds`` (closed here once the process started). Each
+        command raises its ``oom_score_adj`` to ``oom_score_adj``.
         """
         fds: list[int] = []
         control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -92,7 +94,8 @@ class CommandStarter:
         try:
             os.set_blocking(err_w, False)  # the starter never blocks on a message nobody reads
             fds.append(_memfd("sandbox-starter", _SOURCE))
-            command = [python, "-I", "-S", "-B", f"/proc/self/fd/{fds[0]}", str(theirs.fileno())]
+            script = f"/proc/self/fd/{fds[0]}"
+            command = [python, "-I", "-S", "-B", script, str(theirs.fileno()), str(oom_score_adj)]
             argv = build(command, fds)
             process = subprocess.Popen(
                 argv, pass_fds=[*fds, theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -149,19 +152,28 @@ class CommandStarter:
     ) -> tuple[int, bool]:
         """Run one command; its return code (``-9`` when killed) and whether ``deadline`` (seconds) ran out.
 
-        ``out`` and ``err`` are the write ends of its output pipes (the caller closes them). A
-        cancelled call kills the command before it ends.
+        ``out`` and ``err`` are the write ends of its output pipes, closed here once the command is
+        handed over. A cancelled call kills the command before it ends.
         """
-        if not self.alive:
-            raise self._gone("is gone")
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            spec = _memfd("sandbox-command", encode_spec(argv, env, cwd))
+            if not self.alive:
+                raise self._gone("is gone")
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except BaseException:
+            os.close(out)
+            os.close(err)
+            raise
+        try:
             try:
-                await self._send(theirs.fileno(), out, err, spec)
+                spec = _memfd("sandbox-command", encode_spec(argv, env, cwd))
+                try:
+                    await self._send(theirs.fileno(), out, err, spec)
+                finally:
+                    os.close(spec)
             finally:
-                os.close(spec)
                 theirs.close()
+                os.close(out)
+                os.close(err)
             mine.setblocking(False)
             timed_out = False
             answer: bytes | None
@@ -213,13 +225,18 @@ class CommandStarter:
             return -signal.SIGKILL
         raise self._gone("died" if not answer else f"answered {answer[:16]!r}")
 
-    def close(self) -> None:
-        """End the starter and every process of its sandbox (blocking: call it in a worker thread)."""
+    def kill(self) -> None:
+        """SIGKILL the starter's bwrap (its session): bwrap's init, hence every process of the sandbox,
+        dies with it. Safe from any thread; ``close`` still releases the rest."""
         self._dead = True
-        self._control.close()  # the starter exits at once; bwrap's init takes the sandbox's processes with it
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._process.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """End the starter and every process of its sandbox (blocking: call it in a worker thread)."""
+        self.kill()
         self._process.wait()
+        self._control.close()
         os.close(self._stderr)
 
 
