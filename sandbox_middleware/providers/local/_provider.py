@@ -660,18 +660,19 @@ class LocalProvider:
                 os.set_blocking(fd, True)
                 with contextlib.suppress(OSError):  # fewer wake-ups per byte when a command floods
                     fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
-            try:
-                async with anyio.create_task_group() as readers:
-                    readers.start_soon(pump, out_r, out)
-                    readers.start_soon(pump, err_r, err)
+            failure: SandboxError | None = None
+            async with anyio.create_task_group() as readers:
+                readers.start_soon(pump, out_r, out)
+                readers.start_soon(pump, err_r, err)
+                try:
                     code, timed_out = await start(out_w, err_w, deadline)
-                    # Whatever the command wrote before it ended is in the pipes now; a background
-                    # child that still holds them must not hold this call.
-                    readers.cancel_scope.cancel()
-            except SandboxError:
-                if not (box.closed or box.is_expired()):  # its starter died: the sandbox is broken
-                    raise
-                code, timed_out = -signal.SIGKILL, False  # killed with its sandbox: said below
+                except SandboxError as exc:  # raised below, out of the task group's exception group
+                    failure, code, timed_out = exc, -signal.SIGKILL, False
+                # Whatever the command wrote before it ended is in the pipes now; a background
+                # child that still holds them must not hold this call.
+                readers.cancel_scope.cancel()
+            if failure is not None and not (box.closed or box.is_expired()):
+                raise failure  # its starter died: the sandbox is broken (status says so)
             drain(out_r, out, budget=64)
             drain(err_r, err, budget=64)
         finally:

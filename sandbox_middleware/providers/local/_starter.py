@@ -3,25 +3,27 @@
 The provider launches it once, at create, exactly as a command used to be launched (its cgroups
 joined, its rlimits and ``oom_score_adj`` set, ``setpriv`` to the sandbox's uid, bwrap with every
 namespace and the seccomp filter), and from then on each ``exec`` is a message to it instead of a
-new ``sh`` -> ``setpriv`` -> ``bwrap`` chain and a cgroup attach. bwrap gives it two capabilities
-inside the sandbox's own user namespace, ``CAP_SYS_ADMIN`` and ``CAP_SETPCAP`` (and
-``CAP_NET_ADMIN`` for its loopback), which no command ever holds:
+new ``sh`` -> ``setpriv`` -> ``bwrap`` chain and a cgroup attach. bwrap gives it three capabilities
+inside the sandbox's own user namespace, ``CAP_SYS_ADMIN``, ``CAP_SETPCAP`` and ``CAP_NET_ADMIN``,
+which no command ever holds:
 
 - Every command gets fresh PID, mount, network, IPC and UTS namespaces of its own, as each bwrap
-  run gave it: a *command init* (PID 1 there, like bwrap's) mounts a new ``/proc`` (``sys``,
-  ``irq``, ``bus`` read-only, as bwrap does), brings up ``lo``, drops every capability (bounding,
-  ambient, effective, permitted, inheritable) and becomes non-dumpable, then forks the command
+  run gave it. A *command init* (PID 1 there, as bwrap's init was) mounts a new ``/proc`` (covering
+  ``sys``, ``sysrq-trigger``, ``irq`` and ``bus`` read-only where writable, as bwrap does), brings
+  up ``lo``, raises its ``oom_score_adj`` above the starter's, drops every capability (bounding,
+  ambient, effective, permitted, inheritable) and becomes non-dumpable; then it starts the command
   (PID 2: its own session and process group, stdin ``/dev/null``, stdout and stderr the provider's
-  pipes, the environment and cwd the provider sent, signal dispositions reset). When the command
-  exits, the init exits with its status (``128 + signal`` for a signal, as bwrap reports it) and the
-  kernel kills whatever the command left behind: nothing outlives its command. A timeout kills the
-  init, which kills the whole namespace, ``setsid`` children included.
-- Inits are prepared ahead, one spare at a time, while the starter is idle; a command then costs one
-  fork and one exec.
+  pipes, the environment and cwd the provider sent, the signal dispositions Python changed reset).
+  When the command exits, the init answers the provider with its status (``128 + signal`` for a
+  signal, as bwrap reported it) and exits, and the kernel kills whatever the command left behind:
+  nothing outlives its command. A timeout (or a cancelled call) kills the init, hence the whole
+  namespace, ``setsid`` children included.
+- Inits are made ahead, one spare at a time, while a command runs or nothing happens; a command then
+  costs one message to the starter, one to its init and one ``posix_spawn``.
 - Commands cannot reach the starter: it lives in a PID namespace they cannot see (so they can
-  neither signal nor ptrace it), it is non-dumpable, and none of its descriptors survives into a
-  command. Each command's result travels on a socket pair of its own, made by the provider and held
-  by the starter alone, so nothing can answer for another command.
+  neither signal nor ptrace it), it is non-dumpable, and none of its descriptors reaches a command.
+  Each command's result travels on a socket pair of its own, made by the provider and held by the
+  starter and that command's init alone, so nothing can answer for another command.
 - The provider holds the other end of the control socket: when it goes, the starter exits and
   bwrap's init takes every process of the sandbox with it.
 
@@ -61,7 +63,7 @@ _PR_SET_DUMPABLE, _PR_CAPBSET_DROP = 4, 24
 _PR_SET_CHILD_SUBREAPER, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 36, 47, 4
 _CAPABILITY_VERSION_3 = 0x20080522
 _SIOCSIFFLAGS, _IFF_UP = 0x8914, 0x1
-_PROC_COVERS = ("sys", "irq", "bus")  # what bwrap's --proc makes read-only
+_PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus")  # what bwrap's --proc makes read-only where writable
 _INIT_FAILED = 126  # the exit code of a command init that could not set up (its message is on stderr)
 _NOT_STARTED = 127  # the exit code of a command that could not be executed (its message is on stderr)
 
@@ -376,7 +378,7 @@ class Starter:
         libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
         for name in _PROC_COVERS:
             path = b"/proc/" + name.encode()
-            if os.path.exists(path):
+            if os.access(path, os.W_OK):  # as bwrap: only what this uid could write (it owns none of it)
                 libc.mount(path, path, None, _MS_BIND | _MS_REC)
                 libc.mount(path, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
         with open("/proc/self/oom_score_adj", "w") as file:  # above the starter's: a command dies first

@@ -159,9 +159,11 @@ class CommandStarter:
             if not self.alive:
                 raise self._gone("is gone")
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        except BaseException:
+        except BaseException as exc:
             os.close(out)
             os.close(err)
+            if isinstance(exc, OSError):  # out of descriptors, say
+                raise SandboxError(f"LocalProvider: cannot run a command in {self._where}: {exc}") from exc
             raise
         try:
             try:
@@ -170,6 +172,8 @@ class CommandStarter:
                     await self._send(theirs.fileno(), out, err, spec)
                 finally:
                     os.close(spec)
+            except OSError as exc:
+                raise SandboxError(f"LocalProvider: cannot run a command in {self._where}: {exc}") from exc
             finally:
                 theirs.close()
                 os.close(out)
@@ -236,8 +240,10 @@ class CommandStarter:
         """End the starter and every process of its sandbox (blocking: call it in a worker thread)."""
         self.kill()
         self._process.wait()
-        self._control.close()
-        os.close(self._stderr)
+        if self._stderr >= 0:  # a close that failed further on is tried again: this part only once
+            self._control.close()
+            os.close(self._stderr)
+            self._stderr = -1
 
 
 async def _receive(sock: socket.socket) -> bytes:
