@@ -50,7 +50,7 @@ async def test_a_command_sees_only_its_own_processes_and_descriptors(
         await anyio.sleep(0.5)
         result = await local.exec(handle, "echo $$; cat /proc/[0-9]*/comm | tr '\\n' ' '; echo; ls /proc/self/fd")
         group.cancel_scope.cancel()
-    pid, names, fds = result.stdout.split("\n", 2)
+    pid, names, fds = (result.stdout or "").split("\n", 2)
     assert pid == "2"
     assert "sleep" not in names.split()  # the other command's
     assert names.split().count("python3") + names.split().count("python3.11") <= 1  # its own init only
@@ -112,7 +112,7 @@ async def test_concurrent_commands_get_their_own_results(
 ) -> None:
     local = make(isolation="bwrap", base_dir=sandbox_base)
     handle = await local.create(SandboxSpec())
-    results: dict[int, tuple[str, str, int]] = {}
+    results: dict[int, tuple[str | None, str | None, int]] = {}
 
     async def run(n: int) -> None:
         result = await local.exec(handle, f"echo out{n}; echo err{n} >&2; exit {n}", env={"N": str(n)})
