@@ -24,7 +24,6 @@ It prints the median of each and the ratios the issues ask for: exec after idle 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics

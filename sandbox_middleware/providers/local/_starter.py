@@ -232,7 +232,7 @@ class Starter:
             for fd, _mask in self._poll.poll(None if self._spare is not None else 50):
                 if fd == self._control.fileno():
                     if not self._on_control():
-                        return
+                        os._exit(0)  # at once: bwrap's init then ends every process of the sandbox
                 elif fd in self._by_pidfd:
                     self._on_exit(self._by_pidfd[fd])
                 elif fd in self._by_reply:
