@@ -96,9 +96,10 @@ class LocalProvider:
     processes when it runs out. Output keeps at most ``max_output_bytes`` per stream (head and tail);
     downloads refuse files over ``max_transfer_bytes``. Transfers follow no symlink.
 
-    ``isolation="bwrap"`` (the default; the one for untrusted code) runs each command under bubblewrap with
-    no capabilities, its own user, PID, network, IPC, UTS and cgroup namespaces, and a minimal
-    read-only view of the host; the sandbox directory is seen at ``spec.workdir`` when that is
+    ``isolation="bwrap"`` (the default; the one for untrusted code) runs each sandbox under bubblewrap, its
+    commands started by one command starter per sandbox (``_starter.py``), each with no capabilities,
+    its own PID, mount, network, IPC and UTS namespaces in the sandbox's user and cgroup namespaces,
+    and a minimal read-only view of the host; the sandbox directory is seen at ``spec.workdir`` when that is
     absolute, else at ``/workspace``. ``isolation="none"`` runs commands as this process's user
     with the host's whole filesystem in view: limits and the clean environment still hold, but it
     is no security boundary.
