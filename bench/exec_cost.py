@@ -36,6 +36,7 @@ from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[1]
 _IDLE_S = 0.3
+_MEMORY_MIB = 512
 _WIRED = "from ._supervisor import"  # the line that wired the command starter into the provider
 _PROVIDER = "sandbox_middleware/providers/local/_provider.py"
 
@@ -52,34 +53,36 @@ async def _serve(base: Path) -> None:
     assert bwrap is not None
     hardened = LocalProvider(isolation="bwrap", base_dir=base / "bwrap")
     plain = LocalProvider(isolation="none", base_dir=base / "none")
-    held, held_plain = await hardened.create(SandboxSpec()), await plain.create(SandboxSpec())
-    old_box, control = base / "old" / "box", base / "old" / "control"
-    old_box.mkdir(parents=True)
-    control.mkdir()
-
-    async def cycle() -> None:
-        handle = await hardened.create(SandboxSpec())
-        await hardened.exec(handle, "true")
-        await hardened.close(handle)
-
-    async def raw() -> None:
-        process = await anyio.open_process(
-            ["true"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-        )
-        async with process:
-            await process.wait()
-
-    operations = {
-        "exec": lambda: hardened.exec(held, "true"),
-        "none": lambda: plain.exec(held_plain, "true"),
-        "cycle": cycle,
-        "raw": raw,
-        "pre-containment": lambda: _pre_containment(bwrap, old_box, control),
-    }
-    for operation in operations.values():  # warm-up
-        await operation()
-    print("ready", flush=True)
+    spec = SandboxSpec(resources={"memory_mib": _MEMORY_MIB})  # two workers' sandboxes fit any budget
     try:
+        held, held_plain = await hardened.create(spec), await plain.create(spec)
+        old_box, control = base / "old" / "box", base / "old" / "control"
+        old_box.mkdir(parents=True)
+        control.mkdir()
+
+        async def cycle() -> None:
+            handle = await hardened.create(spec)
+            await hardened.exec(handle, "true")
+            await hardened.close(handle)
+
+        async def raw() -> None:
+            process = await anyio.open_process(
+                ["true"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True,
+            )  # fmt: skip
+            async with process:
+                await process.wait()
+
+        operations = {
+            "exec": lambda: hardened.exec(held, "true"),
+            "none": lambda: plain.exec(held_plain, "true"),
+            "cycle": cycle,
+            "raw": raw,
+            "pre-containment": lambda: _pre_containment(bwrap, old_box, control),
+        }
+        for operation in operations.values():  # warm-up
+            await operation()
+        print("ready", flush=True)
         while line := await anyio.to_thread.run_sync(sys.stdin.readline):
             name = line.strip()
             started = time.perf_counter()
