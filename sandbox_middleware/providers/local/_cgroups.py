@@ -315,14 +315,14 @@ class CgroupBackend:
         for group in groups:
             with contextlib.suppress(OSError):
                 (group / "cgroup.kill").write_text("1")
-        for _ in range(100):
+        for attempt in range(100):
             pids = {int(pid) for group in groups for pid in _read_procs(group)}
             if not pids:
                 return
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-            time.sleep(0.005)
+            time.sleep(min(0.005, 0.0005 * 2**attempt))  # killed processes are mostly gone within a millisecond
 
     @staticmethod
     def remove(groups: list[Path]) -> list[str]:
