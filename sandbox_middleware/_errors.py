@@ -27,7 +27,9 @@ clauses catch ours)::
     └── (CLI) UsageError                      a command-line argument the program cannot use
 
 Python's ``except`` matches by inheritance only, so the reverse direction (our ``except`` catching
-NeMo Gym's create failures) is ``SANDBOX_CREATE_ERRORS``: both libraries' classes in one tuple.
+NeMo Gym's create failures) needs translation: ``as_create_error`` turns a NeMo Gym create failure
+into ours (so an instance of both libraries' ``SandboxCreateError``), chained to the original; and
+``SANDBOX_CREATE_ERRORS`` names both libraries' classes in one tuple for code that sees the original.
 
 Each public class names its public module (``__module__``), so ``error.type`` on dashboards reads
 e.g. ``sandbox_middleware.SandboxCreateError``; config's ``on:`` names are looked up here.
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 from typing import cast
 
-from ._nemo import NemoCreateError, NemoCreateVerificationError, NemoPtyError
+from ._nemo import NEMO_GYM, NemoCreateError, NemoCreateVerificationError, NemoPtyError
 
 __all__ = [
     "PUBLIC",
@@ -61,6 +63,7 @@ __all__ = [
     "SandboxTransferLimitError",
     "SandboxValueError",
     "UsageError",
+    "as_create_error",
 ]
 
 
@@ -154,6 +157,22 @@ class CommandFailedError(SandboxError):
 
 class UsageError(Exception):
     """A command-line argument the program cannot work with; the message names the argument."""
+
+
+def as_create_error(error: BaseException) -> BaseException:
+    """A create failure of either library as an instance of both libraries' ``SandboxCreateError``.
+
+    Ours already is (it derives from NeMo Gym's); NeMo Gym's becomes ours of the same kind
+    (``SandboxCreateVerificationError`` for its verification error), with its message, chained to it
+    (``__cause__``), so ``except`` clauses written against either library catch it. Anything else is
+    returned as it is.
+    """
+    if isinstance(error, SandboxCreateError) or NEMO_GYM is None or not isinstance(error, NemoCreateError):
+        return error
+    kind = SandboxCreateVerificationError if isinstance(error, NemoCreateVerificationError) else SandboxCreateError
+    translated = kind(f"{error} ({type(error).__module__}.{type(error).__qualname__})")
+    translated.__cause__ = error
+    return translated
 
 
 SANDBOX_CREATE_ERRORS: tuple[type[Exception], ...] = cast(

@@ -224,36 +224,22 @@ class CgroupBackend:
         reserve = max(MEMORY_RESERVE[0], limit // MEMORY_RESERVE[1])
         return MemoryBudget(max(0, headroom - reserve), headroom, reserve, limit, where)
 
-    def _committed_memory(self, budget: MemoryBudget) -> int:
-        """The memory limits of every sandbox group in the shared parent (any process's); an unlimited
-        one counts as the whole budget."""
-        parent = self._parents["memory"]
-        files = _MEMORY_FILES[self.version or "v1"]
-        committed = 0
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(parent):
-                if entry.is_dir(follow_symlinks=False):
-                    limit = _read_int(Path(entry.path) / files.limit)
-                    if limit is not None:
-                        committed += budget.total if limit >= _UNLIMITED else limit
-        return committed
-
     def _admit(self, sandbox_id: str, limits: Limits) -> None:
-        """Refuse a sandbox whose memory would overcommit the budget; cap the shared parent at it."""
+        """Refuse a sandbox whose memory limit the budget cannot give now (beyond what live sandboxes
+        use); cap the shared parent at the budget, so the kernel holds all sandboxes together to it."""
         budget = self.memory_budget()
         if budget is None:
             return
-        wanted = budget.total if limits.memory_bytes is None else limits.memory_bytes
-        committed = self._committed_memory(budget)
-        if committed + wanted > budget.total:
-            raise SandboxLimitError(
-                f"LocalProvider: sandbox {sandbox_id!r} asks for {wanted // _MiB} MiB of memory, but the memory "
-                f"budget is {budget.describe()} and {committed // _MiB} MiB of it is given to live sandboxes; "
-                "close some, ask for less (memory_mib), or run where the trainer's cgroup allows more"
-            )
         parent = self._parents["memory"]
         files = _MEMORY_FILES[self.version or "v1"]
-        if budget.total > _working_set(parent, files):  # the kernel enforces the budget for all together
+        used = _working_set(parent, files)
+        if limits.memory_bytes is not None and used + limits.memory_bytes > budget.total:
+            raise SandboxLimitError(
+                f"LocalProvider: sandbox {sandbox_id!r} asks for {limits.memory_bytes // _MiB} MiB of memory, but "
+                f"the memory budget is {budget.describe()} and live sandboxes use {used // _MiB} MiB of it; close "
+                "some, ask for less (memory_mib), or run where the trainer's cgroup allows more"
+            )
+        if budget.total > used:  # the kernel enforces the budget for all together
             with contextlib.suppress(OSError):
                 _write(parent / files.limit, str(budget.total))
             if self.version == "v1":

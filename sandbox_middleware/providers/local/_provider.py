@@ -90,8 +90,10 @@ class LocalProvider:
 
     Commands run ``bash -c`` with stdin from ``/dev/null`` and a clean environment (``PATH``,
     ``HOME`` at the sandbox root, ``LANG=C.UTF-8``, then ``pass_env`` names copied from the host,
-    then ``spec.env``, then the call's ``env``). Memory, process count and CPU are limited with
-    cgroups where the machine allows it (rlimits otherwise; see ``mechanisms``); the writable space
+    then ``spec.env``, then the call's ``env``). Memory (all sandboxes together within a budget the
+    trainer's cgroup leaves), process count and, when asked, CPU are limited with cgroups where the
+    machine allows it (rlimits otherwise; see ``mechanisms``), open files with ``RLIMIT_NOFILE``
+    (``nofile``); sandbox processes are the kernel's first OOM victims; the writable space
     is a tmpfs of ``disk_gib`` where this process may mount one; ``ttl_s`` kills the sandbox's
     processes when it runs out. Output keeps at most ``max_output_bytes`` per stream (head and tail);
     downloads refuse files over ``max_transfer_bytes``. Transfers follow no symlink.

@@ -1,13 +1,15 @@
-"""The view of the host: its files, other sandboxes, and the sandbox's own directory, mount and workdir."""
+"""The view of the host: its files, other sandboxes, the sandbox's own directory, mount and workdir, and base_dir."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from sandbox_middleware import LocalProvider, SandboxPathError, SandboxSpec
+from sandbox_middleware import LocalProvider, SandboxArgumentError, SandboxPathError, SandboxSpec
 
 from ._support import as_root, bwrap_only
 
@@ -88,3 +90,28 @@ async def test_absolute_workdir(provider: LocalProvider, tmp_path: Path) -> None
     assert (tmp_path / "back.txt").read_text() == "data"
     with pytest.raises(SandboxPathError, match="outside the sandbox"):
         await provider.upload_file(handle, source, "/etc/in.txt")
+
+
+@pytest.mark.parametrize("plant", ["symlink", "foreign"])
+def test_default_base_dir_planted_by_another_user_is_refused(
+    plant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user plants the default base_dir's name in the shared temp directory (a symlink to a
+    directory of theirs, or a directory of theirs): construction refuses it and creates nothing there."""
+    shared = tmp_path / "shared-tmp"
+    target = tmp_path / "theirs"
+    shared.mkdir()
+    target.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    planted = shared / f"llm-sandbox-middleware-{os.geteuid()}"
+    if plant == "symlink":
+        planted.symlink_to(target)
+    else:
+        planted.mkdir()
+        if os.geteuid() == 0:
+            os.chown(planted, 65534, 65534)  # nobody's
+        else:
+            planted.chmod(0o777)  # writable by everyone: others could swap sandbox directories in it
+    with pytest.raises(SandboxArgumentError, match="base_dir"):
+        LocalProvider(isolation="none")
+    assert list(target.iterdir()) == []

@@ -75,9 +75,9 @@ async def main():
     fill = await local.exec(handle, 'head -c 900M /dev/zero > "${TMPDIR:-/tmp}/fill" && echo written', timeout_s=120)
     report["fill"] = [fill.return_code, fill.stdout]
     try:
-        await local.create(SandboxSpec(resources={"memory_mib": 512}))  # 256 + 512 overcommit the budget
+        await local.create(SandboxSpec(resources={"memory_mib": 512}))  # the 256 MiB its tmpfs holds + 512: beyond the budget
     except SandboxLimitError as exc:
-        report["overcommit refused"] = str(exc)
+        report["second refused"] = str(exc)
     await local.aclose()
     report["held"] = len(held)
     print(json.dumps(report))
@@ -91,7 +91,7 @@ async def test_trainer_survives_a_sandbox_filling_its_tmpfs(
     enclosing_cgroup: Path, isolation: str, backend: str, sandbox_base: Path
 ) -> None:
     """A trainer holding 300 MiB in a 1 GiB cgroup: a default-sized sandbox is refused (it would
-    overcommit the budget), a 256 MiB one writing 900 MiB to its tmpfs dies alone, the trainer lives."""
+    exceed the budget), a 256 MiB one writing 900 MiB to its tmpfs dies alone, the trainer lives."""
     join = 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"'
     argv = ["/bin/sh", "-c", join, "sh", str(enclosing_cgroup), sys.executable, "-c", _TRAINER]
     run = await anyio.run_process([*argv, isolation, str(sandbox_base), backend], check=False)
@@ -99,10 +99,12 @@ async def test_trainer_survives_a_sandbox_filling_its_tmpfs(
     report = json.loads(run.stdout)
     assert report["held"] == 300 * _MiB
     assert "memory budget" in report["default refused"] and "4096 MiB" in report["default refused"]
-    assert "memory budget" in report["overcommit refused"]
+    assert "memory budget" in report["second refused"]
     code, stdout = report["fill"]
     assert "written" not in stdout and code != 0  # the writer was killed inside the sandbox's own cgroup
     assert int((enclosing_cgroup / "memory.failcnt").read_text()) == 0  # the enclosing cgroup never filled
+    assert str(sandbox_base) not in Path("/proc/self/mountinfo").read_text()  # close unmounted its tmpfs
+    assert list(enclosing_cgroup.glob("sandbox-middleware/local-*")) == []  # and removed its cgroups
 
 
 _TCP = """
@@ -347,3 +349,34 @@ async def test_sandboxes_of_two_processes_never_share_a_uid(sandbox_base: Path) 
             await process.aclose()
     assert len(set(uids)) == 4, uids
     assert set(uids) <= set(range(_uids.UID_BASE + 7, _uids.UID_BASE + 11))
+
+
+def test_unprivileged_mechanisms_say_what_is_not_bounded(sandbox_base: Path) -> None:
+    """As a normal user there are no cgroups and no tmpfs: the sandbox writes to disk (so its files
+    cost no RAM), and ``mechanisms`` says there is no memory budget and no TCP limit rather than
+    claiming them; sandboxes share the user's uid, and a command can lower its oom_score_adj only
+    back to the trainer's."""
+    report = run_unprivileged(
+        """
+import anyio, json, os, sys
+from pathlib import Path
+from sandbox_middleware import LocalProvider, SandboxSpec
+
+async def main():
+    local = LocalProvider(isolation="none", base_dir=sys.argv[1])
+    handle = await local.create(SandboxSpec())
+    oom = await local.exec(handle, "cat /proc/self/oom_score_adj; echo -5 > /proc/self/oom_score_adj || echo refused")
+    print(json.dumps({"mechanisms": local.mechanisms, "owner": Path(handle.raw["root"]).stat().st_uid,
+                      "me": os.getuid(), "oom": oom.stdout}))
+    await local.aclose()
+
+anyio.run(main)
+""",
+        sandbox_base,
+    )
+    mechanisms = report["mechanisms"]
+    assert mechanisms["memory budget"].startswith("none (no memory cgroup)")
+    assert mechanisms["tcp buffers"] == "not limited"
+    assert mechanisms["disk"] == "rlimit RLIMIT_FSIZE (per file)"
+    assert report["owner"] == report["me"]
+    assert report["oom"].split() == ["1000", "refused"]

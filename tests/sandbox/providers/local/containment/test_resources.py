@@ -217,3 +217,40 @@ async def test_exec_at_the_descriptor_limit_is_a_typed_error_and_leaks_nothing(
     outcomes = json.loads(run.stdout)
     assert outcomes[0] == "SandboxError" and outcomes[-1] == "ok\n", outcomes
     assert set(outcomes) == {"SandboxError", "ok\n"}, outcomes
+
+
+def test_memory_budget_from_the_tightest_ancestor_v2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On cgroup v2 the budget comes from the tightest ancestor (a 1 GiB pod around an unlimited job):
+    its limit less what the trainer's processes use without file cache, less the reserve; a create
+    beyond what live sandboxes leave of it is refused naming the budget (checked on a v2-shaped
+    directory: this machine is v1)."""
+    from sandbox_middleware import SandboxLimitError
+    from sandbox_middleware.providers.local import _cgroups
+    from sandbox_middleware.providers.local._limits import Limits
+
+    monkeypatch.setattr(_cgroups, "_own_cgroups", lambda: {"": "/pod/job"})
+    monkeypatch.setattr(_cgroups, "_meminfo", lambda: (64 << 30, 60 << 30))  # the machine is not the tightest
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    pod, job = tmp_path / "pod", tmp_path / "pod" / "job"
+    parent = job / "sandbox-middleware"
+    parent.mkdir(parents=True)
+    (parent / "cgroup.controllers").write_text("memory pids\n")
+    (pod / "memory.max").write_text(str(1 << 30))
+    (pod / "memory.current").write_text(str(400 << 20))
+    (pod / "memory.stat").write_text(f"anon 1\ninactive_file {100 << 20}\n")
+    (job / "memory.max").write_text("max\n")
+    backend = _cgroups.CgroupBackend(root=tmp_path)
+    budget = backend.memory_budget()
+    assert budget is not None
+    assert (budget.limit, budget.where, budget.reserve) == (1 << 30, str(pod), 256 << 20)
+    assert budget.total == (1024 - 300 - 256) << 20
+    (group,) = backend.create(
+        "local-000000000001", Limits(memory_bytes=400 << 20, pids=None, cpu=None, disk_bytes=None)
+    )
+    assert (group / "memory.max").read_text() == str(400 << 20)
+    assert not (group / "memory.kmem.tcp.limit_in_bytes").exists()  # v2 charges sockets to memory.max
+    assert (parent / "memory.max").read_text() == str(budget.total)  # all sandboxes together, kernel-enforced
+    (parent / "memory.current").write_text(str(400 << 20))  # the first sandbox now uses its 400 MiB,
+    (pod / "memory.current").write_text(str(800 << 20))  # which the pod's usage includes
+    with pytest.raises(SandboxLimitError, match=r"memory budget is 468 MiB .* live sandboxes use 400 MiB of it"):
+        backend.create("local-000000000002", Limits(memory_bytes=100 << 20, pids=None, cpu=None, disk_bytes=None))

@@ -190,3 +190,22 @@ async def test_failed_create_leaves_nothing_behind(
     assert list(sandbox_base.iterdir()) == []
     leftovers = list(Path("/sys/fs/cgroup").glob(f"**/sandbox-middleware/local-{known.hex[:12]}"))
     assert leftovers == []
+
+
+_DEEP = (
+    'python3 -c \'import os\nfor _ in range(3000):\n    os.mkdir("d")\n    os.chdir("d")\nopen("leaf", "w").close()\''
+)
+
+
+async def test_close_removes_a_tree_thousands_deep(
+    make: Callable[..., LocalProvider], isolation: str, sandbox_base: Path
+) -> None:
+    """A directory tree 3,000 deep on disk (no tmpfs: disk_gib=None) is removed by close, without recursion."""
+    local = make(isolation=isolation, base_dir=sandbox_base, disk_gib=None)
+    handle = await local.create(SandboxSpec())
+    made = await local.exec(handle, _DEEP)
+    assert made.return_code == 0, made.stderr
+    outer = Path(handle.raw["root"]).parent
+    await local.close(handle)
+    assert not outer.exists()
+    assert list(sandbox_base.iterdir()) == []
