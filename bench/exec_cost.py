@@ -1,32 +1,102 @@
-"""The price of containment: one ``exec`` of ``true`` before and after the hardening, side by side.
+"""What a LocalProvider exec and a sandbox's whole life cost, before and after the command starter, side by side.
 
-Run: python bench/exec_cost.py [ROUNDS]
+Run: python bench/exec_cost.py [ROUNDS] [--baseline REV]
 
-"before" is the provider's exec path as it was until the containment work, reproduced here: a
-bwrap command line with the host's root bound read-only and every capability kept, output to
-files. "after" is today's ``LocalProvider(isolation="bwrap")``: no capabilities, a minimal host
-view built per command, a clean environment, the sandbox's cgroups joined through ``sh``, output
-through bounded pipes. ``isolation="none"`` is printed beside them. Rounds alternate between the
-three so machine noise hits all alike; it prints the median per exec and the ratios.
+Two worker processes, one per code base: "before" imports ``sandbox_middleware`` as it was at REV
+(by default the commit before the command starter was wired into the provider, found in git
+history; extracted with ``git archive``), "after" this checkout. One coordinator sends each worker
+one operation at a time, sleeping 300 ms before each (commands in RL are separated by model turns,
+and what costs most is what an idle machine pays again: the kernel's cgroup lock, cold caches),
+every round interleaving all of them so machine noise hits all alike:
+
+- ``exec``: ``true`` in a held ``isolation="bwrap"`` sandbox (RL's path: a command after idle);
+- ``raw``: ``true`` as a raw subprocess started the same way, in the same worker process
+  (``anyio.open_process``, stdin ``/dev/null``, stdout and stderr pipes, a session of its own);
+- ``cycle``: create + exec of ``true`` + close of a sandbox;
+- ``none``: ``true`` in a held ``isolation="none"`` sandbox;
+- ``pre-containment``: the bwrap command line of the provider before the containment work (the host's
+  root read-only, every capability kept, output to files), the reference of issue 23's bound.
+
+It prints the median of each and the ratios the issues ask for: exec after idle / raw ``true``
+(goal <= 3), cycle before / after (goal >= 2), and hardened / pre-containment exec.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-import anyio
+_ROOT = Path(__file__).resolve().parents[1]
+_IDLE_S = 0.3
+_MEMORY_MIB = 512
+_WIRED = "from ._supervisor import"  # the line that wired the command starter into the provider
+_PROVIDER = "sandbox_middleware/providers/local/_provider.py"
 
-from sandbox_middleware import LocalProvider, SandboxSpec
+
+# --- a worker: one code base, one operation per line ------------------------------------------------
 
 
-async def _before(bwrap: str, root: Path, control: Path) -> None:
-    """The pre-hardening exec of ``true``: files for output, the host's environment, all capabilities."""
+async def _serve(base: Path) -> None:
+    import anyio
+
+    from sandbox_middleware import LocalProvider, SandboxSpec
+
+    bwrap = shutil.which("bwrap")
+    assert bwrap is not None
+    hardened = LocalProvider(isolation="bwrap", base_dir=base / "bwrap")
+    plain = LocalProvider(isolation="none", base_dir=base / "none")
+    spec = SandboxSpec(resources={"memory_mib": _MEMORY_MIB})  # two workers' sandboxes fit any budget
+    try:
+        held, held_plain = await hardened.create(spec), await plain.create(spec)
+        old_box, control = base / "old" / "box", base / "old" / "control"
+        old_box.mkdir(parents=True)
+        control.mkdir()
+
+        async def cycle() -> None:
+            handle = await hardened.create(spec)
+            await hardened.exec(handle, "true")
+            await hardened.close(handle)
+
+        async def raw() -> None:
+            process = await anyio.open_process(
+                ["true"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True,
+            )  # fmt: skip
+            async with process:
+                await process.wait()
+
+        operations = {
+            "exec": lambda: hardened.exec(held, "true"),
+            "none": lambda: plain.exec(held_plain, "true"),
+            "cycle": cycle,
+            "raw": raw,
+            "pre-containment": lambda: _pre_containment(bwrap, old_box, control),
+        }
+        for operation in operations.values():  # warm-up
+            await operation()
+        print("ready", flush=True)
+        while line := await anyio.to_thread.run_sync(sys.stdin.readline):
+            name = line.strip()
+            started = time.perf_counter()
+            await operations[name]()
+            print(time.perf_counter() - started, flush=True)
+    finally:
+        await hardened.aclose()
+        await plain.aclose()
+
+
+async def _pre_containment(bwrap: str, root: Path, control: Path) -> None:
+    """The pre-containment exec of ``true``: files for output, the host's environment, all capabilities."""
+    import anyio
+
     argv = [
         bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
         "--bind", str(root), str(root), "--unshare-net", "--unshare-pid", "--unshare-ipc",
@@ -42,40 +112,115 @@ async def _before(bwrap: str, root: Path, control: Path) -> None:
     err_path.unlink()
 
 
-async def main(rounds: int) -> None:
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
+# --- the coordinator ------------------------------------------------------------------------------------
+
+
+def _baseline() -> str:
+    """The commit before the command starter was wired into the provider (``git log -S``)."""
+    found = subprocess.run(
+        ["git", "log", "--reverse", "--format=%H", f"-S{_WIRED}", "--", _PROVIDER],
+        cwd=_ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    if not found:
+        sys.exit(f"bench/exec_cost.py: no commit wires the starter into {_PROVIDER}; pass --baseline REV")
+    return f"{found[0]}^"
+
+
+class _Worker:
+    def __init__(self, label: str, tree: Path | None, where: Path) -> None:
+        env = {**os.environ}
+        if tree is not None:
+            env["PYTHONPATH"] = f"{tree}{os.pathsep}{env.get('PYTHONPATH', '')}".rstrip(os.pathsep)
+        where.mkdir(mode=0o711)
+        self.label = label
+        self._process = subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(where)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=env, cwd="/",
+        )  # fmt: skip
+        assert self._process.stdout is not None and self._process.stdin is not None
+        self._in, self._out = self._process.stdin, self._process.stdout
+        if self._out.readline().strip() != "ready":
+            sys.exit(f"bench/exec_cost.py: the {label} worker did not start")
+
+    def run(self, operation: str) -> float:
+        self._in.write(operation + "\n")
+        self._in.flush()
+        return float(self._out.readline())
+
+    def close(self) -> None:
+        self._in.close()
+        self._process.wait(timeout=60)
+
+
+def main(rounds: int, baseline: str) -> None:
+    if shutil.which("bwrap") is None:
         sys.exit("bench/exec_cost.py needs bwrap (apt-get install -y bubblewrap)")
     with tempfile.TemporaryDirectory(prefix="sandbox-middleware-bench-") as where:
         base = Path(where)
         os.chmod(where, 0o711)  # the sandboxes' own uids must reach their directories
-        (base / "old" / "box").mkdir(parents=True)
-        (base / "old" / "control").mkdir()
-        hardened = LocalProvider(isolation="bwrap", base_dir=base / "new")
-        plain = LocalProvider(isolation="none", base_dir=base / "none")
-        boxes = [await hardened.create(SandboxSpec()), await plain.create(SandboxSpec())]
-        timings: dict[str, list[float]] = {"before (bwrap, as it was)": [], "after (bwrap, hardened)": [], "none": []}
-        calls = {
-            "before (bwrap, as it was)": lambda: _before(bwrap, base / "old" / "box", base / "old" / "control"),
-            "after (bwrap, hardened)": lambda: hardened.exec(boxes[0], "true"),
-            "none": lambda: plain.exec(boxes[1], "true"),
-        }
-        for _ in range(3):  # warm-up
-            for call in calls.values():
-                await call()
-        for _ in range(rounds):
-            for name, call in calls.items():
-                started = time.perf_counter()
-                await call()
-                timings[name].append(time.perf_counter() - started)
-        await hardened.aclose()
-        await plain.aclose()
-    medians = {name: statistics.median(values) * 1000 for name, values in timings.items()}
-    before = medians["before (bwrap, as it was)"]
-    print(f"exec of `true`, median of {rounds} rounds (interleaved):")
-    for name, value in medians.items():
-        print(f"  {name:<28} {value:7.2f} ms   {value / before:5.2f}x before")
+        tree = base / "before-tree"
+        tree.mkdir()
+        archive = subprocess.run(
+            ["git", "archive", baseline, "sandbox_middleware"], cwd=_ROOT, capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        before, after = _Worker("before", tree, base / "before"), _Worker("after", None, base / "after")
+        plan: list[tuple[_Worker, str]] = [
+            (before, "exec"), (after, "exec"), (after, "raw"), (before, "cycle"), (after, "cycle"),
+            (after, "none"), (after, "pre-containment"),
+        ]  # fmt: skip
+        timings: dict[tuple[str, str], list[float]] = {(w.label, op): [] for w, op in plan}
+        try:
+            for _ in range(rounds):
+                for worker, operation in plan:
+                    time.sleep(_IDLE_S)
+                    timings[(worker.label, operation)].append(worker.run(operation))
+        finally:
+            before.close()
+            after.close()
+    medians: dict[tuple[str, str], float] = {key: statistics.median(values) * 1000 for key, values in timings.items()}
+    print(f"LocalProvider, median of {rounds} interleaved rounds, each after {_IDLE_S * 1000:.0f} ms idle")
+    print(f"before: {baseline} ({_describe(baseline)}); after: this checkout")
+    rows = [
+        ("raw subprocess of `true` (after's process)", ("after", "raw")),
+        ("exec `true`, bwrap, before", ("before", "exec")),
+        ("exec `true`, bwrap, after", ("after", "exec")),
+        ("exec `true`, isolation='none', after", ("after", "none")),
+        ("pre-containment bwrap command line", ("after", "pre-containment")),
+        ("create + exec + close, bwrap, before", ("before", "cycle")),
+        ("create + exec + close, bwrap, after", ("after", "cycle")),
+    ]
+    for label, key in rows:
+        print(f"  {label:<44} {medians[key]:8.2f} ms")
+    raw = medians[("after", "raw")]
+    print("ratios:")
+    print(f"  exec after idle / raw `true`:  before {medians[('before', 'exec')] / raw:5.2f}x   after "
+          f"{medians[('after', 'exec')] / raw:5.2f}x   (goal: after <= 3x)")  # fmt: skip
+    print(f"  cycle before / after:          {medians[('before', 'cycle')] / medians[('after', 'cycle')]:5.2f}x"
+          "   (goal: >= 2x)")  # fmt: skip
+    print(f"  exec after / pre-containment:  {medians[('after', 'exec')] / medians[('after', 'pre-containment')]:5.2f}x"
+          "   (issue 23: within 2x)")  # fmt: skip
+
+
+def _describe(revision: str) -> str:
+    return subprocess.run(
+        ["git", "log", "-1", "--format=%h %s", revision], cwd=_ROOT, capture_output=True, text=True, check=False
+    ).stdout.strip()[:90]
+
+
+def _arguments(argv: list[str]) -> Any:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("rounds", nargs="?", type=int, default=40)
+    parser.add_argument("--baseline", help="the revision measured as 'before' (default: before the starter)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
-    anyio.run(main, int(sys.argv[1]) if len(sys.argv) > 1 else 200)
+    options = _arguments(sys.argv[1:])
+    if options.worker:
+        import anyio
+
+        anyio.run(_serve, Path(options.worker))
+    else:
+        main(options.rounds, options.baseline or _baseline())

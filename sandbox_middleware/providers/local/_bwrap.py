@@ -1,20 +1,19 @@
-"""How LocalProvider starts a command under bubblewrap, with no privilege on the host.
+"""How LocalProvider starts a sandbox's command starter under bubblewrap, with no privilege on the host.
 
-As root, bwrap alone would leave the command as host uid 0 without capabilities, and uid 0 still
-owns ``/proc/sys`` and the kernel keyrings. So the chain drops to an unprivileged host uid first
-(``setpriv``), bwrap then maps it to uid 0 of a fresh user namespace, and a seccomp filter
-(``_seccomp.py``) denies the kernel keyring calls and a few other syscalls that only widen the
-kernel's attack surface. Options and the command's environment travel through a memfd (``bwrap
---args``), never through the host helpers' own environment (no ``LD_PRELOAD`` reaches a host-side
-process) or argv.
+Once per sandbox, at create (``_starter.py`` then starts each command inside). As root, bwrap alone
+would leave the sandbox as host uid 0 without capabilities, and uid 0 still owns ``/proc/sys`` and
+the kernel keyrings. So the chain drops to an unprivileged host uid first (``setpriv``), bwrap then
+maps it to uid 0 of a fresh user namespace, and a seccomp filter (``_seccomp.py``) denies the
+kernel keyring calls and a few other syscalls that only widen the kernel's attack surface. Options
+travel through a memfd (``bwrap --args``), never through the host helpers' own environment (no
+``LD_PRELOAD`` reaches a host-side process) or argv; commands' environments go to the starter.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from ..._errors import BwrapUnavailableError
@@ -25,11 +24,13 @@ __all__ = [
     "BASE_PATH",
     "HOST_ENV",
     "OWN_ETC",
+    "STARTER_CAPS",
     "SYSTEM_DIRS",
     "BwrapCommand",
 ]
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+STARTER_CAPS = ("CAP_SYS_ADMIN", "CAP_SETPCAP", "CAP_NET_ADMIN")  # the starter's, in the sandbox's user namespace
 HOST_ENV = {"PATH": BASE_PATH}  # all the host-side helpers (sh, setpriv, bwrap) ever get
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC_FILES = (
@@ -65,7 +66,7 @@ def _memfd(name: str, data: bytes) -> int:
 
 
 class BwrapCommand:
-    """Builds (and at construction, tries) the command line of one sandboxed command.
+    """Builds the command line of a sandbox's command starter.
 
     As root, each command drops to the sandbox's own unprivileged host uid (``drops_privileges``);
     otherwise bwrap runs as this process's user.
@@ -116,21 +117,19 @@ class BwrapCommand:
         ]  # fmt: skip
 
     def argv(
-        self,
-        outer: Path,
-        view_root: PurePosixPath,
-        cwd: PurePosixPath,
-        env: Mapping[str, str],
-        command: Sequence[str],
-        launch: Launch,
-        fds: list[int],
+        self, outer: Path, view_root: PurePosixPath, command: Sequence[str], launch: Launch, fds: list[int]
     ) -> list[str]:
-        """The argv; the descriptors to pass are appended to ``fds`` (the caller closes them once the
-        process started, or when this fails half-way)."""
+        """The argv of a sandbox's command starter (``_starter.py``); the descriptors to pass are appended
+        to ``fds`` (the caller closes them once the process started, or when this fails half-way).
+
+        The starter alone gets ``CAP_SYS_ADMIN``, ``CAP_SETPCAP`` and ``CAP_NET_ADMIN`` in the sandbox's
+        user namespace, to give each command namespaces of its own and then drop every capability
+        before the command starts; commands get their environment and cwd from it, not from bwrap.
+        """
         options = [
             "--unshare-all", "--unshare-user", "--disable-userns", "--uid", "0", "--gid", "0",
-            "--cap-drop", "ALL", "--new-session", "--die-with-parent", "--hostname", "sandbox",
-            *self._system,
+            "--cap-drop", "ALL", *(arg for cap in STARTER_CAPS for arg in ("--cap-add", cap)),
+            "--new-session", "--die-with-parent", "--hostname", "sandbox", *self._system,
         ]  # fmt: skip
         for name in OWN_ETC:
             options += ["--ro-bind", str(outer / "etc" / name), f"/etc/{name}"]
@@ -140,33 +139,9 @@ class BwrapCommand:
         for path in self._ro_paths:  # after /tmp, which would hide one below it
             options += ["--ro-bind", path, path]
         options += ["--bind", str(outer / "box"), str(view_root), "--remount-ro", "/dev", "--remount-ro", "/"]
-        options += ["--chdir", str(cwd), "--clearenv"]
-        for name, value in env.items():
-            options += ["--setenv", name, value]
+        options += ["--chdir", str(view_root), "--clearenv"]
         if self._seccomp is not None:
             fds.append(_memfd("sandbox-seccomp", self._seccomp))
             options += ["--add-seccomp-fd", str(fds[-1])]
         fds.append(_memfd("sandbox-args", b"".join(os.fsencode(option) + b"\0" for option in options)))
         return [*self._prefix(launch.uid), "--args", str(fds[-1]), "--", *command]
-
-    def probe(self, outer: Path, launch: Launch) -> None:
-        """Run ``true`` the way commands will run, so a machine where it cannot fails at construction."""
-        fds: list[int] = []
-        try:
-            workspace = PurePosixPath("/workspace")
-            argv = launch.argv(self.argv(outer, workspace, workspace, {}, ["true"], launch, fds))
-            result = subprocess.run(
-                argv, pass_fds=fds, env=HOST_ENV, stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
-                check=False,
-            )  # fmt: skip
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise BwrapUnavailableError(f"LocalProvider(isolation='bwrap'): bwrap could not start: {exc}") from exc
-        finally:
-            for fd in fds:
-                os.close(fd)
-        if result.returncode != 0:
-            raise BwrapUnavailableError(
-                "LocalProvider(isolation='bwrap'): bwrap fails on this machine "
-                f"({result.stderr.decode(errors='replace').strip()}); unprivileged user namespaces may be "
-                "disabled (sysctl kernel.unprivileged_userns_clone, or an AppArmor restriction)"
-            )

@@ -14,9 +14,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar, Literal
 
@@ -25,6 +27,7 @@ import anyio.to_thread
 
 from ..._bounds import Bound, Bounds
 from ..._errors import (
+    BwrapUnavailableError,
     SandboxArgumentError,
     SandboxCreateError,
     SandboxError,
@@ -48,7 +51,7 @@ from ._arguments import (
 from ._bwrap import BASE_PATH, HOST_ENV, SYSTEM_DIRS, BwrapCommand
 from ._cgroups import CgroupBackend, file_max
 from ._descriptors import DESCRIPTOR_KEYS, sign, verified_body
-from ._launch import LAUNCH_FAILED, Launch
+from ._launch import LAUNCH_FAILED, OOM_SCORE_ADJ, STARTER_OOM_SCORE_ADJ, Launch
 from ._limits import LIMIT_BOUNDS, Limits
 from ._mounts import bind_nosuid, is_mount_point, mount_tmpfs, probe_tmpfs
 from ._output import OutputCapture, drain, pump
@@ -66,6 +69,7 @@ from ._records import (
     scan,
     write_private,
 )
+from ._supervisor import CommandStarter, find_python
 from ._transfers import check_directory, download, open_directory, upload
 from ._uids import UidLease, lease_uid
 from ._watchdog import Watchdog
@@ -94,9 +98,10 @@ class LocalProvider:
     processes when it runs out. Output keeps at most ``max_output_bytes`` per stream (head and tail);
     downloads refuse files over ``max_transfer_bytes``. Transfers follow no symlink.
 
-    ``isolation="bwrap"`` (the default; the one for untrusted code) runs each command under bubblewrap with
-    no capabilities, its own user, PID, network, IPC, UTS and cgroup namespaces, and a minimal
-    read-only view of the host; the sandbox directory is seen at ``spec.workdir`` when that is
+    ``isolation="bwrap"`` (the default; the one for untrusted code) runs each sandbox under bubblewrap, its
+    commands started by one command starter per sandbox (``_starter.py``), each with no capabilities,
+    its own PID, mount, network, IPC and UTS namespaces in the sandbox's user and cgroup namespaces,
+    and a minimal read-only view of the host; the sandbox directory is seen at ``spec.workdir`` when that is
     absolute, else at ``/workspace``. ``isolation="none"`` runs commands as this process's user
     with the host's whole filesystem in view: limits and the clean environment still hold, but it
     is no security boundary.
@@ -179,7 +184,16 @@ class LocalProvider:
         if limit_backend == "cgroup" and (self._cgroups is None or not self._cgroups.resources):
             raise SandboxLimitError("LocalProvider(limit_backend='cgroup'): no writable cgroup controllers here")
         self._tmpfs = probe_tmpfs()
+        self._python: str | None = None
+        self._starting = threading.Lock()  # one starter per sandbox adopted from another process
         if self._bwrap is not None:
+            self._python = find_python([*SYSTEM_DIRS, *self._ro_paths])
+            if self._python is None:
+                raise BwrapUnavailableError(
+                    "LocalProvider(isolation='bwrap') starts each sandbox's commands with a Python 3.9+ that the "
+                    f"sandbox can see (under {', '.join(SYSTEM_DIRS)} or ro_paths); none found: install python3 "
+                    "(apt-get install -y python3) or add the directory of one to ro_paths"
+                )
             self._probe()
         self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, Box] = {}
@@ -227,21 +241,57 @@ class LocalProvider:
             rlimits.append(("nproc", limits.pids))
         if limits.disk_bytes is not None and not self._tmpfs:
             rlimits.append(("fsize", limits.disk_bytes))
-        return Launch(tuple(rlimits), tuple(group / "cgroup.procs" for group in cgroups), pty=False, uid=uid)
+        joins = self._cgroups.join_files(cgroups) if self._cgroups is not None else ()
+        return Launch(tuple(rlimits), joins, pty=False, uid=uid)
 
     def _probe(self) -> None:
-        """Start one command under bwrap in a scratch sandbox, so a machine where it cannot fails now."""
+        """Start a command starter under bwrap in a scratch sandbox (it makes its first command's
+        namespaces before it answers), so a machine where commands cannot start fails now."""
         assert self._bwrap is not None
         self._base.mkdir(parents=True, exist_ok=True)
         outer = Path(tempfile.mkdtemp(prefix="local-probe-", dir=self._base))
         uid, lease = self._new_uid()
         try:
             lay_out(outer, uid)
-            self._bwrap.probe(outer, self._launch(Limits(None, None, None, None), (), uid))
+            launch = self._launch(Limits(None, None, None, None), (), uid)
+            self._start_starter(outer, PurePosixPath(DEFAULT_VIEW_ROOT), launch, "a probe sandbox").close()
+        except SandboxError as exc:
+            raise BwrapUnavailableError(
+                f"LocalProvider(isolation='bwrap'): commands cannot start under bwrap on this machine ({exc}); "
+                "unprivileged user namespaces may be disabled (sysctl kernel.unprivileged_userns_clone, or an "
+                "AppArmor restriction)"
+            ) from exc
+        except OSError as exc:
+            raise BwrapUnavailableError(f"LocalProvider(isolation='bwrap'): bwrap could not start: {exc}") from exc
         finally:
             shutil.rmtree(outer, ignore_errors=True)
             if lease is not None:
                 lease.release()
+
+    def _start_starter(self, outer: Path, view_root: PurePosixPath, launch: Launch, where: str) -> CommandStarter:
+        """Launch a sandbox's command starter as its commands used to be launched (blocking)."""
+        bwrap, python = self._bwrap, self._python
+        assert bwrap is not None and python is not None
+
+        def build(command: list[str], fds: list[int]) -> list[str]:
+            return launch.argv(bwrap.argv(outer, view_root, command, launch, fds), oom_score_adj=STARTER_OOM_SCORE_ADJ)
+
+        return CommandStarter.launch(build, python, HOST_ENV, where, oom_score_adj=OOM_SCORE_ADJ)
+
+    def _starter_of(self, box: Box, sandbox_id: str) -> CommandStarter:
+        """The box's starter; a sandbox another process made (``connect``) gets one of ours here."""
+        with self._starting:
+            if box.starter is None:
+                try:
+                    box.starter = self._start_starter(box.outer, box.view_root, box.launch, f"sandbox {sandbox_id!r}")
+                except SandboxError as exc:
+                    if not intact(box):
+                        raise SandboxNotFoundError(
+                            f"LocalProvider: sandbox {sandbox_id!r} was removed from under this provider (closed or "
+                            "reaped by another process); create a new one"
+                        ) from exc
+                    raise
+            return box.starter
 
     @property
     def mechanisms(self) -> dict[str, str]:
@@ -273,7 +323,10 @@ class LocalProvider:
             if "memory" in cgroup and self._cgroups is not None
             else "not limited",
             "open files": self._files_report(),
-            "oom": "oom_score_adj 1000: the kernel kills a sandbox's processes before the trainer",
+            "oom": (
+                f"oom_score_adj {OOM_SCORE_ADJ}: the kernel kills a sandbox's processes before the trainer"
+                + (f" (its command starter: {STARTER_OOM_SCORE_ADJ})" if self._bwrap is not None else "")
+            ),
             "ttl": "watchdog thread (SIGKILL)",
             "output": f"pipes, {self._max_output} bytes kept per stream",
             "isolation": self._isolation_report(),
@@ -425,6 +478,11 @@ class LocalProvider:
             write_private(outer, RECORD, json.dumps(box.record()).encode())
             with open_directory(box.root, cwd, "spec.workdir", create=True, owner=uid):
                 pass
+            if self._bwrap is not None:
+                try:
+                    box.starter = self._start_starter(outer, view_root, box.launch, f"sandbox {sandbox_id!r}")
+                except SandboxError as exc:
+                    raise SandboxCreateError(f"LocalProvider: cannot create a sandbox: {exc}") from exc
             return box
         except BaseException as exc:
             leftovers = remove_box(outer, mounted, cgroups) if outer is not None else []
@@ -459,7 +517,10 @@ class LocalProvider:
     @staticmethod
     def _kill(box: Box) -> None:
         """Kill every process of the sandbox: through its cgroups where it has them (no pid is ever
-        signalled by a number that could have been reused), else its still-running process groups."""
+        signalled by a number that could have been reused), else its still-running process groups. A
+        starter's death alone ends every process of its sandbox (bwrap's init takes them with it)."""
+        if box.starter is not None:
+            box.starter.kill()
         if box.cgroups:
             CgroupBackend.kill(box.cgroups)
         else:
@@ -474,6 +535,8 @@ class LocalProvider:
             return SandboxStatus.ERROR
         if box.is_expired():
             return SandboxStatus.STOPPED
+        if box.starter is not None and not box.starter.alive:  # it died: the sandbox runs no more commands
+            return SandboxStatus.ERROR
         return SandboxStatus.RUNNING if await anyio.to_thread.run_sync(intact, box) else SandboxStatus.ERROR
 
     async def close(self, handle: SandboxHandle) -> None:
@@ -496,6 +559,8 @@ class LocalProvider:
         del self._boxes[handle.sandbox_id]
 
     def _teardown(self, box: Box) -> list[str]:
+        if box.starter is not None:
+            box.starter.close()
         self._kill(box)
         # Only ever inside base_dir: the box's directory was made there by this provider, or
         # connect() checked that it lies there.
@@ -553,15 +618,19 @@ class LocalProvider:
         if box.deadline is not None:
             remaining = max(0.0, box.deadline - time.monotonic())
             deadline = remaining if deadline is None else min(deadline, remaining)
-        fds: list[int] = []
         try:
-            argv, env, workdir = self._argv(box, parts, command, child_env, fds)
-            return await self._run(handle, box, argv, workdir, env, deadline, fds)
+            if self._bwrap is not None:  # a message to the sandbox's starter, which starts it inside
+                starter = box.starter
+                if starter is None:
+                    starter = await anyio.to_thread.run_sync(self._starter_of, box, handle.sandbox_id)
+                inside = str(box.view_root.joinpath(*parts))
+                start = partial(starter.run, ["bash", "-c", command], child_env, inside)
+            else:
+                argv = box.launch.argv(["bash", "-c", command])
+                start = partial(self._run_process, box, handle, argv, box.root.joinpath(*parts), child_env)
+            return await self._run(handle, box, start, deadline)
         except OSError as exc:  # out of descriptors or memory for pipes and memfds, say
             raise SandboxError(f"LocalProvider: cannot run a command in {handle.sandbox_id!r}: {exc}") from exc
-        finally:
-            for fd in fds:
-                os.close(fd)
 
     def _base_env(self, box: Box) -> dict[str, str]:
         home = str(box.home)
@@ -571,31 +640,16 @@ class LocalProvider:
         env.update({name: os.environ[name] for name in self._pass_env if name in os.environ})
         return env
 
-    def _argv(
-        self, box: Box, parts: tuple[str, ...], command: str, env: dict[str, str], fds: list[int]
-    ) -> tuple[list[str], dict[str, str], Path]:
-        """argv, the environment of the process started and its cwd; descriptors it must get are
-        appended to ``fds`` (the caller closes them, also when this fails half-way)."""
-        argv = ["bash", "-c", command]
-        workdir = box.root.joinpath(*parts)
-        if self._bwrap is not None:
-            # The command's environment travels inside bwrap's options: the host-side helpers
-            # (sh, setpriv, bwrap) run with HOST_ENV only, so no LD_PRELOAD or the like reaches them.
-            cwd = box.view_root.joinpath(*parts)
-            argv = self._bwrap.argv(box.outer, box.view_root, cwd, env, argv, box.launch, fds)
-            env, workdir = HOST_ENV, Path("/")
-        return box.launch.argv(argv), env, workdir
-
     async def _run(
         self,
         handle: SandboxHandle,
         box: Box,
-        argv: list[str],
-        workdir: Path,
-        env: dict[str, str],
+        start: Callable[[int, int, float | None], Awaitable[tuple[int, bool]]],
         deadline: float | None,
-        fds: list[int],
     ) -> SandboxExecResult:
+        """Run a command with ``start(stdout, stderr, deadline)`` (which owns and closes the two write ends
+        once the command started, and returns its return code and whether it timed out), its output
+        read meanwhile into bounded captures."""
         out, err = OutputCapture(self._max_output), OutputCapture(self._max_output)
         out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         try:
@@ -609,46 +663,24 @@ class LocalProvider:
                 os.set_blocking(fd, True)
                 with contextlib.suppress(OSError):  # fewer wake-ups per byte when a command floods
                     fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
-            try:
-                process = await anyio.open_process(
-                    argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=workdir, env=env,
-                    start_new_session=True, pass_fds=fds,
-                )  # fmt: skip
-            except OSError as exc:
-                raise SandboxError(f"LocalProvider: cannot start a command in {handle.sandbox_id!r}: {exc}") from exc
-            finally:
-                os.close(out_w)
-                os.close(err_w)
-            if not box.cgroups:
-                box.groups.add(process.pid)
-            timed_out = False
-            try:
-                async with anyio.create_task_group() as readers:
-                    readers.start_soon(pump, out_r, out)
-                    readers.start_soon(pump, err_r, err)
-                    with anyio.move_on_after(deadline) as scope:
-                        await process.wait()
-                    if scope.cancelled_caught:
-                        timed_out = True
-                        kill_group(process.pid)  # under bwrap, the namespace's init dies with it
-                        with anyio.CancelScope(shield=True):
-                            await process.wait()
-                    # Whatever the command wrote before it ended is in the pipes now; a background
-                    # child that still holds them must not hold this call.
-                    readers.cancel_scope.cancel()
-            except BaseException:
-                kill_group(process.pid)  # under bwrap, the namespace's init dies with it
-                with anyio.CancelScope(shield=True):
-                    await process.wait()
-                raise
+            failure: SandboxError | None = None
+            async with anyio.create_task_group() as readers:
+                readers.start_soon(pump, out_r, out)
+                readers.start_soon(pump, err_r, err)
+                try:
+                    code, timed_out = await start(out_w, err_w, deadline)
+                except SandboxError as exc:  # raised below, out of the task group's exception group
+                    failure, code, timed_out = exc, -signal.SIGKILL, False
+                # Whatever the command wrote before it ended is in the pipes now; a background
+                # child that still holds them must not hold this call.
+                readers.cancel_scope.cancel()
+            if failure is not None and not (box.closed or box.is_expired()):
+                raise failure  # its starter died: the sandbox is broken (status says so)
             drain(out_r, out, budget=64)
             drain(err_r, err, budget=64)
         finally:
             os.close(out_r)
             os.close(err_r)
-        if box.cgroups or not group_alive(process.pid):
-            box.groups.discard(process.pid)
-        code = process.returncode if process.returncode is not None else -signal.SIGKILL
         if box.closed:
             return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="closed")
         if code == LAUNCH_FAILED and box.cgroups and not await anyio.to_thread.run_sync(intact, box):
@@ -661,6 +693,48 @@ class LocalProvider:
         if timed_out:
             return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="timeout")
         return SandboxExecResult(out.text(), err.text(), code)
+
+    async def _run_process(
+        self,
+        box: Box,
+        handle: SandboxHandle,
+        argv: list[str],
+        workdir: Path,
+        env: dict[str, str],
+        out_w: int,
+        err_w: int,
+        deadline: float | None,
+    ) -> tuple[int, bool]:
+        """``isolation="none"``: the command as a process of ours, in its own process group."""
+        try:
+            process = await anyio.open_process(
+                argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=workdir, env=env,
+                start_new_session=True,
+            )  # fmt: skip
+        except OSError as exc:
+            raise SandboxError(f"LocalProvider: cannot start a command in {handle.sandbox_id!r}: {exc}") from exc
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        if not box.cgroups:
+            box.groups.add(process.pid)
+        timed_out = False
+        try:
+            with anyio.move_on_after(deadline) as scope:
+                await process.wait()
+            if scope.cancelled_caught:
+                timed_out = True
+                kill_group(process.pid)
+                with anyio.CancelScope(shield=True):
+                    await process.wait()
+        except BaseException:
+            kill_group(process.pid)
+            with anyio.CancelScope(shield=True):
+                await process.wait()
+            raise
+        if box.cgroups or not group_alive(process.pid):
+            box.groups.discard(process.pid)
+        return (process.returncode if process.returncode is not None else -signal.SIGKILL), timed_out
 
     # --- files -----------------------------------------------------------------------------------
 

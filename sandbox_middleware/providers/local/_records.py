@@ -25,6 +25,7 @@ from ._cgroups import CgroupBackend
 from ._launch import Launch
 from ._limits import Limits
 from ._mounts import is_mount_point, unmount
+from ._supervisor import CommandStarter
 from ._transfers import open_directory
 from ._uids import UidLease
 
@@ -65,6 +66,7 @@ class Box:
     created: float  # time.time() at create
     launch: Launch  # how its commands start: rlimits, cgroups joined, PTY or not, host uid
     lease: UidLease | None = None  # the host-wide lease of its uid, held while it lives here
+    starter: CommandStarter | None = None  # under bwrap: what starts its commands (see _starter.py)
     groups: set[int] = field(default_factory=set)
     expired: bool = False
     closed: bool = False  # close() has begun

@@ -1,0 +1,459 @@
+"""The command starter: one long-lived process per bwrap sandbox that starts each of its commands.
+
+The provider launches it once, at create, exactly as a command used to be launched (its cgroups
+joined, its rlimits and ``oom_score_adj`` set, ``setpriv`` to the sandbox's uid, bwrap with every
+namespace and the seccomp filter), and from then on each ``exec`` is a message to it instead of a
+new ``sh`` -> ``setpriv`` -> ``bwrap`` chain and a cgroup attach. bwrap gives it three capabilities
+inside the sandbox's own user namespace, ``CAP_SYS_ADMIN``, ``CAP_SETPCAP`` and ``CAP_NET_ADMIN``,
+which no command ever holds:
+
+- Every command gets fresh PID, mount, network, IPC and UTS namespaces of its own, as each bwrap
+  run gave it. A *command init* (PID 1 there, as bwrap's init was) mounts a new ``/proc`` (covering
+  ``sys``, ``sysrq-trigger``, ``irq`` and ``bus`` read-only where writable, as bwrap does), brings
+  up ``lo``, raises its ``oom_score_adj`` above the starter's, drops every capability (bounding,
+  ambient, effective, permitted, inheritable) and becomes non-dumpable; then it starts the command
+  (PID 2: its own session and process group, stdin ``/dev/null``, stdout and stderr the provider's
+  pipes, the environment and cwd the provider sent, the signal dispositions Python changed reset).
+  When the command exits, the init answers the provider with its status (``128 + signal`` for a
+  signal, as bwrap reported it) and exits, and the kernel kills whatever the command left behind:
+  nothing outlives its command. A timeout (or a cancelled call) kills the init, hence the whole
+  namespace, ``setsid`` children included.
+- Inits are made ahead, one spare at a time, while a command runs or nothing happens; a command then
+  costs one message to the starter, one to its init and one ``posix_spawn``.
+- Commands cannot reach the starter: it lives in a PID namespace they cannot see (so they can
+  neither signal nor ptrace it), it is non-dumpable, and none of its descriptors reaches a command.
+  Each command's result travels on a socket pair of its own, made by the provider and held by the
+  starter and that command's init alone, so nothing can answer for another command.
+- The provider holds the other end of the control socket: when it goes, the starter exits and
+  bwrap's init takes every process of the sandbox with it.
+
+This file runs under the sandbox's own Python (3.9 or newer, whichever the provider found in the
+sandbox's view), with ``-I -S``, from a memfd: the standard library's C modules only, and no
+import from this package. The provider imports its protocol half (``encode_spec``, the message
+bytes, ``returncode``).
+"""
+
+from __future__ import annotations
+
+import _signal  # type: ignore[import-not-found]  # signal's C half: no enum import at start
+import _socket
+import ctypes
+import fcntl
+import os
+import select
+import struct
+import sys
+
+# --- the protocol --------------------------------------------------------------------------------
+# On the control socket (SOCK_SEQPACKET), provider -> starter: EXEC with four descriptors (the
+# command's reply socket, its stdout and stderr pipes, a memfd holding its spec); starter ->
+# provider: READY once it serves. On a command's reply socket, provider -> starter: KILL (or the
+# socket closed: the caller went away); starter -> provider: EXIT + the return code (int32), or FAIL
+# + a UTF-8 message when the command could not be started.
+READY, EXEC, KILL, EXIT, FAIL = b"r", b"x", b"k", b"e", b"f"
+EXEC_FDS = 4
+CODE = struct.Struct("=i")  # a return code, after EXIT
+_MAX_FDS = 1 << 20
+
+_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+_CLONE_NEWPID, _CLONE_NEWNET = 0x20000000, 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
+_PR_SET_DUMPABLE, _PR_CAPBSET_DROP = 4, 24
+_PR_SET_CHILD_SUBREAPER, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 36, 47, 4
+_CAPABILITY_VERSION_3 = 0x20080522
+_SIOCSIFFLAGS, _IFF_UP = 0x8914, 0x1
+_PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus")  # what bwrap's --proc makes read-only where writable
+_INIT_FAILED = 126  # the exit code of a command init that could not set up (its message is on stderr)
+_NOT_STARTED = 127  # the exit code of a command that could not be executed (its message is on stderr)
+
+
+def encode_spec(argv: list[str], env: dict[str, str], cwd: str) -> bytes:
+    """A command for the starter: its cwd, argv and environment, NUL-separated (none holds a NUL)."""
+    fields = [cwd, str(len(argv)), *argv, *(f"{name}={value}" for name, value in env.items())]
+    return b"\0".join(os.fsencode(field) for field in fields)
+
+
+def decode_spec(data: bytes) -> tuple[list[bytes], dict[bytes, bytes], bytes]:
+    """The inverse of ``encode_spec``, as bytes (what ``execve`` takes); ValueError if malformed."""
+    fields = data.split(b"\0")
+    count = int(fields[1])
+    if not 0 < count <= len(fields) - 2:
+        raise ValueError("malformed command spec")
+    argv = fields[2 : 2 + count]
+    env = {}
+    for entry in fields[2 + count :]:
+        name, separator, value = entry.partition(b"=")
+        if not separator or not name:
+            raise ValueError("malformed environment entry")
+        env[name] = value
+    return argv, env, fields[0]
+
+
+def returncode(status: int) -> int:
+    """What the provider reports for a command init's wait status: its exit code, or -signal when it was
+    killed (a timeout), as ``subprocess`` reports the bwrap process it used to start."""
+    if os.WIFSIGNALED(status):
+        return -os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def command_status(status: int) -> int:
+    """The exit code a command init exits with for its command's wait status: the command's exit code,
+    or 128 + the signal that killed it (bwrap's convention)."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status) & 0xFF
+
+
+# --- inside the sandbox --------------------------------------------------------------------------
+
+
+class _Libc:
+    """The few system calls Python 3.9 has no wrapper for."""
+
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+
+    def _check(self, result: int, what: str) -> None:
+        if result != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"{what}: {os.strerror(code)}")
+
+    def unshare(self, flags: int) -> None:
+        self._check(self._libc.unshare(flags), "unshare")
+
+    def mount(self, source: bytes | None, target: bytes, fstype: bytes | None, flags: int) -> None:
+        self._check(self._libc.mount(source, target, fstype, flags, None), f"mount {target!r}")
+
+    def prctl(self, option: int, value: int, value2: int = 0) -> int:
+        result: int = self._libc.prctl(option, value, value2, 0, 0)
+        return result
+
+    def drop_capabilities(self) -> None:
+        """Empty every capability set: bounding first (that needs CAP_SETPCAP), ambient, then the rest."""
+        with open("/proc/sys/kernel/cap_last_cap", "rb") as file:
+            last = int(file.read())
+        for cap in range(last + 1):
+            self._check(self.prctl(_PR_CAPBSET_DROP, cap), f"drop capability {cap} from the bounding set")
+        self._check(self.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL), "clear ambient capabilities")
+        header = struct.pack("=Ii", _CAPABILITY_VERSION_3, 0)
+        data = ctypes.create_string_buffer(24)  # two zeroed __user_cap_data_struct: effective, permitted, inheritable
+        self._check(self._libc.capset(header, data), "capset")
+        self._check(self.prctl(_PR_SET_DUMPABLE, 0), "PR_SET_DUMPABLE")
+
+
+def _close_fds_except(*keep: int) -> None:
+    low = 3
+    for fd in sorted(keep):
+        if fd >= low:
+            os.closerange(low, fd)
+            low = fd + 1
+    os.closerange(low, _MAX_FDS)
+
+
+def rights(fds: list[int]) -> list[tuple[int, int, bytes]]:
+    """The ancillary data that passes ``fds`` (SCM_RIGHTS)."""
+    return [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack(f"={len(fds)}i", *fds))]
+
+
+def _send_fds(sock: _socket.socket, message: bytes, fds: list[int]) -> None:
+    sock.sendmsg([message], rights(fds))
+
+
+def _receive(sock: _socket.socket, count: int) -> tuple[bytes, list[int]]:
+    """One message and the descriptors that came with it (all of them closed if they are not ``count``)."""
+    message, ancillary, _flags, _address = sock.recvmsg(64, _socket.CMSG_SPACE(count * 4))
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % 4
+            fds += struct.unpack(f"={usable // 4}i", data[:usable])
+    if len(fds) != count:
+        for fd in fds:
+            os.close(fd)
+        fds = []
+    return message, fds
+
+
+def _say(fd: int, text: str) -> None:
+    try:  # noqa: SIM105  (no contextlib: the starter imports C modules only)
+        os.write(fd, f"sandbox starter: {text}\n".encode(errors="replace"))
+    except OSError:
+        pass
+
+
+def _kill(pid: int) -> None:
+    try:  # noqa: SIM105
+        os.kill(pid, _signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class _Spare:
+    """A command init made ahead: PID 1 of fresh namespaces, without capabilities, waiting for a command."""
+
+    def __init__(self, pid: int, pidfd: int, sock: _socket.socket) -> None:
+        self.pid, self.pidfd, self.sock = pid, pidfd, sock
+
+
+class _Command:
+    def __init__(self, pid: int, pidfd: int, reply: _socket.socket) -> None:
+        self.pid, self.pidfd, self.reply = pid, pidfd, reply
+        self.killed = False
+
+
+class Starter:
+    """The starter's loop: commands from the control socket, kills from their reply sockets, exits from pidfds."""
+
+    def __init__(self, control: _socket.socket, oom_score_adj: int) -> None:
+        self._libc = _Libc()
+        self._oom_score_adj = oom_score_adj
+        self._control = control
+        self._poll = select.poll()
+        self._spare: _Spare | None = None
+        self._by_pidfd: dict[int, _Command] = {}
+        self._by_reply: dict[int, _Command] = {}
+
+    def serve(self) -> None:
+        self._libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a command init's parent exits at once: it is ours
+        self._libc.prctl(_PR_SET_DUMPABLE, 0)  # no ptrace, no /proc/PID/fd, even for our own uid
+        _signal.signal(_signal.SIGINT, _signal.SIG_DFL)  # an init with a handler could be signalled from inside
+        self._control.setblocking(False)
+        self._poll.register(self._control.fileno(), select.POLLIN)
+        self._spare = self._prepare()  # before READY: a sandbox whose commands cannot start fails at create
+        self._control.send(READY)
+        while True:
+            if self._spare is None:  # the next command's init, made while its command is not waited for
+                try:
+                    self._spare = self._prepare()
+                except OSError as exc:  # the pids limit, say: tried again, and a command meanwhile fails
+                    _say(2, str(exc))
+            for fd, _mask in self._poll.poll(None if self._spare is not None else 50):
+                if fd == self._control.fileno():
+                    if not self._on_control():
+                        os._exit(0)  # at once: bwrap's init then ends every process of the sandbox
+                elif fd in self._by_pidfd:
+                    self._on_exit(self._by_pidfd[fd])
+                elif fd in self._by_reply:
+                    self._on_reply(self._by_reply[fd])
+                elif self._spare is not None and fd == self._spare.pidfd:  # it died waiting (OOM, say)
+                    self._discard_spare()
+
+    def _on_control(self) -> bool:
+        try:
+            message, fds = _receive(self._control, EXEC_FDS)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not message:  # the provider closed the sandbox or went away
+            return False
+        if message != EXEC or not fds:
+            for fd in fds:
+                os.close(fd)
+            return True
+        reply = _socket.socket(fileno=fds[0])
+        try:
+            self._start(reply, fds)
+        except OSError as exc:
+            self._answer(reply, FAIL + str(exc).encode(errors="replace"))
+            reply.close()
+        finally:
+            for fd in fds[1:]:
+                os.close(fd)
+        return True
+
+    def _start(self, reply: _socket.socket, fds: list[int]) -> None:
+        spare = self._spare if self._spare is not None else self._prepare()
+        self._spare = None
+        try:
+            _send_fds(spare.sock, EXEC, fds)
+        except OSError:
+            self._forget_spare(spare)
+            raise
+        spare.sock.close()
+        reply.setblocking(False)
+        command = _Command(spare.pid, spare.pidfd, reply)
+        self._by_pidfd[spare.pidfd] = command  # its pidfd is polled already
+        self._by_reply[reply.fileno()] = command
+        self._poll.register(reply.fileno(), select.POLLIN)
+
+    def _on_reply(self, command: _Command) -> None:
+        """The provider asked for the command's death (KILL), or dropped its end: kill its init, hence
+        every process of its namespace. The init is our unreaped child, so its pid is still its own."""
+        try:
+            command.reply.recv(16)
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self._poll.unregister(command.reply.fileno())
+        if not command.killed:
+            command.killed = True
+            _kill(command.pid)
+
+    def _on_exit(self, command: _Command) -> None:
+        """Reap a command init. It answered the provider itself when its command ended; this answers
+        for one that could not (killed: a timeout, or it failed): the first answer is the one read."""
+        _pid, status = os.waitpid(command.pid, os.WNOHANG)
+        if _pid == 0:
+            return
+        self._poll.unregister(command.pidfd)
+        os.close(command.pidfd)
+        del self._by_pidfd[command.pidfd]
+        self._answer(command.reply, EXIT + CODE.pack(returncode(status)))
+        if not command.killed:
+            self._poll.unregister(command.reply.fileno())
+        del self._by_reply[command.reply.fileno()]
+        command.reply.close()
+
+    @staticmethod
+    def _answer(reply: _socket.socket, message: bytes) -> None:
+        try:
+            reply.setblocking(True)
+            reply.send(message)
+        except OSError:  # the caller is gone; nothing to tell
+            pass
+
+    def _discard_spare(self) -> None:
+        if self._spare is not None:
+            spare, self._spare = self._spare, None
+            self._forget_spare(spare)
+
+    def _forget_spare(self, spare: _Spare) -> None:
+        self._poll.unregister(spare.pidfd)
+        _kill(spare.pid)
+        os.waitpid(spare.pid, 0)
+        os.close(spare.pidfd)
+        spare.sock.close()
+
+    def _prepare(self) -> _Spare:
+        """Fork a child that unshares the namespaces and forks the command init (so the init is PID 1
+        there), then exits: the init, reparented to us (a subreaper), waits for its command."""
+        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+        try:
+            middle = os.fork()
+            if middle == 0:
+                self._middle(theirs)
+        finally:
+            theirs.close()
+        try:
+            os.waitpid(middle, 0)
+            data = ours.recv(CODE.size)
+            if len(data) != CODE.size:
+                raise OSError("a command init could not be made (its error is on the starter's stderr)")
+            pid = CODE.unpack(data)[0]
+        except BaseException:
+            ours.close()
+            raise
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # out of descriptors: that init must not linger
+            os.kill(pid, _signal.SIGKILL)
+            os.waitpid(pid, 0)
+            ours.close()
+            raise
+        spare = _Spare(pid, pidfd, ours)
+        self._poll.register(pidfd, select.POLLIN)
+        return spare
+
+    def _middle(self, sock: _socket.socket) -> None:
+        try:
+            _close_fds_except(sock.fileno())
+            self._libc.unshare(_CLONE_NEWPID | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS)
+            self._libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE)
+            init = os.fork()
+            if init:
+                sock.send(CODE.pack(init))
+                os._exit(0)
+            self._init(sock)
+        except BaseException as exc:
+            _say(2, f"cannot make a command init: {exc}")
+        os._exit(_INIT_FAILED)
+
+    def _init(self, sock: _socket.socket) -> None:
+        """PID 1 of a command's namespaces: set them up, drop every capability, wait for the command."""
+        libc = self._libc
+        libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        for name in _PROC_COVERS:
+            path = b"/proc/" + name.encode()
+            if os.access(path, os.W_OK):  # as bwrap: only what this uid could write (it owns none of it)
+                libc.mount(path, path, None, _MS_BIND | _MS_REC)
+                libc.mount(path, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        with open("/proc/self/oom_score_adj", "w") as file:  # above the starter's: a command dies first
+            file.write(str(self._oom_score_adj))
+        loopback = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
+        try:
+            fcntl.ioctl(loopback.fileno(), _SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", _IFF_UP))
+        finally:
+            loopback.close()
+        libc.drop_capabilities()
+        message, fds = _receive(sock, EXEC_FDS)
+        if message != EXEC or not fds:
+            os._exit(_INIT_FAILED)
+        sock.close()
+        reply_fd, out, err, spec_fd = fds
+        for fd in fds:  # received descriptors are inheritable: none of them may reach the command
+            os.set_inheritable(fd, False)
+        reply = _socket.socket(fileno=reply_fd)
+        chunks = []
+        while True:
+            chunk = os.read(spec_fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(spec_fd)
+        argv, env, cwd = decode_spec(b"".join(chunks))
+        try:
+            command = _spawn(argv, env, cwd, out, err)
+        except OSError as exc:
+            _say(err, f"cannot run {os.fsdecode(argv[0])!r} in {os.fsdecode(cwd)!r}: {exc.strerror or exc}")
+            Starter._answer(reply, EXIT + CODE.pack(_NOT_STARTED))
+            os._exit(_NOT_STARTED)
+        os.close(out)
+        os.close(err)
+        while True:  # reap what the command leaves to us, until the command itself ends
+            pid, status = os.wait()
+            if pid == command:
+                # Answer first: the starter is not woken on the way. Our exit then kills the rest.
+                Starter._answer(reply, EXIT + CODE.pack(command_status(status)))
+                os._exit(command_status(status))
+
+
+def _spawn(argv: list[bytes], env: dict[bytes, bytes], cwd: bytes, out: int, err: int) -> int:
+    """Start the command (vfork and exec, no copy of this process): its own session, stdin /dev/null,
+    the provider's pipes, its cwd and environment, the signal dispositions Python changed reset."""
+    os.chdir(cwd)  # ours, which the command inherits: this process is about to be its init, nothing else
+    path = _which(argv[0], env.get(b"PATH", b""))
+    file_actions = [
+        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_DUP2, out, 1),
+        (os.POSIX_SPAWN_DUP2, err, 2),
+    ]
+    defaults = (_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGINT)
+    return os.posix_spawn(path, argv, env, file_actions=file_actions, setsid=True, setsigdef=defaults)
+
+
+def _which(name: bytes, path: bytes) -> bytes:
+    """``name`` looked up in ``path`` as ``execvp`` does (a name with a slash is taken as it is)."""
+    if b"/" in name:
+        return name
+    for directory in path.split(b":"):
+        candidate = os.path.join(directory or b".", name)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    raise FileNotFoundError(2, f"{os.fsdecode(name)} not found in PATH")
+
+
+def main() -> None:
+    if sys.version_info < (3, 9):  # noqa: UP036  (the sandbox's Python, not this package's)
+        _say(2, f"needs Python 3.9 or newer, not {sys.version.split()[0]} ({sys.executable})")
+        sys.exit(_INIT_FAILED)
+    control = _socket.socket(fileno=int(sys.argv[1]))
+    _close_fds_except(control.fileno())  # the script's memfd, and whatever bwrap left open
+    Starter(control, int(sys.argv[2])).serve()
+
+
+if __name__ == "__main__":
+    main()
