@@ -168,7 +168,8 @@ class WarmPoolMiddleware(ProviderMiddleware):
         self._draining = False
         self._running = False
         self._tasks: set[asyncio.Task[None]] = set()
-        self._aged: list[SandboxHandle] = []  # taken out of a pool too old: the refill task closes them
+        self._aged: list[SandboxHandle] = []
+        self._refilled: anyio.Event | None = None  # set after each refill (wait_ready)
         for spec in self.specs:
             self._pool(spec)
 
@@ -187,6 +188,16 @@ class WarmPoolMiddleware(ProviderMiddleware):
     def ready(self) -> int:
         """Ready sandboxes in every pool now."""
         return sum(len(pool.ready) for pool in self._pools.values())
+
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Start filling the pools (those of ``specs``, and of the keys seen so far) and wait until each
+        holds ``size`` ready sandboxes; ``TimeoutError`` after ``timeout_s``. Optional: the first
+        create starts the refills anyway."""
+        self._start()
+        with anyio.fail_after(timeout_s):
+            while any(len(pool.ready) < self.size for pool in self._pools.values()):
+                self._refilled = anyio.Event()
+                await self._refilled.wait()
 
     # -- telemetry ------------------------------------------------------------------------------
 
@@ -323,6 +334,8 @@ class WarmPoolMiddleware(ProviderMiddleware):
             return
         pool.ready.append((time.monotonic(), handle))
         self._record("ready", 1)
+        if self._refilled is not None:
+            self._refilled.set()
 
     async def _discard(self, handle: SandboxHandle, reason: str) -> None:
         try:
@@ -337,19 +350,26 @@ class WarmPoolMiddleware(ProviderMiddleware):
         self._notify()
         try:
             with anyio.CancelScope(shield=True):
+                # The ready ones first: closing them frees their slots in an admission layer below,
+                # where refills in flight may be waiting; those finish and are closed as they land.
+                await self._close_all(reason="drain")
                 if self._running and self._stopped is not None:
                     with anyio.move_on_after(self.create_timeout_s):
                         await self._stopped.wait()
-                leftover = [handle for pool in self._pools.values() for _, handle in pool.ready]
-                leftover += self._aged
-                for pool in self._pools.values():
-                    self._record("ready", -len(pool.ready))
-                    pool.ready.clear()
-                async with anyio.create_task_group() as tg:
-                    for handle in leftover:
-                        tg.start_soon(self._discard, handle, "drain")
+                await self._close_all(reason="drain")
         finally:
             await self.inner.aclose()
+
+    async def _close_all(self, *, reason: str) -> None:
+        leftover = [handle for pool in self._pools.values() for _, handle in pool.ready] + self._aged
+        self._aged = []
+        for pool in self._pools.values():
+            if pool.ready:
+                self._record("ready", -len(pool.ready))
+                pool.ready.clear()
+        async with anyio.create_task_group() as tg:
+            for handle in leftover:
+                tg.start_soon(self._discard, handle, reason)
 
 
 def _spawn_system_task(run: Callable[[], Awaitable[None]], tasks: set[asyncio.Task[None]]) -> None:

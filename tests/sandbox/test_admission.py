@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from sandbox_middleware import (
@@ -25,7 +26,6 @@ from sandbox_middleware import (
     SandboxCreateError,
     SandboxHandle,
     SandboxQuotaExceededError,
-    SandboxRateLimitedError,
     SandboxSpec,
     register_quota_classifier,
     stack,
@@ -209,7 +209,7 @@ async def test_caps_on_concurrent_creates_and_held() -> None:
         nonlocal peak_held
         while True:
             peak_held = max(peak_held, len(inner.alive))
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch)
