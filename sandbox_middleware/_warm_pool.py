@@ -99,6 +99,10 @@ class _Pool:
     spec: SandboxSpec
     ready: deque[tuple[float, SandboxHandle]] = field(default_factory=deque)
     creating: int = 0
+    waiting: int = 0
+    """Misses waiting for a refill in flight (each claims one)."""
+    landed: anyio.Event | None = None
+    """Set when a refill in flight lands or fails (the waiting misses look again)."""
     failures: int = 0
     retry_at: float = 0.0
 
@@ -235,6 +239,17 @@ class WarmPoolMiddleware(ProviderMiddleware):
         pool = self._pool(spec)
         self._start()
         handle = self._take(pool) if pool is not None else None
+        while handle is None and pool is not None and pool.creating > pool.waiting:
+            # A refill of this key is on its way and nobody claimed it: wait for it rather than start
+            # one more (under a held cap, a second start could wait behind the pool's own sandboxes).
+            pool.waiting += 1
+            try:
+                if pool.landed is None:
+                    pool.landed = anyio.Event()
+                await pool.landed.wait()
+            finally:
+                pool.waiting -= 1
+            handle = self._take(pool)
         if handle is None:
             handle = cast("SandboxHandle", await operation())
             self._record("handout", started, "miss")
@@ -328,6 +343,9 @@ class WarmPoolMiddleware(ProviderMiddleware):
             pool.creating -= 1
             self._creating -= 1
             self._notify()
+            if pool.landed is not None:
+                pool.landed.set()
+                pool.landed = None
         pool.failures = 0
         if self._draining:
             await self._discard(handle, "drain")
