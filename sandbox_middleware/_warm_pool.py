@@ -108,7 +108,7 @@ class _Pool:
 
 
 class WarmPoolMiddleware(ProviderMiddleware):
-    """Keeps ``size`` ready sandboxes per spec key and hands one out at once on ``create``.
+    """Keeps ``size`` (default 8) ready sandboxes per spec key and hands one out at once on ``create``.
 
     A spec's key is its ``INTERCHANGEABLE_FIELDS`` (image, resources, env, workdir, entrypoint,
     ports, ttl_s, metadata, provider_options): a sandbox is handed out only for a spec equal in all
@@ -144,7 +144,7 @@ class WarmPoolMiddleware(ProviderMiddleware):
         self,
         inner: SandboxProvider,
         *,
-        size: int,
+        size: int = 8,
         max_age_s: float | None = None,
         specs: Sequence[SandboxSpec] = (),
         refill_concurrency: int | None = None,
