@@ -9,6 +9,7 @@ span processor that throws) is logged once and never reaches the caller.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -29,6 +30,7 @@ __all__ = [
     "Instruments",
     "Tracing",
     "error_type",
+    "global_gate",
     "guarded_span",
     "record_error",
     "report_once",
@@ -75,6 +77,7 @@ DURATION_BUCKETS_MS: tuple[float, ...] = (
 )  # fmt: skip
 
 B = TypeVar("B")
+G = TypeVar("G")
 P = TypeVar("P")
 
 _reported: set[str] = set()
@@ -118,6 +121,33 @@ def _portable(provider: P, option: str) -> P:
             "or build the stack in the receiving process from its configuration"
         )
     return provider
+
+
+class _GlobalGate:
+    """``get()`` is the API's global tracer or meter provider, None until one is set: a single C-level
+    call, for the check every operation of a telemetry layer makes while no SDK is installed."""
+
+    __slots__ = ("_kind", "get")
+
+    def __init__(self, kind: str) -> None:
+        self._kind = kind
+        module = _trace_globals if kind == "trace" else _metrics_globals
+        self.get: Callable[[], object] = functools.partial(
+            getattr, module, "_TRACER_PROVIDER" if kind == "trace" else "_METER_PROVIDER", None
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self._kind,))
+
+
+def global_gate(kind: str, provider: object, fallback: G) -> _GlobalGate | G:
+    """The gate of a layer with ``provider`` (``kind`` "trace" or "metrics"): the global provider's
+    cheap check when ``provider`` is None and the API's globals can be read, ``fallback`` otherwise.
+
+    It opens (not None) once any global provider is set; the layer then asks ``fallback``, which
+    tells an SDK from a no-op one."""
+    fast = _FAST_TRACE if kind == "trace" else _FAST_METRICS
+    return _GlobalGate(kind) if provider is None and fast else fallback
 
 
 class Instruments(Generic[B]):

@@ -8,6 +8,7 @@ from ._errors import (
     SANDBOX_CREATE_ERRORS,
     BwrapUnavailableError,
     ConfigError,
+    DockerUnavailableError,
     RegistryError,
     SandboxAdmissionError,
     SandboxArgumentError,
@@ -15,6 +16,7 @@ from ._errors import (
     SandboxCreateVerificationError,
     SandboxError,
     SandboxExpiredError,
+    SandboxImageNotFoundError,
     SandboxLimitError,
     SandboxNotFoundError,
     SandboxNotStartedError,
@@ -61,7 +63,7 @@ from ._retry import DEFAULT_RETRY_ON, RetryMiddleware
 from ._sandbox import Sandbox
 from ._tracing import TracingMiddleware
 from ._warm_pool import INTERCHANGEABLE_FIELDS, WarmPoolMiddleware
-from .providers import LocalProvider
+from .providers import DockerProvider, LocalProvider
 
 __all__ = [
     "CAPABILITIES",
@@ -73,6 +75,8 @@ __all__ = [
     "BwrapUnavailableError",
     "ConfigError",
     "ConnectableProvider",
+    "DockerProvider",
+    "DockerUnavailableError",
     "ExecResult",
     "HeldSandbox",
     "LocalProvider",
@@ -100,6 +104,7 @@ __all__ = [
     "SandboxExecResult",
     "SandboxExpiredError",
     "SandboxHandle",
+    "SandboxImageNotFoundError",
     "SandboxLimitError",
     "SandboxListing",
     "SandboxNotFoundError",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
@@ -163,12 +163,15 @@ class ProviderMiddleware:
         """Run ``operation`` (``await operation()``) with what this layer adds; the default adds nothing."""
         return await operation()
 
-    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
+    # The six operations are plain methods that return the awaitable of ``around`` or of ``inner``
+    # rather than coroutines of their own: a pass-through layer then adds no frame for the collector
+    # to track per call (thousands of calls in flight each held four or five), and costs one call.
+    def create(self, spec: SandboxSpec, **extensions: Any) -> Coroutine[Any, Any, SandboxHandle]:
         if "create" in self._wrapped and self._gate.get() is not None:
-            return await self.around(Operation("create", None, self.inner.create, (spec,), extensions))
-        return await self.inner.create(spec, **extensions)
+            return self.around(Operation("create", None, self.inner.create, (spec,), extensions))
+        return self.inner.create(spec, **extensions)
 
-    async def exec(
+    def exec(
         self,
         handle: SandboxHandle,
         command: str,
@@ -178,51 +181,41 @@ class ProviderMiddleware:
         timeout_s: int | float | None = None,
         user: str | int | None = None,
         **extensions: Any,
-    ) -> SandboxExecResult:
+    ) -> Coroutine[Any, Any, SandboxExecResult]:
         if "exec" in self._wrapped and self._gate.get() is not None:
             options = {"cwd": cwd, "env": env, "timeout_s": timeout_s, "user": user, **extensions}
-            return await self.around(Operation("exec", handle, self.inner.exec, (handle, command), options))
-        return await self._inner_exec(handle, command, cwd, env, timeout_s, user, extensions)
-
-    def _inner_exec(
-        self,
-        handle: SandboxHandle,
-        command: str,
-        cwd: str | None,
-        env: dict[str, str] | None,
-        timeout_s: int | float | None,
-        user: str | int | None,
-        extensions: dict[str, Any],
-    ) -> Awaitable[SandboxExecResult]:
-        """``inner.exec(...)``, not awaited. Without extensions it is a plain keyword call: exec is the
-        hot path, and a ``**`` call merges a dict in every layer (measured: +0.4 us per layer)."""
+            return self.around(Operation("exec", handle, self.inner.exec, (handle, command), options))
+        # Without extensions a plain keyword call: exec is the hot path, and a ``**`` call merges a
+        # dict in every layer (measured: +0.4 us per layer).
         if extensions:
             return self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user, **extensions)
         return self.inner.exec(handle, command, cwd=cwd, env=env, timeout_s=timeout_s, user=user)
 
-    async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str, **extensions: Any) -> None:
+    def upload_file(
+        self, handle: SandboxHandle, source_path: Path, target_path: str, **extensions: Any
+    ) -> Coroutine[Any, Any, None]:
         if "upload" in self._wrapped and self._gate.get() is not None:
             args = (handle, source_path, target_path)
-            return await self.around(Operation("upload", handle, self.inner.upload_file, args, extensions))
-        await self.inner.upload_file(handle, source_path, target_path, **extensions)
+            return self.around(Operation("upload", handle, self.inner.upload_file, args, extensions))
+        return self.inner.upload_file(handle, source_path, target_path, **extensions)
 
-    async def download_file(
+    def download_file(
         self, handle: SandboxHandle, source_path: str, target_path: Path, **extensions: Any
-    ) -> None:
+    ) -> Coroutine[Any, Any, None]:
         if "download" in self._wrapped and self._gate.get() is not None:
             args = (handle, source_path, target_path)
-            return await self.around(Operation("download", handle, self.inner.download_file, args, extensions))
-        await self.inner.download_file(handle, source_path, target_path, **extensions)
+            return self.around(Operation("download", handle, self.inner.download_file, args, extensions))
+        return self.inner.download_file(handle, source_path, target_path, **extensions)
 
-    async def status(self, handle: SandboxHandle, **extensions: Any) -> SandboxStatus:
+    def status(self, handle: SandboxHandle, **extensions: Any) -> Coroutine[Any, Any, SandboxStatus]:
         if "status" in self._wrapped and self._gate.get() is not None:
-            return await self.around(Operation("status", handle, self.inner.status, (handle,), extensions))
-        return await self.inner.status(handle, **extensions)
+            return self.around(Operation("status", handle, self.inner.status, (handle,), extensions))
+        return self.inner.status(handle, **extensions)
 
-    async def close(self, handle: SandboxHandle, **extensions: Any) -> None:
+    def close(self, handle: SandboxHandle, **extensions: Any) -> Coroutine[Any, Any, None]:
         if "close" in self._wrapped and self._gate.get() is not None:
-            return await self.around(Operation("close", handle, self.inner.close, (handle,), extensions))
-        await self.inner.close(handle, **extensions)
+            return self.around(Operation("close", handle, self.inner.close, (handle,), extensions))
+        return self.inner.close(handle, **extensions)
 
     async def aclose(self) -> None:
         await self.inner.aclose()

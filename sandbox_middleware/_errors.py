@@ -21,6 +21,8 @@ clauses catch ours)::
         ├── SandboxAdmissionError             the admission layer's shared limiter (SQLite file, Ray actor) failed
         ├── SandboxTransferLimitError         a file larger than max_transfer_bytes
         ├── BwrapUnavailableError             isolation="bwrap" cannot run on this machine
+        ├── DockerUnavailableError            no Docker daemon answers at the socket (or not an API version we speak)
+        ├── SandboxImageNotFoundError         spec.image is not on the daemon (never retried)
         ├── SandboxNotStartedError            a Sandbox facade used before start()
         ├── RegistryError                     an unknown or duplicate provider or middleware name
         ├── ConfigError                       a config that cannot be built; lists every problem
@@ -48,6 +50,7 @@ __all__ = [
     "BwrapUnavailableError",
     "CommandFailedError",
     "ConfigError",
+    "DockerUnavailableError",
     "InjectedCreateError",
     "InjectedFault",
     "RegistryError",
@@ -57,6 +60,7 @@ __all__ = [
     "SandboxCreateVerificationError",
     "SandboxError",
     "SandboxExpiredError",
+    "SandboxImageNotFoundError",
     "SandboxLimitError",
     "SandboxNotFoundError",
     "SandboxNotStartedError",
@@ -174,6 +178,22 @@ class BwrapUnavailableError(SandboxError):
     """``isolation="bwrap"`` cannot run here: no ``bwrap`` (or ``setpriv`` as root), or it fails to start."""
 
 
+class DockerUnavailableError(SandboxError):
+    """No Docker Engine API answers at the provider's socket, or it speaks no API version the provider does.
+
+    Raised at construction (the daemon is asked once, to negotiate the API version) and by any
+    operation but ``create`` while the daemon is down; a ``create`` that cannot reach the daemon
+    raises ``SandboxCreateError`` instead, so retry layers retry it.
+    """
+
+
+class SandboxImageNotFoundError(SandboxError):
+    """``spec.image`` is not on the daemon (and pulling is off, or the pull found nothing).
+
+    Not a ``SandboxCreateError``: asking again cannot succeed, so retry layers do not retry it.
+    """
+
+
 class SandboxNotStartedError(SandboxError):
     """An operation needs a started sandbox; call ``start()`` or use ``async with``."""
 
@@ -232,6 +252,8 @@ PUBLIC: dict[str, type[Exception]] = {
         SandboxLimitError,
         SandboxTransferLimitError,
         BwrapUnavailableError,
+        DockerUnavailableError,
+        SandboxImageNotFoundError,
         SandboxNotStartedError,
         RegistryError,
         ConfigError,

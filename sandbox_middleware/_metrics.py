@@ -17,6 +17,7 @@ from ._telemetry import (
     SANDBOX_DURATION_BOUNDARIES_MS,
     Instruments,
     error_type,
+    global_gate,
     safely,
 )
 
@@ -72,7 +73,8 @@ class MetricsMiddleware(ProviderMiddleware):
     def __init__(self, inner: SandboxProvider, *, meter_provider: MeterProvider | None = None) -> None:
         super().__init__(inner)
         self._instruments = Instruments(_Instruments.create, meter_provider)
-        self._gate = self._instruments  # without an SDK nothing is recorded: no operation is wrapped
+        # Without an SDK nothing is recorded: no operation is wrapped.
+        self._gate = global_gate("metrics", meter_provider, self._instruments)
         self._attributes = {PROVIDER_ATTR: inner.name}
 
     def _failed(self, operation: str, exc: Exception) -> None:

@@ -3,12 +3,19 @@
 A sandbox whose create response was lost, or whose process was killed, is held by nobody; no
 ledger inside a process can see it. Stamped with a run id and an owner that can be checked for
 life, it can be found later (``SupportsSandboxList``) and reaped (``reap``) by any process, and the
-TTL makes the provider end it even if nobody does.
+TTL makes the provider end it even if nobody does, where the provider honours ``spec.ttl_s``.
+
+Both halves depend on the provider under the stack. One that cannot list its sandboxes (NeMo Gym
+0.7.0's providers, among them) can never have them found or reaped, and one that drops
+``spec.metadata`` on the way to its backend (NeMo Gym's ``docker`` writes only its own fixed label)
+loses the stamp; the layer says so once per provider class, at construction, instead of promising
+a reaper (``reapable``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 import uuid
@@ -18,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ._core import ProviderMiddleware
-from ._protocol import SandboxHandle, SandboxProvider, SandboxSpec
+from ._protocol import SandboxHandle, SandboxProvider, SandboxSpec, SupportsSandboxList
 
 __all__ = ["RUN_KEY", "Owner", "OwnershipMiddleware"]
 
@@ -26,6 +33,8 @@ RUN_KEY = "sandbox_middleware.run_id"
 _HOST_KEY = "sandbox_middleware.owner.host"
 _PID_KEY = "sandbox_middleware.owner.pid"
 _STARTED_KEY = "sandbox_middleware.owner.started"
+logger = logging.getLogger("sandbox_middleware")
+_WARNED: set[str] = set()  # provider classes already reported as unreapable, once per process
 
 
 def _boot_id() -> str:
@@ -91,6 +100,22 @@ class OwnershipMiddleware(ProviderMiddleware):
         self.run_id = run_id if run_id is not None else uuid.uuid4().hex[:16]
         self.ttl_s = ttl_s
         self._stamp = {RUN_KEY: self.run_id, **Owner.current().metadata()}
+        self.reapable = isinstance(inner, SupportsSandboxList)
+        """Whether the provider under this layer can list its sandboxes, so ``reap`` and the
+        orphan search can find what this layer stamps; where not, only its TTL (if it honours
+        ``ttl_s``) or a person ends a sandbox nobody holds."""
+        innermost = _innermost(inner)
+        kind = f"{type(innermost).__module__}.{type(innermost).__qualname__}"
+        if not self.reapable and kind not in _WARNED:
+            _WARNED.add(kind)
+            logger.warning(
+                "OwnershipMiddleware: provider %r (%s) cannot list its sandboxes (no SupportsSandboxList), so "
+                "reap and the orphan search can never find the ones it stamps; a sandbox whose create response "
+                "is lost or whose process dies lives until the provider's own TTL (if it honours spec.ttl_s) "
+                "or until someone removes it by hand",
+                getattr(innermost, "name", "?"),
+                kind,
+            )
 
     @property
     def stamp(self) -> dict[str, str]:
@@ -101,3 +126,9 @@ class OwnershipMiddleware(ProviderMiddleware):
         ttl = spec.ttl_s if spec.ttl_s is not None else self.ttl_s
         stamped = dataclasses.replace(spec, metadata={**spec.metadata, **self._stamp}, ttl_s=ttl)
         return await self.inner.create(stamped, **extensions)
+
+
+def _innermost(provider: Any) -> Any:
+    while getattr(provider, "inner", None) is not None:
+        provider = provider.inner
+    return provider

@@ -164,6 +164,12 @@ def _local() -> Any:
     return LocalProvider
 
 
+def _docker() -> Any:
+    from .providers.docker import DockerProvider
+
+    return DockerProvider
+
+
 def _builtin_middleware() -> dict[str, Callable[[], Any]]:
     def load(module: str, name: str) -> Callable[[], Any]:
         def loader() -> Any:
@@ -185,7 +191,7 @@ def _builtin_middleware() -> dict[str, Callable[[], Any]]:
 provider_registry = Registry(
     "provider",
     PROVIDER_GROUPS,
-    {"local": _local},
+    {"local": _local, "docker": _docker},
     _NemoGymProviders(),
 )
 middleware_registry = Registry("middleware", MIDDLEWARE_GROUPS, _builtin_middleware())

@@ -80,7 +80,8 @@ class RetryMiddleware(ProviderMiddleware):
 
     ``budget``, a ``RetryBudget``, is shared by every call through this layer: while it is
     exhausted the error propagates at once and ``gym.sandbox.retry_throttled_total`` counts it.
-    Cancellation is never retried and never swallowed.
+    Cancellation is never retried and never swallowed. The first attempt runs without stamina: a call
+    that succeeds at once sets up no retry state; a failure is handed to stamina as its first attempt.
     """
 
     BOUNDS: ClassVar[Bounds] = Bounds(
@@ -193,25 +194,47 @@ class RetryMiddleware(ProviderMiddleware):
         name = operation.name
         if name not in self.operations:  # exec by default: a command may have run, never repeat it
             return await operation()
-        last_error: Exception | None = None
-        failed_at = 0.0
+        # The first attempt runs bare: a call that succeeds sets up no retry context (stamina's costs
+        # tens of microseconds). Its failure is replayed as stamina's first attempt, which decides.
+        started = time.monotonic()
+        try:
+            # No extra frame for the collector to track while the attempt runs, unless it is bounded.
+            result = await (operation() if self.attempt_timeout is None else self._attempt(operation))
+        except Exception as exc:
+            first = exc
+        else:
+            if self.budget is not None:
+                self.budget.on_success()
+            return result
+        return await self._retry(operation, first, started)  # outside the except: no implicit chaining
+
+    async def _attempt(self, operation: Operation[T]) -> T:
+        if self.attempt_timeout is None:
+            return await operation()
+        with anyio.fail_after(self.attempt_timeout):
+            return await operation()
+
+    async def _retry(self, operation: Operation[T], first: Exception, started: float) -> T:
+        """Stamina's retries after a first attempt that raised ``first``: it is stamina's attempt 1
+        (the same predicate, budget, backoff and total ``timeout``, counted from ``started``)."""
+        name = operation.name
+        last_error: Exception = first
+        failed_at = time.monotonic()
+        timeout = None if self.timeout is None else max(self.timeout - (failed_at - started), 1e-6)
         async for attempt in stamina.retry_context(
             on=self._predicate(name),
             attempts=self.attempts,
-            timeout=self.timeout,
+            timeout=timeout,
             wait_initial=self.wait_initial,
             wait_max=self.wait_max,
             wait_jitter=self.wait_jitter,
         ):
             with attempt:
-                if attempt.num > 1:
-                    self._retrying_now(name, attempt.num, time.monotonic() - failed_at, last_error)
+                if attempt.num == 1:
+                    raise first
+                self._retrying_now(name, attempt.num, time.monotonic() - failed_at, last_error)
                 try:
-                    if self.attempt_timeout is None:
-                        result = await operation()
-                    else:
-                        with anyio.fail_after(self.attempt_timeout):
-                            result = await operation()
+                    result = await self._attempt(operation)
                 except Exception as exc:
                     last_error, failed_at = exc, time.monotonic()
                     raise

@@ -13,7 +13,7 @@ from opentelemetry.trace import Span, TracerProvider
 from ._bounds import NON_NEGATIVE_WHOLE, Bounds
 from ._core import Operation, ProviderMiddleware
 from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider
-from ._telemetry import PROVIDER_ATTR, SANDBOX_ID_ATTR, Tracing, record_error, report_once, safely
+from ._telemetry import PROVIDER_ATTR, SANDBOX_ID_ATTR, Tracing, global_gate, record_error, report_once, safely
 
 __all__ = ["TracingMiddleware"]
 
@@ -51,7 +51,8 @@ class TracingMiddleware(ProviderMiddleware):
         super().__init__(inner)
         self.BOUNDS.check(locals())
         self._tracing = Tracing(tracer_provider)
-        self._gate = self._tracing  # without an SDK there are no spans: no operation is wrapped
+        # Without an SDK there are no spans: no operation is wrapped.
+        self._gate = global_gate("trace", tracer_provider, self._tracing)
         self.record_command = record_command
         self.command_max_length = command_max_length
 

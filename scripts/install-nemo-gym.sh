@@ -19,11 +19,15 @@ if [ ! -f "$marker" ]; then
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
   # NeMo Gym itself without its dependencies (they would pull its whole server stack); the three
-  # libraries its sandbox and telemetry modules import, with theirs (pydantic needs pydantic-core).
+  # libraries its sandbox and telemetry modules import (orjson, for token_id_capture, below), with theirs (pydantic needs pydantic-core).
   "$venv/bin/python" -m pip install --quiet --no-deps --ignore-requires-python "nemo-gym==$NEMO_GYM_VERSION" >&2
   "$venv/bin/python" -m pip install --quiet pydantic omegaconf pyyaml >&2
   touch "$marker"
 fi
+# orjson: NeMo Gym's token_id_capture (records, lineage, conformance suite) imports it, and its servers
+# parse responses with it (server_utils.py: bench/tokens_bench.py's side-by-side run); a venv made
+# before it was needed gets it here.
+"$venv/bin/python" -c "import orjson" 2>/dev/null || "$venv/bin/python" -m pip install --quiet orjson >&2
 # pip's resolver lists NeMo Gym's dependencies left out on purpose on every install: keep only other lines.
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT

@@ -3,7 +3,6 @@ tests that need bubblewrap skipped (failed with REQUIRE_BWRAP=1) where it cannot
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections.abc import Generator, Iterator
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from .bwrap import bwrap_problem, only_bwrap_unavailable, required, unavailable
-from .vllm.server import running_server, vllm_python
+from .vllm.server import require_vllm_python, running_server
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -65,13 +64,7 @@ def _bwrap_unavailable(exc: BaseException) -> None:
 @pytest.fixture(scope="session")
 def vllm_base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real vLLM server on a tiny random model; skipped (failed in CI) where vLLM is not installed."""
-    python = vllm_python()
-    if python is None:
-        message = "vLLM is not installed for the integration tests; run: bash scripts/install-vllm.sh"
-        if os.environ.get("REQUIRE_VLLM") == "1":
-            pytest.fail(message + " (REQUIRE_VLLM=1: CI must run them)")
-        pytest.skip(message)
-    with running_server(python, tmp_path_factory.mktemp("vllm")) as url:
+    with running_server(require_vllm_python(), tmp_path_factory.mktemp("vllm")) as url:
         yield url
 
 

@@ -4,10 +4,11 @@ The chain's extension API (``Exchange``, ``Candidate``, the sources and ``extrac
 public module ``tokens.chain``.
 """
 
-from . import chain
-from ._bundle import TokenBundle, TokenCompletion
+from . import chain, records
+from ._bundle import TokenBundle, TokenCompletion, WeightVersionSpan
 from ._client import RetryPolicy, TokenClient
 from ._errors import (
+    ChoiceCountError,
     ConflictingTokenMetadataError,
     ContextLengthExceededError,
     MalformedResponseError,
@@ -28,6 +29,7 @@ from ._transport import TokenCaptureTransport
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
+    "ChoiceCountError",
     "ConflictingTokenMetadataError",
     "ContextLengthExceededError",
     "Drift",
@@ -51,5 +53,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryDriftError",
     "UnsupportedRequestError",
+    "WeightVersionSpan",
     "chain",
+    "records",
 ]

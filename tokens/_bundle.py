@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TokenBundle", "TokenCompletion"]
+__all__ = ["TokenBundle", "TokenCompletion", "WeightVersionSpan"]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightVersionSpan:
+    """Generation tokens ``[start, end)`` were sampled by weights labelled ``version`` (vLLM's
+    ``weight_versions`` entries; versions are strings, as vLLM reports them)."""
+
+    version: str
+    start: int
+    end: int
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -25,6 +35,9 @@ class TokenBundle:
     routed_experts: Any = None
     floored_positions: tuple[int, ...] = ()
     """Positions whose log probability is the server's -9999.0 floor (no real value was computed)."""
+    weight_versions: tuple[WeightVersionSpan, ...] = ()
+    """Which policy version sampled which generation tokens, when the server said (vLLM's
+    ``/inference/v1/generate``) or the caller did; empty when unknown."""
 
     @property
     def exact(self) -> bool:

@@ -18,10 +18,11 @@ from opentelemetry.trace import Span, TracerProvider
 from _shared_telemetry import ERROR_TYPE_ATTR, Instruments, Tracing, error_type, guarded_span, safely
 
 from ._bundle import TokenBundle, TokenCompletion
-from ._chain import DEFAULT_CHAIN, ChainEntry, Exchange, TokenizeFn, build_chain
-from ._decode import decode_response, decode_tokenize
+from ._chain import DEFAULT_CHAIN, ChainEntry, Exchange, TokenizeFn, build_chain, check_choice_count
+from ._decode import DecodedResponse, decode_tokenize
 from ._errors import ConflictingTokenMetadataError, UnsupportedRequestError
 from ._telemetry import SCOPE, SOURCE_ATTR, TokenInstruments
+from ._typed import decode_typed
 
 __all__ = ["Capture", "Post", "attach_bundles", "prepare_request", "server_root"]
 
@@ -120,6 +121,9 @@ class Capture:
         self._instruments = Instruments(TokenInstruments.create, meter_provider, SCOPE)
         self._tracing = Tracing(tracer_provider, SCOPE)
 
+    _decode: Callable[[bytes | str], DecodedResponse] = staticmethod(decode_typed)
+    """How a body is decoded: one typed pass, falling back to ``decode_response`` (tests swap it)."""
+
     def prepare(self, body: Mapping[str, Any], *, streaming: bool = False) -> dict[str, Any]:
         return prepare_request(body, request_token_ids=self.request_token_ids, streaming=streaming)
 
@@ -154,7 +158,8 @@ class Capture:
                       tokenize: TokenizeFn | None) -> TokenCompletion:  # fmt: skip
         """Run a response body through the extraction chain once per choice (``tokenize`` as the
         fallback, called at most once for the group)."""
-        response = decode_response(data)
+        response = self._decode(data)
+        check_choice_count(request, len(response.choices))
         tokenize = None if tokenize is None else _once(tokenize)
         bundles: list[TokenBundle] = []
         for index in range(len(response.choices)):

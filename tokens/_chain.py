@@ -23,6 +23,7 @@ from typing import Any
 from ._bundle import TokenBundle
 from ._decode import DecodedResponse
 from ._errors import (
+    ChoiceCountError,
     ConflictingTokenMetadataError,
     MalformedTokenMetadataError,
     MissingTokenMetadataError,
@@ -381,6 +382,19 @@ def check_usage(usage: Any, bundle: TokenBundle, generated: int | None, what: st
             )
 
 
+def check_choice_count(request: Mapping[str, Any], count: int) -> None:
+    """A request that named ``n`` gets exactly ``n`` choices (a GRPO group of the wrong size is a
+    silent wrong answer); ``ChoiceCountError`` otherwise."""
+    n = request.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and count != n:
+        raise ChoiceCountError(
+            f"the request asked for n={n} choices but the response has {count}; a group of another size "
+            "cannot be trained on as asked (is the server ignoring n, or did a proxy cut the response?)",
+            requested=n,
+            received=count,
+        )
+
+
 class UsageCheck(TokenMiddleware):
     """After extraction: ``usage.prompt_tokens``, when present, must equal each choice's prompt
     length, and ``usage.completion_tokens`` the generated ids of all choices together (checked at
@@ -414,6 +428,8 @@ class LogProbFloorCheck(TokenMiddleware):
         return dataclasses.replace(bundle, floored_positions=positions)
 
 
+from ._vllm_responses import VLLMResponsesSource  # noqa: E402  (its own module, built on the classes above)
+
 ChainEntry = Callable[[Handler], Handler]
 DEFAULT_CHAIN: tuple[ChainEntry, ...] = (
     UsageCheck,
@@ -422,6 +438,7 @@ DEFAULT_CHAIN: tuple[ChainEntry, ...] = (
     DynamoSource,
     SGLangSource,
     VLLMInlineSource,
+    VLLMResponsesSource,
     LogprobsSource,
 )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -22,7 +23,8 @@ from ._chain import ChainEntry
 from ._errors import ServerResponseError
 from ._http import ACCEPT_ENCODING, DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body, redact, strip_credentials
 from ._stream import TokenStream, capture_stream
-from ._token_in import extract_token_in, prepare_token_in
+from ._token_in import extract_generate, extract_token_in, prepare_generate, prepare_token_in
+from .records._writer import Coordinates, RecordWriter, refuse_unrecordable, take_coordinates
 
 __all__ = ["RetryPolicy", "TokenClient"]
 
@@ -70,6 +72,11 @@ class TokenClient:
     ``tokens.capture.source_total`` by ``tokens.source``, ``tokens.capture.error_total`` by
     ``error.type``, ``tokens.tokenize_fallback.duration_ms``, and a ``tokens.chat_completion`` span
     with the source and the token counts.
+
+    ``sink`` (a ``tokens.records`` store, or any ``TokenSink``): a call given ``rollout_id=`` (and
+    optionally ``model_call_id=``, ``parent_call_id=``, ``weight_version=``) among its fields is
+    written as a record before the call returns; those fields are not sent. ``weight_version`` is
+    the policy version recorded when neither the call nor the server gives one.
     """
 
     def __init__(
@@ -86,6 +93,8 @@ class TokenClient:
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         meter_provider: MeterProvider | None = None,
         tracer_provider: TracerProvider | None = None,
+        sink: Any = None,
+        weight_version: str | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(
@@ -112,6 +121,7 @@ class TokenClient:
             meter_provider=meter_provider,
             tracer_provider=tracer_provider,
         )
+        self._records = None if sink is None else RecordWriter(sink, weight_version=weight_version)
 
     async def __aenter__(self) -> TokenClient:
         return self
@@ -138,15 +148,25 @@ class TokenClient:
         policy = self.retry
         if policy is None:
             return await once()
+        # The first attempt runs bare (no retry context on the success path); its failure is
+        # replayed as stamina's first attempt, which decides on retrying as it always did.
+        started = time.monotonic()
+        try:
+            return await once()
+        except Exception as exc:
+            first = exc
+        remaining = max(policy.timeout - (time.monotonic() - started), 1e-6)
         async for attempt in stamina.retry_context(
             on=_retryable(policy),
             attempts=policy.attempts,
-            timeout=policy.timeout,
+            timeout=remaining,
             wait_initial=policy.wait_initial,
             wait_max=policy.wait_max,
             wait_jitter=policy.wait_jitter,
         ):
             with attempt:
+                if attempt.num == 1:
+                    raise first
                 return await once()
         raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
 
@@ -156,19 +176,54 @@ class TokenClient:
 
     async def chat_completion(self, **body: Any) -> TokenCompletion:
         """Post a chat completion; the response with each choice's bundle on its message."""
+        coordinates, body = self._coordinates(body)
         request = self._capture.prepare(body)
+        if coordinates is not None and self._records is not None:
+            await self._records.begin(coordinates)
         fetch = partial(self._post, self.base_url + "/chat/completions", request, "chat completion")
         completion = await self._capture.complete(request, fetch, self.tokenize)
         assert completion is not None  # _post raises on every answer it does not return
+        if coordinates is not None and self._records is not None:
+            await self._records.write_chat(coordinates, body, completion)
+        return completion
+
+    def _coordinates(self, body: dict[str, Any]) -> tuple[Coordinates | None, dict[str, Any]]:
+        """The record coordinates of a call (with a sink) and its body without them."""
+        if self._records is None:
+            return None, body
+        coordinates, _, body = take_coordinates({}, body)
+        if coordinates is not None:
+            refuse_unrecordable(body)
+        return coordinates, body
+
+    async def _token_in(self, url: str, what: str, request: dict[str, Any], coordinates: Coordinates | None,
+                        extract: Any) -> TokenCompletion:  # fmt: skip
+        if coordinates is not None and self._records is not None:
+            await self._records.begin(coordinates)
+        completion: TokenCompletion = extract(request, await self._post(url, request, what))
+        if coordinates is not None and self._records is not None:
+            await self._records.write_token_in(coordinates, completion)
         return completion
 
     async def completion(self, prompt_token_ids: list[int], **body: Any) -> TokenCompletion:
         """A token-in ``/v1/completions`` call: ``prompt_token_ids`` as the prompt; the bundles (one per
         choice) placed on each choice. The server's echoed prompt ids must equal those sent
         (``ConflictingTokenMetadataError`` says where they differ)."""
+        coordinates, body = self._coordinates(body)
         request = prepare_token_in(prompt_token_ids, body)
-        data = await self._post(self.base_url + "/completions", request, "token-in completion")
-        return extract_token_in(request, data)
+        return await self._token_in(
+            self.base_url + "/completions", "token-in completion", request, coordinates, extract_token_in
+        )
+
+    async def generate(self, prompt_token_ids: list[int], **body: Any) -> TokenCompletion:
+        """vLLM's token-in ``/inference/v1/generate`` (served with ``--enable-scale-out``):
+        ``prompt_token_ids`` in, ``sampling_params`` in ``body``; each choice's bundle carries the
+        server's ``weight_versions`` spans (which policy version sampled which tokens). The URL is
+        the server root's ``/inference/v1/generate``, whatever ``base_url``'s ``/v1``."""
+        coordinates, body = self._coordinates(body)
+        request = prepare_generate(prompt_token_ids, body)
+        url = server_root(self.base_url) + "/inference/v1/generate"
+        return await self._token_in(url, "generate", request, coordinates, extract_generate)
 
     @contextlib.asynccontextmanager
     async def stream_chat_completion(self, **body: Any) -> AsyncIterator[TokenStream]:

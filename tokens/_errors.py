@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "ChoiceCountError",
     "ConflictingTokenMetadataError",
     "ContextLengthExceededError",
     "MalformedResponseError",
@@ -59,6 +60,16 @@ class MalformedResponseError(TokenCaptureError):
     choices, an id that is not a 32-bit vocabulary index, a body that does not decompress."""
 
 
+class ChoiceCountError(MalformedResponseError):
+    """A request that asked for ``n`` choices got another number of them; ``requested`` and
+    ``received`` say how many."""
+
+    def __init__(self, message: str, *, requested: int, received: int) -> None:
+        super().__init__(message)
+        self.requested = requested
+        self.received = received
+
+
 class PartialTokenMetadataError(TokenCaptureError):
     """A token source is present only in part (some of its fields missing)."""
 
@@ -87,6 +98,7 @@ for _cls in (
     ResponseTooLargeError,
     TokenCaptureError,
     MalformedResponseError,
+    ChoiceCountError,
     PartialTokenMetadataError,
     ConflictingTokenMetadataError,
     MalformedTokenMetadataError,

@@ -148,7 +148,9 @@ class StreamAccumulator:
             if state.entries is not None:
                 choice["logprobs"] = {"content": state.entries}
             choices.append(choice)
-        body: dict[str, Any] = {**self.head, "object": "chat.completion", "choices": choices}
+        head = self.head
+        body: dict[str, Any] = {"id": head.get("id"), "object": "chat.completion", "created": head.get("created"),
+                                "model": head.get("model"), "choices": choices}  # vLLM's order  # fmt: skip
         if self.prompt_token_ids is not None:
             body["prompt_token_ids"] = self.prompt_token_ids
         if self.usage is not None:

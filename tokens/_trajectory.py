@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ._bundle import TokenBundle, TokenCompletion
 from ._chain import first_difference
@@ -127,6 +127,18 @@ class Trajectory:
         self.segments: list[Segment] = []
         self.drifts: list[Drift] = []
         self._turns = 0
+
+    @classmethod
+    def from_snapshot(cls, snapshot: Any, **options: Any) -> Trajectory:
+        """The trajectory of a frozen rollout (``tokens.records``: a ``TokenCaptureSnapshot``, or any
+        iterable of records): its records in chain order, delta prompts rebuilt and checked against
+        their digests, added as turns. ``options`` are the constructor's (``policy=`` ...)."""
+        from .records._reader import order_records  # records build on this module
+
+        trajectory = cls(**options)
+        for _, bundle in order_records(getattr(snapshot, "entries", snapshot)):
+            trajectory.add(bundle)
+        return trajectory
 
     @property
     def required_prefix_token_ids(self) -> list[int] | None:

@@ -15,6 +15,7 @@ from ._capture import Capture, server_root
 from ._chain import ChainEntry, TokenizeFn
 from ._http import ACCEPT_ENCODING, DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body
 from ._stream import capture_stream
+from .records._writer import RecordWriter, refuse_unrecordable, take_coordinates
 
 __all__ = ["TokenCaptureTransport"]
 
@@ -42,6 +43,12 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
     is, not retried; older ones (1.x) wrapped any transport exception as
     ``openai.APIConnectionError`` whose ``__cause__`` is that error, after their retries.
     ``stream: true`` is captured too: chunks pass as they arrive, the bundles ride on the final one.
+
+    ``sink`` (a ``tokens.records`` store, or any ``TokenSink``): each completion that carries a
+    rollout id (header ``X-Rollout-Id`` or body field ``rollout_id``; see ``tokens.records``) is
+    written as a record, put before the response is handed back; the coordinate headers and
+    fields never reach the server. ``weight_version`` is the policy version recorded when neither
+    the request nor the server gives one. Streaming and ``n`` > 1 are refused for recorded calls.
     """
 
     def __init__(
@@ -54,6 +61,8 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         meter_provider: MeterProvider | None = None,
         tracer_provider: TracerProvider | None = None,
+        sink: Any = None,
+        weight_version: str | None = None,
     ) -> None:
         self.inner = inner if inner is not None else httpx.AsyncHTTPTransport()
         self.max_response_bytes = check_limit("TokenCaptureTransport", max_response_bytes)
@@ -64,6 +73,7 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
             meter_provider=meter_provider,
             tracer_provider=tracer_provider,
         )
+        self._records = None if sink is None else RecordWriter(sink, weight_version=weight_version)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -78,8 +88,14 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
         if not isinstance(body, dict):
             return await self.inner.handle_async_request(request)
         streaming = bool(body.get("stream"))
+        request_headers: Mapping[str, str] = request.headers
+        coordinates = None
+        if self._records is not None:
+            coordinates, request_headers, body = take_coordinates(request.headers, body)
+            if coordinates is not None:
+                refuse_unrecordable(body)
         sent = self._capture.prepare(body, streaming=streaming)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("content-length", "accept-encoding")}
+        headers = {k: v for k, v in request_headers.items() if k.lower() not in ("content-length", "accept-encoding")}
         headers["accept-encoding"] = "identity" if streaming else ACCEPT_ENCODING
         prepared = httpx.Request(
             "POST", request.url, headers=headers, content=msgspec.json.encode(sent), extensions=request.extensions
@@ -93,6 +109,8 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
         if streaming:
             return await self._stream(sent, prepared, tokenize)
         answer: list[httpx.Response] = []
+        if coordinates is not None and self._records is not None:
+            await self._records.begin(coordinates)
 
         async def fetch() -> bytes | None:
             response = await self.inner.handle_async_request(prepared)
@@ -106,6 +124,8 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
         response = answer[0]
         if completion is None:
             return response
+        if coordinates is not None and self._records is not None:
+            await self._records.write_chat(coordinates, body, completion, response.headers.get("x-weight-version"))
         kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _BODY_HEADERS]
         return httpx.Response(
             response.status_code,

@@ -34,6 +34,13 @@ from ._chain import (
     require_bundle,
 )
 from ._decode import MAX_TOKEN_ID, DecodedResponse, decode_response
+from ._vllm_responses import (
+    ResponsesAnswer,
+    VLLMResponsesSource,
+    decode_responses,
+    extract_vllm_responses,
+    prepare_responses_request,
+)
 
 __all__ = [
     "DEFAULT_CHAIN",
@@ -47,17 +54,22 @@ __all__ = [
     "LogProbFloorCheck",
     "LogprobsSource",
     "MessageBundleSource",
+    "ResponsesAnswer",
     "SGLangSource",
     "TokenMiddleware",
     "UsageCheck",
     "VLLMInlineSource",
+    "VLLMResponsesSource",
     "build_chain",
     "decode_response",
+    "decode_responses",
     "extract_dynamo",
     "extract_message_bundle",
     "extract_sglang",
     "extract_vllm_inline",
+    "extract_vllm_responses",
     "prepare_request",
+    "prepare_responses_request",
     "require_bundle",
     "server_root",
 ]

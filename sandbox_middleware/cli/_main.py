@@ -136,6 +136,18 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a rollout-shaped workload through a stack and print its telemetry",
                          description=__doc__)  # fmt: skip
     run.add_argument("config", nargs="?", help="YAML stack config (default: local provider, full recommended stack)")
+    run.add_argument(
+        "--provider",
+        default=None,
+        metavar="NAME",
+        help="without a config: the default stack over this provider (e.g. docker) with its defaults",
+    )
+    run.add_argument(
+        "--image",
+        default=None,
+        metavar="IMAGE",
+        help="the image every session's sandbox runs (spec.image; needed by docker)",
+    )
     run.add_argument("--sessions", type=_integer(1), default=50, help="sessions to run (default 50)")
     run.add_argument("--concurrency", type=_integer(1), default=8, help="sessions at once (default 8)")
     run.add_argument("--commands", type=_integer(0), default=3, help="commands per session (default 3)")
@@ -197,7 +209,13 @@ def _parser() -> argparse.ArgumentParser:
         "0 when every chosen sandbox was closed (or listed, with --dry-run), 1 when one "
         "could not be, 2 on a usage or config error or a provider that cannot list.",
     )
-    reap_.add_argument("config", help="YAML stack config (its provider is searched)")
+    reap_.add_argument("config", nargs="?", help="YAML stack config (its provider is searched)")
+    reap_.add_argument(
+        "--provider",
+        default=None,
+        metavar="NAME",
+        help="instead of a config: search this provider, built with its defaults (e.g. docker)",
+    )
     reap_.add_argument("--run", default=None, metavar="ID", help="only this run's sandboxes (its id is printed by run)")
     reap_.add_argument("--force", action="store_true", help="with --run: also the run's sandboxes of live owners")
     reap_.add_argument("--dry-run", action="store_true", help="list what would be closed; close nothing")
@@ -243,9 +261,17 @@ def _provider(resolved: ResolvedStack, where: str) -> SandboxProvider:
     return provider
 
 
+def _default_config(provider: str | None) -> dict[str, Any]:
+    """The default config, over ``provider`` (with its defaults) when one is named."""
+    return DEFAULT_CONFIG if provider is None else {**DEFAULT_CONFIG, "provider": {provider: {}}}
+
+
 def _run_command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupted)
-    resolved = _resolve(args.config) if args.config else resolve_config(DEFAULT_CONFIG, source="the default config")
+    if args.config and args.provider:
+        raise UsageError("argument --provider: name the provider in the config instead (its provider: key)")
+    default = resolve_config(_default_config(args.provider), source="the default config") if not args.config else None
+    resolved = default or _resolve(args.config)
     try:
         faults = parse_faults(args.faults)
     except ValueError as exc:
@@ -258,7 +284,8 @@ def _run_command(args: argparse.Namespace) -> int:
         resolved = with_layer(resolved, "admission", {"max_create_rate": args.max_create_rate})
     resolved, run_id = with_run_id(resolved, args.run_id or uuid.uuid4().hex[:16])
     options = RunOptions(args.sessions, args.concurrency, args.commands, args.think, faults,
-                         args.seed if args.seed is not None else int(time.time()) % 100_000)  # fmt: skip
+                         args.seed if args.seed is not None else int(time.time()) % 100_000,
+                         image=args.image)  # fmt: skip
     telemetry = start_telemetry(args.export, args.prometheus_host, args.prometheus_port) if args.ray is None else None
     try:
         where = f"config {args.config}" if args.config else "the built-in default config"
@@ -306,8 +333,13 @@ def _report(args: argparse.Namespace, provider: str, results: list[ProcessResult
 def _reap_command(args: argparse.Namespace) -> int:
     if args.force and args.run is None:
         raise UsageError("argument --force: needs --run ID (force takes one run's sandboxes of live owners)")
-    resolved = _resolve(args.config)
-    provider = resolved.build(provider=_provider(resolved, f"config {args.config}"))
+    if (args.config is None) == (args.provider is None):
+        raise UsageError("give a config or --provider NAME (one of them): the provider to search")
+    if args.config:
+        resolved, where = _resolve(args.config), f"config {args.config}"
+    else:
+        resolved, where = resolve_config({"provider": {args.provider: {}}}), f"--provider {args.provider}"
+    provider = resolved.build(provider=_provider(resolved, where))
     try:
         reaped = anyio.run(partial(reap, provider, run_id=args.run, force=args.force, dry_run=args.dry_run))
     except SandboxError as exc:

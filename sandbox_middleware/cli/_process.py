@@ -49,6 +49,8 @@ class RunOptions:
     seed: int = 0
     timeline: bool = False
     """Record when each sandbox started and stopped (for the peak across a cluster's workers)."""
+    image: str | None = None
+    """``spec.image`` of every session's sandbox."""
 
 
 @dataclass
@@ -157,7 +159,8 @@ def run_process(
 
     run = RunState(options.sessions, held_changes=[] if options.timeline else None)
     anyio.run(partial(workload, provider, run, concurrency=options.concurrency, commands=options.commands,
-                      think_s=options.think_s, background=progress(accounting) if show_progress else None,
+                      think_s=options.think_s, image=options.image,
+                      background=progress(accounting) if show_progress else None,
                       finish=close_orphans if can_look else None, handle_signals=handle_signals))  # fmt: skip
     if show_progress:
         draw(run, accounting, final=True)

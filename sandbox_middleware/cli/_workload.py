@@ -67,13 +67,15 @@ async def workload(
     concurrency: int,
     commands: int,
     think_s: float = 0.0,
+    image: str | None = None,
     background: Callable[[RunState], Coroutine[Any, Any, None]] | None = None,
     finish: Callable[[], Awaitable[None]] | None = None,
     handle_signals: bool = True,
 ) -> None:
     """Run ``run.sessions`` sessions, ``concurrency`` at a time, then close what is left and the provider.
 
-    Each session waits ``think_s`` after each command (the model writing its next turn).
+    Each session's sandbox runs ``image`` (``spec.image``) and waits ``think_s`` after each command
+    (the model writing its next turn).
     ``background`` (the progress bar) runs alongside until the end; ``finish`` (looking for
     orphans) runs after the cleanup pass, before the provider is closed. ``handle_signals=False``
     leaves SIGINT and SIGTERM to the host process (a Ray worker).
@@ -87,7 +89,7 @@ async def workload(
             try:
                 with tempfile.TemporaryDirectory(prefix="sandbox-middleware-run-") as tmp:
                     with work:
-                        await _pool(provider, run, Path(tmp), concurrency, commands, think_s)
+                        await _pool(provider, run, Path(tmp), concurrency, commands, think_s, image)
                     with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
                         await _cleanup(run)
                 if finish is not None:
@@ -111,7 +113,13 @@ async def _stop_on_signal(signals: AsyncIterator[signal.Signals], run: RunState,
 
 
 async def _pool(
-    provider: SandboxProvider, run: RunState, workdir: Path, concurrency: int, commands: int, think_s: float
+    provider: SandboxProvider,
+    run: RunState,
+    workdir: Path,
+    concurrency: int,
+    commands: int,
+    think_s: float,
+    image: str | None,
 ) -> None:
     """``concurrency`` workers each take the next session until none is left: memory does not grow with it."""
     source = workdir / "input.txt"
@@ -120,7 +128,7 @@ async def _pool(
     async def worker(result: Path) -> None:
         while run.handed_out < run.sessions:
             run.handed_out += 1
-            await _session(provider, commands, think_s, source, result, run)
+            await _session(provider, SandboxSpec(image=image), commands, think_s, source, result, run)
 
     async with anyio.create_task_group() as tg:
         for number in range(min(concurrency, run.sessions)):
@@ -128,9 +136,15 @@ async def _pool(
 
 
 async def _session(
-    provider: SandboxProvider, commands: int, think_s: float, source: Path, result: Path, run: RunState
+    provider: SandboxProvider,
+    spec: SandboxSpec,
+    commands: int,
+    think_s: float,
+    source: Path,
+    result: Path,
+    run: RunState,
 ) -> None:
-    sandbox = Sandbox(provider, SandboxSpec(), local_files={"input.txt": source}, close_timeout_s=CLOSE_TIMEOUT_S)
+    sandbox = Sandbox(provider, spec, local_files={"input.txt": source}, close_timeout_s=CLOSE_TIMEOUT_S)
     try:
         await sandbox.start()
         run.started += 1

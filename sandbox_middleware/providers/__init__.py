@@ -3,6 +3,7 @@
 Provider authors start at providers/README.md.
 """
 
+from .docker import DockerProvider
 from .local import LocalProvider
 
-__all__ = ["LocalProvider"]
+__all__ = ["DockerProvider", "LocalProvider"]

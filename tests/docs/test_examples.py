@@ -6,7 +6,8 @@ Every fenced block opened by exactly ```python is an example. Each runs in a fre
 in a temporary working directory of its own, and a test fails when its example raises:
 
 - a block that defines ``def test_...`` is a test module: each of its test functions runs with the
-  fixtures the distribution's pytest plugin gives (``fake_vllm``, ``fault_provider``, ``telemetry``),
+  fixtures the distribution's pytest plugin gives (``fake_vllm``, ``fault_provider``, ``telemetry``,
+  ``capture_proxy``),
   async ones under anyio (asyncio);
 - any other block is a script and may use top-level ``await`` (as in ``python -m asyncio`` or a
   notebook). It runs with a ``FakeVLLM`` (``tokens.testing``) answering ``http://localhost:8000``
@@ -46,6 +47,7 @@ import anyio
 import pytest
 import respx
 
+from pytest_llm_sandbox_middleware import running_capture_proxy
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests.bwrap import bwrap_problem, unavailable
@@ -127,6 +129,8 @@ def fixture(name: str, stack: ExitStack) -> Any:
         return stack.enter_context(fake_vllm_at(FAKE_VLLM_URL))
     if name == "fault_provider":
         return FaultInjectingProvider()
+    if name == "capture_proxy":
+        return stack.enter_context(running_capture_proxy())
     if name == "telemetry":
         capture = TelemetryCapture()
         stack.callback(capture.shutdown)

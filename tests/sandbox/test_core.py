@@ -533,3 +533,18 @@ def test_a_nemo_gym_provider_name_without_nemo_gym_says_what_to_install() -> Non
     with pytest.raises(RegistryError, match="comes from NeMo Gym, which is not installed here; install nemo-gym"):
         provider_registry.get("nemo_gym.local")
     assert not [name for name in provider_registry.names() if name.startswith("nemo_gym.")]
+
+
+async def test_pass_through_layers_add_no_coroutine_of_their_own() -> None:
+    """A layer with nothing to do for an operation hands back the inner provider's own awaitable: no
+    frame per layer for the collector to track while thousands of calls are in flight."""
+    inner = PlainProvider()
+    layers = stack(inner, [Middleware(ProviderMiddleware), Middleware(ReleaseAccountingMiddleware),
+                           Middleware(RetryMiddleware)])  # fmt: skip
+    handle = await layers.create(SandboxSpec())
+    call = layers.exec(handle, "true")
+    assert call.cr_code is PlainProvider.exec.__code__  # type: ignore[attr-defined]
+    assert (await call).return_code == 0
+    closing = layers.close(handle)
+    assert closing.cr_code is not PlainProvider.close.__code__  # type: ignore[attr-defined]  # the ledger's
+    await closing

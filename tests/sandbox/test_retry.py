@@ -26,6 +26,7 @@ from sandbox_middleware import (
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests.providers import PlainProvider
+from tests.retry_probe import count_retry_contexts
 
 pytestmark = pytest.mark.anyio
 
@@ -254,3 +255,34 @@ def test_bad_options_are_clear_errors() -> None:
         RetryMiddleware(PlainProvider(), on=(ValueError, "x"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_tokens"):
         RetryBudget(max_tokens=0)
+
+
+async def test_a_call_that_succeeds_sets_up_no_retry_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retries cost nothing until something fails: stamina is entered only after a first failure."""
+    entered = count_retry_contexts(monkeypatch)
+    budget = RetryBudget(max_tokens=10, token_ratio=1)
+    scripted = Scripted(PlainProvider())
+    provider = RetryMiddleware(scripted, operations=["create", "close"], budget=budget, attempt_timeout=5)
+    handle = await provider.create(SandboxSpec())
+    await provider.close(handle)
+    assert entered == [] and scripted.calls == {"create": 1, "close": 1}
+    scripted.errors = [SandboxCreateError("busy")]
+    await provider.create(SandboxSpec())
+    assert entered == [1] and scripted.calls["create"] == 3
+    assert budget.tokens == 10  # one failure spent, two successes (capped) earned back
+
+
+async def test_the_first_failure_is_stamina_s_first_attempt(caplog: pytest.LogCaptureFixture) -> None:
+    """The first attempt runs outside stamina, yet attempts, warnings and the error raised are as before:
+    the last error propagates, not chained to the first one by the replay."""
+    errors = [SandboxCreateError(f"try {i}") for i in range(3)]
+    scripted = Scripted(PlainProvider(), errors=list(errors))
+    provider = RetryMiddleware(scripted, attempts=3)
+    with caplog.at_level(logging.WARNING), pytest.raises(SandboxCreateError, match="try 2") as info:
+        await provider.create(SandboxSpec())
+    assert scripted.calls["create"] == 3
+    assert [r.getMessage().split(":")[1].split(" after")[0] for r in retry_records(caplog)] == [
+        " attempt 2",
+        " attempt 3",
+    ]
+    assert info.value.__context__ is not errors[0] and info.value.__context__ is not errors[1]

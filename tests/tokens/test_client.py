@@ -13,6 +13,7 @@ import pytest
 import respx
 import stamina
 
+from tests.retry_probe import count_retry_contexts
 from tests.token_samples import BASE, CHAT, INLINE, LOGPROBS_ONLY, TOKENIZE, TOKENIZED, sample
 from tokens import (
     ConflictingTokenMetadataError,
@@ -433,6 +434,22 @@ async def test_connection_errors_retried_and_bounded(server: respx.MockRouter) -
     async with TokenClient(BASE) as client:
         completion = await client.chat_completion(**USER_BODY)
     assert tokenize.call_count == 2 and completion.bundle.source == "tokenize"
+
+
+async def test_a_call_that_succeeds_sets_up_no_retry_context(
+    server: respx.MockRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retries cost nothing until something fails: stamina is entered only after a first failure, and
+    then the attempts are the policy's (the first one included)."""
+    entered = count_retry_contexts(monkeypatch)
+    chat = server.post(CHAT).mock(return_value=httpx.Response(200, json=INLINE))
+    async with TokenClient(BASE, request_prompt_and_generation_token_ids=True) as client:
+        await client.chat_completion(**USER_BODY)
+        assert entered == [] and chat.call_count == 1
+        chat.mock(side_effect=[httpx.Response(503, text="busy")] * 3)
+        with pytest.raises(ServerResponseError) as info:
+            await client.chat_completion(**USER_BODY)
+    assert entered == [1] and chat.call_count == 1 + 3 and info.value.status_code == 503
 
 
 async def test_retry_after_is_honoured(server: respx.MockRouter) -> None:

@@ -1,4 +1,5 @@
-"""Property-based fuzzing of token extraction: a valid bundle or a TokenCaptureError, nothing else."""
+"""Property-based fuzzing of token extraction: a valid bundle or a TokenCaptureError, nothing else, and
+the same answer from the typed pass as from its fallback (today's decode)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokens import TokenBundle, TokenCaptureError, TokenClient
-from tokens.chain import DEFAULT_CHAIN, MAX_TOKEN_ID, Exchange, TokenMiddleware
+from tokens import TokenBundle, TokenCaptureError, TokenClient, TokenCompletion
+from tokens.chain import DEFAULT_CHAIN, MAX_TOKEN_ID, Exchange, TokenMiddleware, decode_response
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 SAMPLES = [
@@ -66,6 +67,26 @@ class Probe(TokenMiddleware):
 
 CLIENT = TokenClient("http://fuzz.invalid/v1", middleware=(Probe, *DEFAULT_CHAIN))  # built once: TLS setup is slow
 CLIENT.tokenize = _fake_tokenize  # type: ignore[method-assign]
+# The same extraction on today's decode (the typed pass's fallback): every example must give the same answer.
+FALLBACK = TokenClient("http://fuzz.invalid/v1")
+FALLBACK.tokenize = _fake_tokenize  # type: ignore[method-assign]
+FALLBACK._capture._decode = decode_response  # type: ignore[method-assign]
+
+
+def _outcome(completion: TokenCompletion | TokenCaptureError) -> Any:
+    if isinstance(completion, TokenCaptureError):
+        return type(completion), str(completion)
+    return completion.response, [
+        (b.prompt_token_ids, b.generation_token_ids, b.generation_log_probs, b.source, b.floored_positions)
+        for b in completion.bundles
+    ]
+
+
+async def _extract(client: TokenClient, data: bytes | str, request: dict[str, Any]) -> Any:
+    try:
+        return await client.extract(request, data)
+    except TokenCaptureError as exc:
+        return exc
 
 
 def check(data: bytes | str, request: dict[str, Any]) -> None:
@@ -74,9 +95,9 @@ def check(data: bytes | str, request: dict[str, Any]) -> None:
     STATS["examples"] += 1
 
     async def run() -> None:
-        try:
-            completion = await client.extract(request, data)
-        except TokenCaptureError:
+        completion = await _extract(client, data, request)
+        assert _outcome(completion) == _outcome(await _extract(FALLBACK, data, request))
+        if isinstance(completion, TokenCaptureError):
             return
         assert len(completion.bundles) == len(completion.response["choices"])
         for bundle, choice in zip(completion.bundles, completion.response["choices"], strict=True):

@@ -12,7 +12,13 @@ import pytest
 import respx
 
 from tests.token_samples import BASE, CHAT, FIXTURES, INLINE, LOGPROBS_ONLY, TOKENIZE, TOKENIZED, sample
-from tokens import ConflictingTokenMetadataError, TokenCaptureTransport, TokenClient
+from tokens import (
+    ChoiceCountError,
+    ConflictingTokenMetadataError,
+    TokenCaptureError,
+    TokenCaptureTransport,
+    TokenClient,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -47,7 +53,8 @@ async def complete(response: dict[str, Any], **body: Any) -> tuple[Any, int]:
         with respx.mock(assert_all_called=False) as router:
             router.post(CHAT).mock(return_value=httpx.Response(200, json=response))
             tokenize = router.post(TOKENIZE).mock(return_value=httpx.Response(200, json=TOKENIZED))
-            completion = await client.chat_completion(**(body or {"model": "tiny", "messages": MESSAGES, "n": 2}))
+            n = len(response["choices"])
+            completion = await client.chat_completion(**(body or {"model": "tiny", "messages": MESSAGES, "n": n}))
             return completion, tokenize.call_count
 
 
@@ -124,3 +131,23 @@ async def test_sdk_n4_gives_four_bundles() -> None:
         message: Any = choice.message
         assert message.generation_token_ids == sent["token_ids"]
         assert message.prompt_token_ids == response["prompt_token_ids"]
+
+
+@pytest.mark.parametrize(("asked", "answered"), [(3, 1), (1, 2), (2, 3)])
+async def test_a_group_of_another_size_than_n_is_a_typed_error(asked: int, answered: int) -> None:
+    """n=K answered with another number of choices: ChoiceCountError naming both, through the client and the
+    transport (a GRPO group of the wrong size would be a silent wrong answer)."""
+    response = group(INLINE, answered)
+    with pytest.raises(ChoiceCountError, match=f"asked for n={asked} choices but the response has {answered}") as info:
+        await complete(response, model="tiny", messages=MESSAGES, n=asked)
+    assert (info.value.requested, info.value.received) == (asked, answered)
+    assert isinstance(info.value, TokenCaptureError)
+    transport = TokenCaptureTransport(httpx.MockTransport(lambda request: httpx.Response(200, json=response)))
+    async with httpx.AsyncClient(transport=transport) as http:
+        with pytest.raises(ChoiceCountError):
+            await http.post(CHAT, json={"model": "tiny", "messages": MESSAGES, "n": asked})
+
+
+async def test_without_n_any_number_of_choices_is_accepted() -> None:
+    completion, _ = await complete(group(INLINE, 2), model="tiny", messages=MESSAGES)
+    assert len(completion.bundles) == 2

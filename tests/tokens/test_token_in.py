@@ -10,7 +10,7 @@ import pytest
 import respx
 
 from tests.token_samples import BASE, sample
-from tokens import ConflictingTokenMetadataError, MissingTokenMetadataError, TokenClient, Trajectory
+from tokens import ChoiceCountError, ConflictingTokenMetadataError, MissingTokenMetadataError, TokenClient, Trajectory
 from tokens.testing import FAKE_VLLM_URL, FakeTokenizer, FakeVLLM
 
 pytestmark = pytest.mark.anyio
@@ -66,3 +66,11 @@ async def test_trajectory_drives_token_in_turns(fake_vllm: FakeVLLM) -> None:
     [segment] = trajectory.segments
     assert tokenizer.decode(segment.token_ids).endswith("assistant\nYes.<|im_end|>")
     assert sum(segment.loss_mask) == len(first.bundle.generation_token_ids) + len(second.bundle.generation_token_ids)
+
+
+async def test_a_token_in_group_of_another_size_than_n_is_a_typed_error() -> None:
+    async with TokenClient(BASE, retry=None) as client:
+        with respx.mock() as router:
+            router.post(BASE + "/completions").mock(return_value=httpx.Response(200, json=RECORDED))
+            with pytest.raises(ChoiceCountError, match="asked for n=2 choices but the response has 1"):
+                await client.completion(SENT, max_tokens=3, n=2)

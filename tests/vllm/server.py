@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,6 +27,19 @@ def vllm_python() -> Path | None:
     return venv / "bin" / "python" if (venv / ".complete").exists() else None
 
 
+def require_vllm_python() -> Path:
+    """The vLLM venv's python; the calling test is skipped without it (failed with REQUIRE_VLLM=1)."""
+    import pytest
+
+    python = vllm_python()
+    if python is None:
+        message = "vLLM is not installed for the integration tests; run: bash scripts/install-vllm.sh"
+        if os.environ.get("REQUIRE_VLLM") == "1":
+            pytest.fail(message + " (REQUIRE_VLLM=1: CI must run them)")
+        pytest.skip(message)
+    return python
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -35,13 +48,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(python: Path, workdir: Path) -> Iterator[str]:
-    """Make the tiny model in ``workdir``, serve it, yield the ``/v1`` base URL, stop the server."""
+def running_server(python: Path, workdir: Path, *, extra_args: Sequence[str] = (),
+                   extra_env: Mapping[str, str] | None = None) -> Iterator[str]:  # fmt: skip
+    """Make the tiny model in ``workdir``, serve it, yield the ``/v1`` base URL, stop the server.
+
+    ``extra_args`` go to the server (``--enable-scale-out``), ``extra_env`` to its environment
+    (``VLLM_SERVER_DEV_MODE=1``)."""
     model = workdir / "tiny-model"
     subprocess.run([str(python), str(HERE / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
     port = free_port()
     log = (workdir / "vllm.log").open("wb")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", **(extra_env or {})}
     process = subprocess.Popen(
         [
             str(python), "-m", "vllm.entrypoints.openai.api_server",
@@ -49,7 +66,7 @@ def running_server(python: Path, workdir: Path) -> Iterator[str]:
             "--dtype", "float32", "--max-model-len", "2048",
             "--gpu-memory-utilization", "0.25",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-            "--host", "127.0.0.1", "--port", str(port),
+            "--host", "127.0.0.1", "--port", str(port), *extra_args,
         ],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )  # fmt: skip

@@ -1,0 +1,138 @@
+"""The Docker Engine HTTP API over its UNIX socket (httpx), with the API version negotiated once.
+
+Every call goes through ``EngineAPI.call``: a reply of 400 or more becomes ``EngineError`` (its
+status and the daemon's own message), and a daemon that cannot be reached becomes
+``DockerUnavailableError`` naming the socket. Nothing here knows what a sandbox is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+
+from ..._errors import DockerUnavailableError, SandboxError
+
+__all__ = ["MAX_API_VERSION", "MIN_API_VERSION", "EngineAPI", "EngineError", "negotiate"]
+
+MIN_API_VERSION = "1.40"  # Docker 19.03: every field the provider sends (Init, Mounts' VolumeOptions, PidsLimit)
+MAX_API_VERSION = "1.43"  # the newest whose container and exec bodies the provider was written against
+_BASE = "http://docker"  # the host part is unused over a UNIX socket
+
+
+class EngineError(SandboxError):
+    """An Engine API reply of 400 or more (internal to the provider, which raises a public class)."""
+
+    def __init__(self, status: int, message: str, what: str) -> None:
+        super().__init__(f"{what}: the Docker daemon answered {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def _version(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split("."))
+    except ValueError:
+        raise DockerUnavailableError(f"Docker API version {text!r} is not of the form MAJOR.MINOR") from None
+
+
+def negotiate(socket: str, api_version: str | None, timeout_s: float) -> tuple[str, dict[str, Any]]:
+    """The API version to speak with the daemon at ``socket`` (``api_version`` if the daemon accepts
+    it, else the older of the daemon's newest and ours, ``MAX_API_VERSION``) and the daemon's
+    ``/info`` (what it can enforce). Blocking: construction only."""
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=socket), base_url=_BASE, timeout=timeout_s) as client:
+            reply = client.get("/version")
+            daemon = client.get("/info").json() if reply.status_code == 200 else {}
+    except httpx.HTTPError as exc:
+        raise DockerUnavailableError(
+            f"DockerProvider: no Docker daemon answers at {socket} ({type(exc).__name__}: {exc}); start dockerd "
+            "(apt-get install docker.io), or pass socket= (Podman: its Docker-compatible socket)"
+        ) from exc
+    if reply.status_code != 200:
+        raise DockerUnavailableError(f"DockerProvider: GET /version at {socket} answered {reply.status_code}")
+    info = reply.json()
+    server, oldest = str(info.get("ApiVersion", "")), str(info.get("MinAPIVersion", MIN_API_VERSION))
+    if api_version is not None:
+        if not _version(oldest) <= _version(api_version) <= _version(server):
+            raise DockerUnavailableError(
+                f"DockerProvider: api_version {api_version!r} is outside what the daemon at {socket} speaks "
+                f"({oldest} to {server}); leave api_version unset to negotiate"
+            )
+        chosen = api_version
+    else:
+        chosen = min(server, MAX_API_VERSION, key=_version)
+    if _version(chosen) < _version(MIN_API_VERSION):
+        raise DockerUnavailableError(
+            f"DockerProvider: the daemon at {socket} speaks API {server} at most; this provider needs "
+            f"{MIN_API_VERSION} or newer (Docker 19.03+)"
+        )
+    return chosen, daemon if isinstance(daemon, dict) else {}
+
+
+class EngineAPI:
+    """One connection pool to the daemon, every path prefixed with ``/v<version>``."""
+
+    def __init__(self, socket: str, version: str, timeout_s: float) -> None:
+        self.socket = socket
+        self.version = version
+        self._client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=socket),
+            base_url=f"{_BASE}/v{version}",
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        body: Any = None,
+        content: bytes | AsyncIterator[bytes] | None = None,
+        ok: tuple[int, ...] = (),
+    ) -> httpx.Response:
+        """One request; a status >= 400 not in ``ok`` is ``EngineError``, no daemon ``DockerUnavailableError``."""
+        headers = {"Content-Type": "application/x-tar"} if content is not None else None
+        try:
+            reply = await self._client.request(method, path, params=params, json=body, content=content, headers=headers)
+        except httpx.HTTPError as exc:
+            raise self.unavailable(what, exc) from exc
+        if reply.status_code >= 400 and reply.status_code not in ok:
+            raise EngineError(reply.status_code, _message(reply), what)
+        return reply
+
+    @asynccontextmanager
+    async def stream(
+        self, method: str, path: str, what: str, *, params: Mapping[str, str] | None = None, body: Any = None
+    ) -> AsyncIterator[httpx.Response]:
+        """A request whose body is read as it arrives (exec output, archives), as sent: never decompressed."""
+        headers = {"Accept-Encoding": "identity"}
+        try:
+            async with self._client.stream(method, path, params=params, json=body, headers=headers) as reply:
+                if reply.status_code >= 400:
+                    await reply.aread()
+                    raise EngineError(reply.status_code, _message(reply), what)
+                yield reply
+        except httpx.HTTPError as exc:
+            raise self.unavailable(what, exc) from exc
+
+    def unavailable(self, what: str, exc: Exception) -> DockerUnavailableError:
+        return DockerUnavailableError(
+            f"{what}: the Docker daemon at {self.socket} did not answer ({type(exc).__name__}: {exc})"
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _message(reply: httpx.Response) -> str:
+    try:
+        return str(json.loads(reply.content).get("message", "")).strip() or reply.reason_phrase
+    except (ValueError, AttributeError):
+        return reply.text[:500] or reply.reason_phrase

@@ -1,0 +1,181 @@
+"""DockerProvider's transfers through the archive API: one regular file each way, bounded, following no symlink.
+
+Sandbox paths name a file in one of the writable directories (the work directory, ``/tmp``);
+relative ones are taken from the work directory, and ``..`` is refused. An upload is a tar stream
+of the file and its parent directories, extracted by the daemon at the top of that directory (which
+replaces a planted symlink on the way by a real directory and never writes outside it); a download
+checks what the path is (``HEAD``: a symlink, directory or special file is refused before anything
+is read) and then reads the tar stream's one entry, which must be a regular file, at most
+``max_transfer_bytes`` long, whatever the ``HEAD`` said.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import stat
+import tarfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import anyio
+
+from ..._errors import SandboxError, SandboxPathError, SandboxTransferLimitError
+from ..local._arguments import check_text, sandbox_parts
+
+__all__ = ["END", "TarReader", "check_stat", "located", "padding", "tar_records", "tar_stream"]
+
+_BLOCK = 512
+_CHUNK = 1 << 20
+# Go's os.FileMode bits, as the daemon reports them in X-Docker-Container-Path-Stat.
+_GO_DIR, _GO_SYMLINK, _GO_DEVICE, _GO_PIPE, _GO_SOCKET, _GO_CHAR, _GO_IRREGULAR = (
+    1 << 31, 1 << 27, 1 << 26, 1 << 25, 1 << 24, 1 << 21, 1 << 19,
+)  # fmt: skip
+
+
+def located(
+    path: str, cwd: PurePosixPath, mounts: Sequence[PurePosixPath], what: str
+) -> tuple[PurePosixPath, tuple[str, ...]]:
+    """The writable directory ``path`` lies in and its components below it."""
+    pure = PurePosixPath(check_text(path, what))
+    full = pure if pure.is_absolute() else cwd / pure
+    for mount in sorted(mounts, key=lambda m: len(m.parts), reverse=True):
+        if full == mount or mount in full.parents:
+            return mount, sandbox_parts(str(full), (mount,), what)
+    raise SandboxPathError(
+        f"{what} {path!r} is outside the sandbox's writable directories ({', '.join(map(str, mounts))}); "
+        "transfers reach only those: use a relative path or one under them"
+    )
+
+
+def check_stat(header: str | None, path: str, limit: int) -> None:
+    """Refuse anything but a regular file of at most ``limit`` bytes, from the daemon's stat header."""
+    try:
+        info: dict[str, Any] = json.loads(base64.b64decode(header or ""))
+        mode, size = int(info["mode"]), int(info["size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SandboxError(f"the daemon did not say what {path!r} is ({exc!r:.100})") from exc
+    if mode & _GO_SYMLINK:
+        raise SandboxPathError(
+            f"path {path!r} is a symlink; a symlink could lead outside the sandbox, so transfers never follow one: "
+            "name the real file"
+        )
+    if mode & (_GO_DIR | _GO_DEVICE | _GO_PIPE | _GO_SOCKET | _GO_CHAR | _GO_IRREGULAR):
+        raise SandboxError(f"{path!r} is not a file in the sandbox (a directory, FIFO, socket or device)")
+    if size > limit:
+        raise SandboxTransferLimitError(
+            f"{path!r} is {size} bytes, over max_transfer_bytes={limit}; nothing was copied "
+            "(compress or split it in the sandbox, or raise the provider's limit)"
+        )
+
+
+def tar_records(parts: Sequence[str], owner: tuple[int, int], size: int | None) -> list[bytes]:
+    """Tar headers of the directories of ``parts[:-1]`` and of file ``parts`` of ``size`` bytes (its data
+    follows, then ``padding(size)``); ``size=None``: of directories ``parts`` only. Without a known
+    owner (root's), what is made is writable by all, so the sandbox's user can change it."""
+    dir_mode, file_mode = (0o755, 0o644) if owner != (0, 0) else (0o777, 0o666)
+    now = int(time.time())
+    records = []
+    for depth in range(1, len(parts) + (size is None)):
+        records.append(_record("/".join(parts[:depth]) + "/", tarfile.DIRTYPE, 0, dir_mode, owner, now))
+    if size is not None:
+        records.append(_record("/".join(parts), tarfile.REGTYPE, size, file_mode, owner, now))
+    return records
+
+
+def _record(name: str, kind: bytes, size: int, mode: int, owner: tuple[int, int], mtime: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.mode, info.mtime = kind, size, mode, mtime
+    info.uid, info.gid = owner
+    return info.tobuf(format=tarfile.PAX_FORMAT)
+
+
+def padding(size: int) -> bytes:
+    return b"\0" * ((-size) % _BLOCK)
+
+
+END = b"\0" * (2 * _BLOCK)
+
+
+async def tar_stream(source_fd: int, size: int, parts: Sequence[str], owner: tuple[int, int]) -> AsyncIterator[bytes]:
+    """A tar of ``parts[:-1]`` as directories and ``parts[-1]`` as the ``size`` bytes read from ``source_fd``."""
+    for record in tar_records(parts, owner, size):
+        yield record
+    sent = 0
+    while sent < size:
+        data = await anyio.to_thread.run_sync(os.read, source_fd, min(_CHUNK, size - sent))
+        if not data:
+            raise SandboxError(f"the source file shrank while it was uploaded ({sent} of {size} bytes)")
+        sent += len(data)
+        yield data
+    yield padding(size) + END
+
+
+class TarReader:
+    """Reads the one regular file of a download's tar stream into ``target``, at most ``limit`` bytes."""
+
+    def __init__(self, path: str, target: Path, limit: int) -> None:
+        self._path, self._target, self._limit = path, target, limit
+
+    async def read(self, chunks: AsyncIterator[bytes]) -> None:
+        buffer = bytearray()
+        iterator = chunks.__aiter__()
+
+        async def need(count: int) -> bytes:
+            while len(buffer) < count:
+                try:
+                    buffer.extend(await iterator.__anext__())
+                except StopAsyncIteration:
+                    raise SandboxError(f"the daemon's archive of {self._path!r} ended early") from None
+            taken = bytes(buffer[:count])
+            del buffer[:count]
+            return taken
+
+        while True:  # PAX and GNU long-name records come before the entry itself
+            try:
+                info = tarfile.TarInfo.frombuf(await need(_BLOCK), "utf-8", "surrogateescape")
+            except tarfile.HeaderError as exc:
+                raise SandboxError(f"the daemon's archive of {self._path!r} is not a tar: {exc}") from exc
+            if info.type not in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
+                break
+            if info.size > 1 << 20:
+                raise SandboxError(f"the daemon's archive of {self._path!r} has an oversized extended header")
+            await need(info.size + (-info.size) % _BLOCK)
+        if info.type == tarfile.SYMTYPE or info.type == tarfile.LNKTYPE:
+            raise SandboxPathError(f"path {self._path!r} is a symlink (it was swapped for one); nothing was copied")
+        if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+            raise SandboxError(f"{self._path!r} is not a file in the sandbox (it was swapped for a directory?)")
+        if info.size > self._limit:
+            raise SandboxTransferLimitError(
+                f"{self._path!r} grew past max_transfer_bytes={self._limit} before it was copied; nothing was copied"
+            )
+        await anyio.to_thread.run_sync(lambda: self._target.parent.mkdir(parents=True, exist_ok=True))
+        fd = os.open(self._target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            left = info.size
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SandboxError(f"download target {self._target} is not a regular file")
+            while left:
+                if not buffer:
+                    try:
+                        buffer.extend(await iterator.__anext__())
+                    except StopAsyncIteration:
+                        raise SandboxError(f"the daemon's archive of {self._path!r} ended early") from None
+                part = bytes(buffer[:left])
+                del buffer[: len(part)]
+                left -= len(part)
+                await anyio.to_thread.run_sync(_write_all, fd, part)
+        except BaseException:
+            os.close(fd)
+            self._target.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

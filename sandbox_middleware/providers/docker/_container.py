@@ -1,0 +1,201 @@
+"""One DockerProvider sandbox: the container's create body (hardened), and its labels, read back as a ``Box``.
+
+Everything another process needs to use, list, connect to or reap a sandbox is in the container's
+labels (``LABEL`` marks it as ours): the user commands run as, the work directory, the writable
+mounts, the declared ports, the deadline of its TTL (``_ttl.EXPIRES``) and ``spec.metadata``
+(``META`` + key). Labels are set at create and cannot be changed from inside the container.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+from ..._errors import SandboxArgumentError
+from ..local._arguments import check_text, checked_view_root
+from ..local._limits import Limits
+from ._ttl import EXPIRES
+
+__all__ = [
+    "LABEL",
+    "META",
+    "Box",
+    "Plan",
+    "box_of",
+    "checked_metadata",
+    "create_body",
+    "keepalive_default",
+    "metadata_filters",
+    "workdir_of",
+]
+
+LABEL = "sandbox_middleware.docker"
+META = "sandbox_middleware.docker.meta."
+_USER = "sandbox_middleware.docker.user"
+_WORKDIR = "sandbox_middleware.docker.workdir"
+_MOUNTS = "sandbox_middleware.docker.mounts"
+_PORTS = "sandbox_middleware.docker.ports"
+TMP = PurePosixPath("/tmp")
+DEFAULT_MOUNT = PurePosixPath("/workspace")
+
+
+@dataclass
+class Box:
+    """What a provider keeps of one container it holds (or found by its labels)."""
+
+    container: str  # the full container id
+    user: str  # what commands run as: "uid:gid" or a name
+    cwd: PurePosixPath  # the default cwd of commands (in the work directory)
+    mounts: tuple[PurePosixPath, ...]  # the writable directories: the work directory's mount, /tmp
+    ports: tuple[int, ...]
+    deadline: float | None  # time.time() at which its TTL runs out
+    metadata: dict[str, str]
+    created: float | None = None
+    closed: bool = False
+
+    def is_expired(self) -> bool:
+        return self.deadline is not None and time.time() >= self.deadline
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.time())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``create`` decided from the spec and the provider's options."""
+
+    image: str
+    user: str
+    owner: tuple[int, int] | None  # numeric uid and gid of ``user`` where known (tmpfs ownership)
+    mount: PurePosixPath  # where the bounded work directory is mounted
+    cwd: PurePosixPath
+    env: dict[str, str]
+    entrypoint: list[str] | None
+    keepalive: list[str]
+    limits: Limits
+    tmp_bytes: int | None
+    network: str
+    ports: tuple[int, ...]
+    deadline: float | None
+    metadata: dict[str, str]
+    init: bool
+
+
+def workdir_of(workdir: str | None) -> tuple[PurePosixPath, PurePosixPath]:
+    """The work directory's mount point and the default cwd for ``spec.workdir`` (relative: below /workspace)."""
+    if workdir is None:
+        return DEFAULT_MOUNT, DEFAULT_MOUNT
+    check_text(workdir, "spec.workdir")
+    if PurePosixPath(workdir).is_absolute():
+        view = checked_view_root(workdir)
+        return view, view
+    cwd = DEFAULT_MOUNT.joinpath(workdir)
+    if ".." in cwd.parts:
+        raise SandboxArgumentError(f"spec.workdir {workdir!r} uses '..'; name a directory below the work directory")
+    return DEFAULT_MOUNT, cwd
+
+
+def _tmpfs(target: PurePosixPath, size: int | None, owner: tuple[int, int] | None) -> dict[str, Any]:
+    """An anonymous volume on a tmpfs of ``size`` bytes: unlike a plain tmpfs mount, the archive API sees it."""
+    options = ["nosuid", "nodev"]
+    if size is not None:
+        options.append(f"size={size}")
+    options += [f"uid={owner[0]}", f"gid={owner[1]}", "mode=0700"] if owner else ["mode=1777"]
+    return {
+        "Type": "volume",
+        "Target": str(target),
+        "VolumeOptions": {
+            "Labels": {LABEL: "1"},
+            "DriverConfig": {"Name": "local", "Options": {"type": "tmpfs", "device": "tmpfs", "o": ",".join(options)}},
+        },
+    }
+
+
+def create_body(plan: Plan) -> dict[str, Any]:
+    """The body of ``POST /containers/create``: no capabilities, no new privileges, a read-only root,
+    bounded writable directories, the limits, the network asked for (``none`` by default), ports
+    published on 127.0.0.1 only, and the labels."""
+    limits = plan.limits
+    host: dict[str, Any] = {
+        "NetworkMode": plan.network,
+        "Init": plan.init,
+        "Mounts": [_tmpfs(plan.mount, limits.disk_bytes, plan.owner), _tmpfs(TMP, plan.tmp_bytes, plan.owner)],
+        "PortBindings": {f"{port}/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}] for port in plan.ports},
+        "Memory": limits.memory_bytes or 0,
+        "MemorySwap": limits.memory_bytes or 0,  # equal to Memory: no swap beyond the limit
+        "NanoCpus": int(limits.cpu * 1e9) if limits.cpu is not None else 0,
+        "PidsLimit": limits.pids or 0,
+        "CapDrop": ["ALL"],
+        "SecurityOpt": ["no-new-privileges"],
+        "ReadonlyRootfs": True,
+    }
+    mounts = ",".join(str(mount) for mount in (plan.mount, TMP))
+    labels = {
+        LABEL: "1",
+        _USER: plan.user,
+        _WORKDIR: str(plan.cwd),
+        _MOUNTS: mounts,
+        _PORTS: ",".join(map(str, plan.ports)),
+        **{META + key: value for key, value in plan.metadata.items()},
+    }
+    if plan.deadline is not None:
+        labels[EXPIRES] = repr(plan.deadline)
+    command = plan.entrypoint or plan.keepalive
+    return {
+        "Image": plan.image,
+        "User": plan.user,
+        "WorkingDir": str(plan.mount),  # the daemon would make a missing cwd below it as root's
+        "Env": [f"{name}={value}" for name, value in plan.env.items()],
+        "Entrypoint": command[:1],
+        "Cmd": command[1:],
+        "Labels": labels,
+        "ExposedPorts": {f"{port}/tcp": {} for port in plan.ports},
+        "AttachStdin": False,
+        "AttachStdout": False,
+        "AttachStderr": False,
+        "Tty": False,
+        "HostConfig": host,
+    }
+
+
+def box_of(container: str, labels: Mapping[str, str], created: float | None) -> Box | None:
+    """The sandbox a container's labels describe; None for a container that is not one of ours."""
+    if labels.get(LABEL) != "1":
+        return None
+    try:
+        deadline = float(labels[EXPIRES]) if EXPIRES in labels else None
+        ports = tuple(int(port) for port in labels.get(_PORTS, "").split(",") if port)
+        mounts = tuple(PurePosixPath(mount) for mount in labels[_MOUNTS].split(","))
+        cwd = PurePosixPath(labels[_WORKDIR])
+        user = labels[_USER]
+    except (KeyError, ValueError):
+        return None
+    if not cwd.is_absolute() or not all(mount.is_absolute() for mount in mounts):
+        return None
+    metadata = {key[len(META) :]: value for key, value in labels.items() if key.startswith(META)}
+    return Box(container, user, cwd, mounts, ports, deadline, metadata, created)
+
+
+def metadata_filters(metadata: Mapping[str, str]) -> list[str]:
+    """``label`` filters of ``GET /containers/json`` for containers of ours whose metadata has all of ``metadata``."""
+    return [f"{LABEL}=1", *(f"{META}{key}={value}" for key, value in metadata.items())]
+
+
+def checked_metadata(metadata: object, what: str) -> dict[str, str]:
+    """Metadata fit for labels: strings, keys without '=' (a label filter splits there)."""
+    if not isinstance(metadata, Mapping):
+        raise SandboxArgumentError(f"{what} must be a mapping of strings, not {type(metadata).__name__}")
+    checked = {}
+    for key, value in metadata.items():
+        check_text(key, f"{what} key")
+        if not key or "=" in key:
+            raise SandboxArgumentError(f"{what} key {key!r:.80} must be non-empty and without '=' (labels)")
+        checked[key] = check_text(value, f"{what}[{key!r}]")
+    return checked
+
+
+def keepalive_default() -> Sequence[str]:
+    return ("/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done")

@@ -1,0 +1,135 @@
+"""DockerProvider's TTL watchdog: a process of its own that removes containers whose deadline has passed.
+
+A container made with ``spec.ttl_s`` carries its deadline in the label ``EXPIRES`` (seconds since
+the epoch), whatever its entrypoint. One watchdog per daemon socket (a ``flock``ed lock file in the
+temp directory) lists the containers with that label every ``POLL_S`` seconds and force-removes
+(with their volumes) those past their deadline. It runs in its own session, apart from the process
+that started it, so a TTL holds when that process is killed; it exits once no container with a
+deadline is left, and after ``DOWN_S`` seconds of a daemon that does not answer.
+
+This file imports only the standard library and httpx: the provider starts it as
+``python _ttl.py SOCKET VERSION LOCK``, which must not pay for importing the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+__all__ = ["EXPIRES", "POLL_S", "WatchdogLauncher", "lock_path"]
+
+EXPIRES = "sandbox_middleware.docker.expires_at"
+POLL_S = 0.5
+DOWN_S = 120.0
+
+
+def lock_path(socket: str) -> str:
+    digest = hashlib.sha256(os.path.abspath(socket).encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"docker-ttl-{os.geteuid()}-{digest}.lock")
+
+
+def _running(lock: str) -> bool:
+    """Whether a watchdog holds ``lock`` now."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock taken here
+    return False
+
+
+class WatchdogLauncher:
+    """Starts the watchdog of one socket when none runs, and reaps the processes it started."""
+
+    def __init__(self, socket: str, version: str) -> None:
+        self._argv = [sys.executable, os.path.abspath(__file__), socket, version, lock_path(socket)]
+        self._lock = self._argv[-1]
+        self._started: list[subprocess.Popen[bytes]] = []
+
+    def ensure(self) -> None:
+        self._started = [process for process in self._started if process.poll() is None]
+        if _running(self._lock):
+            return
+        self._started.append(
+            subprocess.Popen(
+                self._argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+            )
+        )
+
+    def reap(self) -> None:
+        """Collect the exit status of watchdogs that have ended (they are left to run otherwise)."""
+        self._started = [process for process in self._started if process.poll() is None]
+
+
+def _expired(client: httpx.Client, now: float) -> tuple[list[str], bool]:
+    """Ids of labelled containers past their deadline, and whether any labelled container is left."""
+    filters = json.dumps({"label": [EXPIRES]})
+    reply = client.get("/containers/json", params={"all": "1", "filters": filters})
+    reply.raise_for_status()
+    found = reply.json()
+    due = []
+    for container in found:
+        try:
+            deadline = float((container.get("Labels") or {})[EXPIRES])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if deadline <= now:
+            due.append(str(container["Id"]))
+    return due, bool(found)
+
+
+def main(socket: str, version: str, lock: str) -> int:
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    for _ in range(20):  # a launcher's check holds the lock for an instant
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            time.sleep(0.01)
+    else:
+        return 0  # another watchdog serves this socket
+    transport = httpx.HTTPTransport(uds=socket)
+    with httpx.Client(transport=transport, base_url=f"http://docker/v{version}", timeout=30) as client:
+        last_answer = time.monotonic()
+        idle_since: float | None = None
+        while True:
+            try:
+                due, any_left = _expired(client, time.time())
+                for container in due:
+                    with contextlib.suppress(httpx.HTTPError):
+                        client.delete(f"/containers/{container}", params={"force": "1", "v": "1"})
+                last_answer = time.monotonic()
+            except httpx.HTTPError:
+                if time.monotonic() - last_answer > DOWN_S:
+                    return 1
+                any_left = True
+            if not any_left:  # a short grace: a create may be adding one right now
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > 2 * POLL_S:
+                    return 0
+            else:
+                idle_since = None
+            time.sleep(POLL_S)
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:4]))

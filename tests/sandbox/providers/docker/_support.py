@@ -1,0 +1,88 @@
+"""What the Docker provider's tests need: a daemon (skipped with one line where there is none; failed
+with REQUIRE_DOCKER=1), the test images (built by scripts/build-docker-images.sh when missing, never
+pulled), and the removal of every container a test session made (by its label), even after a failure."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sandbox_middleware import SandboxSpec
+
+SOCKET = "/var/run/docker.sock"
+BUSYBOX = "sandbox-middleware/busybox:test"
+PYTHON = "sandbox-middleware/python:test"
+IMAGES = (BUSYBOX, PYTHON)
+REQUIRE = "REQUIRE_DOCKER"
+INSTALL = "apt-get install docker.io, then start dockerd"
+SESSION_KEY = "tests.session"
+SESSION = uuid.uuid4().hex[:12]
+"""Every container of this test session carries ``spec.metadata[SESSION_KEY] = SESSION``."""
+SESSION_LABEL = f"sandbox_middleware.docker.meta.{SESSION_KEY}={SESSION}"
+BUILD = Path(__file__).resolve().parents[4] / "scripts" / "build-docker-images.sh"
+
+
+def engine(socket: str = SOCKET) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(uds=socket), base_url="http://docker/v1.41", timeout=60)
+
+
+def docker_problem(socket: str = SOCKET) -> str | None:
+    """Why the Docker tests cannot run here (the skip reason), or None."""
+    if not os.path.exists(socket):
+        return f"Docker is not running here (no daemon socket {socket}): {INSTALL}"
+    try:
+        with engine(socket) as client:
+            client.get("/_ping").raise_for_status()
+    except httpx.HTTPError as exc:
+        return f"the Docker daemon at {socket} does not answer ({exc}): {INSTALL}"
+    return None
+
+
+def require_docker() -> None:
+    """Skip the calling test for want of a daemon, in one line; with REQUIRE_DOCKER=1 fail it instead."""
+    problem = docker_problem()
+    if problem is None:
+        _images()
+        return
+    if os.environ.get(REQUIRE) == "1":
+        pytest.fail(f"{problem} ({REQUIRE}=1: CI must run the Docker tests)", pytrace=False)
+    pytest.skip(f"{problem} ({REQUIRE}=1 turns this skip into a failure)")
+
+
+@functools.cache
+def _images() -> None:
+    with engine() as client:
+        missing = [image for image in IMAGES if client.get(f"/images/{image}/json").status_code == 404]
+    if missing:
+        subprocess.run(["bash", str(BUILD)], check=True, capture_output=True, timeout=600)
+
+
+def containers(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
+    """Ids of the containers (running or not) carrying ``label`` (``key=value``)."""
+    with engine(socket) as client:
+        reply = client.get("/containers/json", params={"all": "1", "filters": json.dumps({"label": [label]})})
+        reply.raise_for_status()
+        return [str(container["Id"]) for container in reply.json()]
+
+
+def remove_containers(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
+    """Force-remove (with their volumes) the containers carrying ``label``; returns their ids."""
+    found = containers(label, socket)
+    with engine(socket) as client:
+        for container in found:
+            client.delete(f"/containers/{container}", params={"force": "1", "v": "1"})
+    return found
+
+
+def spec(image: str = BUSYBOX, metadata: Mapping[str, str] | None = None, **fields: Any) -> SandboxSpec:
+    """A spec of this test session (its label lets the session remove whatever a test leaves)."""
+    return SandboxSpec(image=image, metadata={SESSION_KEY: SESSION, **(metadata or {})}, **fields)

@@ -1,0 +1,41 @@
+"""`sandbox-middleware run --provider docker --image IMAGE` and `reap --provider docker` on the real daemon."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from ._support import BUSYBOX, containers, require_docker
+
+CLI = [sys.executable, "-m", "sandbox_middleware"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_run_over_docker_then_reap_by_run() -> None:
+    require_docker()
+    done = _run("run", "--provider", "docker", "--image", BUSYBOX, "--sessions", "6", "--concurrency", "3",
+                "--run-id", "cli-docker-run")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "provider docker" in done.stdout and "sessions ok / failed             6 / 0" in done.stdout
+    assert containers("sandbox_middleware.docker.meta.sandbox_middleware.run_id=cli-docker-run") == []
+    reaped = _run("reap", "--provider", "docker", "--run", "cli-docker-run", "--dry-run")
+    assert reaped.returncode == 0 and "0 sandbox(es) found" in reaped.stderr, reaped.stderr
+
+
+def test_provider_with_a_config_or_neither_is_a_usage_error(tmp_path: Path) -> None:
+    assert _run("reap").returncode == 2
+    config = tmp_path / "c.yaml"
+    config.write_text("provider: {local: {isolation: none}}\n")
+    done = _run("run", str(config), "--provider", "docker")
+    assert done.returncode == 2 and "--provider" in done.stderr
+
+
+def test_a_missing_image_fails_the_sessions_typed() -> None:
+    require_docker()
+    done = _run("run", "--provider", "docker", "--image", "sandbox-middleware/absent:none", "--sessions", "2")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "SandboxImageNotFoundError" in done.stdout

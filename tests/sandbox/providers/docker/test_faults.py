@@ -1,0 +1,163 @@
+"""Faults on the real daemon: a dockerd SIGKILLed mid-run, a worker SIGKILLed mid-run, lost create responses."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+from sandbox_middleware import (
+    DockerProvider,
+    DockerUnavailableError,
+    MetricsMiddleware,
+    Middleware,
+    OwnershipMiddleware,
+    ReleaseAccountingMiddleware,
+    RetryMiddleware,
+    SandboxCreateError,
+    reap,
+    stack,
+)
+from sandbox_middleware.testing import FaultInjectingProvider
+from sandbox_middleware.testing.fixtures import TelemetryCapture
+
+from ._daemon import private_daemon
+from ._support import SESSION, SESSION_KEY, require_docker, spec
+
+pytestmark = pytest.mark.anyio
+RUN = "sandbox_middleware.run_id"
+CLI = [sys.executable, "-m", "sandbox_middleware"]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # one backend is enough for processes killed on purpose
+
+
+async def test_dockerd_killed_mid_run_then_reap_takes_exactly_that_run(
+    tmp_path: Path, telemetry: TelemetryCapture
+) -> None:
+    """Creates in flight when dockerd dies are retried or fail typed; the metrics count each outcome
+    once; after the restart, `reap CONFIG --run ID --force` removes that run's containers and no other's."""
+    require_docker()
+    bridge = Path("/sys/class/net/docker0").exists()
+    with private_daemon() as daemon:
+        bare = DockerProvider(socket=daemon.socket)
+        other = stack(bare, [Middleware(OwnershipMiddleware, run_id="other-run")])
+        kept = await other.create(spec())
+        layers = [
+            Middleware(MetricsMiddleware, meter_provider=telemetry.meter_provider),
+            Middleware(ReleaseAccountingMiddleware, meter_provider=telemetry.meter_provider),
+            Middleware(
+                RetryMiddleware,
+                attempts=40,
+                timeout=60,
+                wait_initial=0.05,
+                wait_max=0.2,
+                wait_jitter=0.0,
+                operations=["create"],
+                on=(SandboxCreateError,),
+                meter_provider=telemetry.meter_provider,
+            ),
+            Middleware(OwnershipMiddleware, run_id="killed-run"),
+        ]
+        provider = stack(bare, layers)
+        made: list[str] = []
+        failed: list[BaseException] = []
+
+        async def session() -> None:
+            try:
+                made.append((await provider.create(spec())).sandbox_id)
+            except (SandboxCreateError, DockerUnavailableError) as exc:
+                failed.append(exc)
+
+        async with anyio.create_task_group() as tasks:
+            for _ in range(12):
+                tasks.start_soon(session)
+            await anyio.sleep(0.3)
+            daemon.kill()
+            await anyio.to_thread.run_sync(daemon.start)  # the creates in flight retry meanwhile
+        assert len(made) + len(failed) == 12
+        assert all(isinstance(exc, SandboxCreateError) for exc in failed), failed
+        assert made, "no create rode out the restart"
+        assert telemetry.value("gym.sandbox.create_retry_total") >= 1
+        assert telemetry.histogram_count("gym.sandbox.startup_duration_ms") == len(made)
+        assert telemetry.value("gym.sandbox.failure_total", operation="create") == len(failed)
+        assert telemetry.value("gym.sandbox.active") == len(made)
+
+        config = tmp_path / "docker.yaml"
+        config.write_text(json.dumps({"provider": {"docker": {"socket": daemon.socket}}, "middleware": []}))
+        run_ids = {listing.metadata.get(RUN) for listing in await bare.list(metadata={SESSION_KEY: SESSION})}
+        assert run_ids <= {"killed-run", "other-run"}
+        argv = [*CLI, "reap", str(config), "--run", "killed-run", "--force"]
+        done = await anyio.to_thread.run_sync(lambda: subprocess.run(argv, capture_output=True, text=True, timeout=120))
+        assert done.returncode == 0, done.stdout + done.stderr
+        left = await bare.list(metadata={SESSION_KEY: SESSION})
+        assert [listing.handle.sandbox_id for listing in left] == [kept.sandbox_id]
+        assert set(made) <= set(done.stdout.split())  # reported by id
+        await bare.close(kept)
+        await bare.aclose()
+    assert Path("/sys/class/net/docker0").exists() == bridge  # the machine's daemon keeps its bridge
+
+
+_WORKER = """
+import sys, anyio
+from sandbox_middleware import DockerProvider, Middleware, OwnershipMiddleware, SandboxSpec, stack
+async def main():
+    provider = stack(DockerProvider(), [Middleware(OwnershipMiddleware, run_id=sys.argv[1])])
+    for _ in range(3):
+        handle = await provider.create(SandboxSpec(image=sys.argv[2], metadata={sys.argv[3]: sys.argv[4]}))
+        print(handle.sandbox_id, flush=True)
+    await anyio.sleep(3600)
+anyio.run(main)
+"""
+
+
+async def test_a_killed_workers_containers_are_found_and_reaped(make: Callable[..., DockerProvider]) -> None:
+    from ._support import BUSYBOX
+
+    provider = make()
+    async with await anyio.open_process([sys.executable, "-c", _WORKER, "worker-run", BUSYBOX, SESSION_KEY,
+                                         SESSION]) as worker:  # fmt: skip
+        assert worker.stdout is not None
+        lines = b""
+        with anyio.fail_after(60):
+            async for chunk in worker.stdout:
+                lines += chunk
+                if lines.count(b"\n") == 3:
+                    break
+        worker.send_signal(signal.SIGKILL)
+        await worker.wait()
+    crashed = set(lines.decode().split())
+    live = stack(provider, [Middleware(OwnershipMiddleware, run_id="worker-run")])
+    mine = await live.create(spec())
+    reaped = await reap(provider, run_id="worker-run")
+    assert {entry.sandbox_id for entry in reaped} == crashed
+    assert all(entry.closed and "gone" in entry.reason for entry in reaped)
+    left = {listing.handle.sandbox_id for listing in await provider.list(metadata={RUN: "worker-run"})}
+    assert left == {mine.sandbox_id}
+    await provider.close(mine)
+
+
+async def test_lost_create_responses_are_found_as_orphans(make: Callable[..., DockerProvider]) -> None:
+    injector = FaultInjectingProvider(make(), seed=7, lost_create_rate=0.5)
+    provider = stack(injector, [Middleware(ReleaseAccountingMiddleware), Middleware(OwnershipMiddleware)])
+    accounting = provider
+    ownership = provider.inner  # type: ignore[attr-defined]
+    for _ in range(8):
+        try:
+            await provider.create(spec())
+        except Exception:  # the injected loss raises; the container exists
+            continue
+    assert injector.orphaned
+    orphans = await accounting.orphans(ownership.stamp)  # type: ignore[attr-defined]
+    assert {listing.handle.sandbox_id for listing in orphans} == injector.orphaned
+    for listing in orphans:
+        await provider.close(listing.handle)
+    await accounting.release_held()  # type: ignore[attr-defined]

@@ -1,0 +1,219 @@
+"""DockerProvider on the real daemon: the seven operations, the capabilities, labels, typed errors."""
+
+from __future__ import annotations
+
+import pickle
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandbox_middleware import (
+    CAPABILITIES,
+    DockerProvider,
+    DockerUnavailableError,
+    SandboxArgumentError,
+    SandboxError,
+    SandboxImageNotFoundError,
+    SandboxLimitError,
+    SandboxNotFoundError,
+    SandboxPathError,
+    SandboxStatus,
+    SupportsSandboxList,
+    SupportsSandboxPauseResume,
+    build_provider,
+)
+
+from ._support import PYTHON, SESSION, SESSION_KEY, containers, spec
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_exec_output_exit_code_env_cwd(provider: DockerProvider) -> None:
+    """stdout, stderr and the exit code apart; the spec's env, the call's env, the workdir and cwd."""
+    handle = await provider.create(spec(env={"A": "spec", "B": "spec"}, workdir="work"))
+    result = await provider.exec(handle, 'echo "$A $B $PWD"; echo oops >&2; exit 3', env={"B": "call"})
+    assert (result.stdout, result.stderr, result.return_code, result.error_type) == (
+        "spec call /workspace/work\n", "oops\n", 3, None,
+    )  # fmt: skip
+    await provider.exec(handle, "mkdir sub")
+    assert (await provider.exec(handle, "pwd", cwd="sub")).stdout == "/workspace/work/sub\n"
+    assert (await provider.exec(handle, "pwd", cwd="/tmp")).stdout == "/tmp\n"
+    with pytest.raises(SandboxError, match=re.escape("cwd '/workspace/work/nowhere'")):
+        await provider.exec(handle, "true", cwd="nowhere")
+    await provider.close(handle)
+
+
+async def test_user_is_non_root_and_user_root_has_no_capabilities(provider: DockerProvider) -> None:
+    """The busybox image sets no USER: commands run as uid 65534; the python image's USER is kept;
+    ``user="root"`` is root without capabilities."""
+    handle = await provider.create(spec())
+    assert (await provider.exec(handle, "id -u; id -g")).stdout == "65534\n65534\n"
+    root = await provider.exec(handle, "id -u; grep CapEff /proc/self/status", user="root")
+    assert root.stdout.split() == ["0", "CapEff:", "0000000000000000"]
+    python = await provider.create(spec(PYTHON))
+    assert (await provider.exec(python, "id -un")).stdout == "sandbox\n"
+    await provider.close(handle)
+    await provider.close(python)
+
+
+async def test_files_workdir_and_transfers(provider: DockerProvider, tmp_path: Path) -> None:
+    """spec.files land in the work directory; uploads make parents, downloads come back byte for byte,
+    both in the work directory and in /tmp, owned by the sandbox's user."""
+    handle = await provider.create(spec(files={"src/solve.sh": "echo 42\n", "/tmp/note": "n"}))
+    assert (await provider.exec(handle, "sh src/solve.sh; cat /tmp/note")).stdout == "42\nn"
+    source = tmp_path / "in.bin"
+    source.write_bytes(b"\x00\x01payload" * 1000)
+    await provider.upload_file(handle, source, "data/deep/in.bin")
+    await provider.upload_file(handle, source, "/tmp/in.bin")
+    listing = await provider.exec(handle, "stat -c '%u %s' data/deep/in.bin /tmp/in.bin; echo more >> data/deep/in.bin")
+    assert listing.stdout == "65534 9000\n65534 9000\n" and listing.return_code == 0
+    await provider.download_file(handle, "/tmp/in.bin", tmp_path / "back" / "in.bin")
+    assert (tmp_path / "back" / "in.bin").read_bytes() == source.read_bytes()
+    await provider.download_file(handle, "data/deep/in.bin", tmp_path / "grown.bin")
+    assert (tmp_path / "grown.bin").read_bytes() == source.read_bytes() + b"more\n"
+    with pytest.raises(SandboxError, match=re.escape("'missing.txt' is not a file")):
+        await provider.download_file(handle, "missing.txt", tmp_path / "x")
+    with pytest.raises(SandboxError, match="cannot upload"):
+        await provider.upload_file(handle, tmp_path / "missing", "x")
+    await provider.close(handle)
+
+
+@pytest.mark.parametrize("path", ["../escape", "a/../../escape", "/etc/passwd", "/workspace/../etc/x"])
+async def test_paths_outside_the_writable_directories_are_refused(
+    provider: DockerProvider, tmp_path: Path, path: str
+) -> None:
+    handle = await provider.create(spec())
+    (tmp_path / "in").write_text("x")
+    with pytest.raises(SandboxPathError):
+        await provider.upload_file(handle, tmp_path / "in", path)
+    with pytest.raises(SandboxPathError):
+        await provider.download_file(handle, path, tmp_path / "out")
+    await provider.close(handle)
+
+
+async def test_status_close_and_unknown_handles(provider: DockerProvider) -> None:
+    """close removes the container and its volumes; closing again does nothing; operations after it are typed."""
+    handle = await provider.create(spec())
+    assert await provider.status(handle) == SandboxStatus.RUNNING
+    [container] = [c for c in containers() if c == handle.sandbox_id]
+    await provider.close(handle)
+    await provider.close(handle)
+    assert container not in containers()
+    assert await provider.status(handle) == SandboxStatus.STOPPED
+    with pytest.raises(SandboxNotFoundError, match="no live sandbox"):
+        await provider.exec(handle, "true")
+
+
+async def test_a_missing_image_is_a_typed_error_naming_it(provider: DockerProvider) -> None:
+    """Not a SandboxCreateError: retrying cannot help, and nothing is pulled."""
+    with pytest.raises(
+        SandboxImageNotFoundError, match=re.escape("'sandbox-middleware/nothing:here' is not on the daemon")
+    ):
+        await provider.create(spec("sandbox-middleware/nothing:here"))
+    with pytest.raises(SandboxArgumentError, match=re.escape("spec.image")):
+        await provider.create(spec(image=""))
+
+
+async def test_bad_arguments_are_typed_errors_naming_them(make: Callable[..., DockerProvider]) -> None:
+    with pytest.raises(SandboxArgumentError, match="memory_mib"):
+        make(memory_mib=-1)
+    with pytest.raises(DockerUnavailableError, match=re.escape("no Docker daemon answers at /nowhere.sock")):
+        make(socket="/nowhere.sock")
+    with pytest.raises(DockerUnavailableError, match=re.escape("api_version '1.99'")):
+        make(api_version="1.99")
+    provider = make()
+    with pytest.raises(SandboxLimitError, match="no GPUs"):
+        await provider.create(spec(resources={"gpu": 1}))
+    with pytest.raises(SandboxArgumentError, match="need a network"):
+        await provider.create(spec(ports=[8000]))
+    with pytest.raises(SandboxArgumentError, match=re.escape("spec.metadata key")):
+        await provider.create(spec(metadata={"a=b": "c"}))
+
+
+async def test_api_version_is_negotiated_or_as_asked(make: Callable[..., DockerProvider]) -> None:
+    assert make().api_version == "1.41"  # this machine's daemon; ours goes to 1.43
+    assert make(api_version="1.40").api_version == "1.40"
+
+
+async def test_list_by_metadata_and_close_a_listed_handle(make: Callable[..., DockerProvider]) -> None:
+    """Listing finds sandboxes by label from another provider instance (a process of its own would too)."""
+    maker, finder = make(), make()
+    mine = await maker.create(spec(metadata={"role": "a"}))
+    other = await maker.create(spec(metadata={"role": "b"}))
+    [listed] = await finder.list(metadata={SESSION_KEY: SESSION, "role": "a"})
+    assert listed.handle.sandbox_id == mine.sandbox_id and listed.metadata["role"] == "a"
+    assert listed.created_at is not None
+    await finder.close(listed.handle)
+    assert {listing.handle.sandbox_id for listing in await finder.list(metadata={SESSION_KEY: SESSION})} == {
+        other.sandbox_id
+    }
+    await maker.close(other)
+
+
+async def test_serialize_and_connect_across_providers(make: Callable[..., DockerProvider]) -> None:
+    key = b"k" * 32
+    first, second, stranger = make(connect_key=key), make(connect_key=key), make()
+    handle = await first.create(spec(workdir="w", env={"E": "1"}))
+    descriptor = await first.serialize_handle(handle)
+    again = await second.connect(descriptor)
+    assert (await second.exec(again, "echo $E $PWD")).stdout == "1 /workspace/w\n"
+    with pytest.raises(SandboxError, match="signature does not match"):
+        await stranger.connect(descriptor)
+    with pytest.raises(SandboxError, match="signature does not match"):
+        await second.connect({**descriptor, "sandbox_id": "0" * 64})
+    await second.close(again)
+    with pytest.raises(SandboxNotFoundError):
+        await first.connect(descriptor)
+
+
+async def test_pause_resume(provider: DockerProvider) -> None:
+    handle = await provider.create(spec())
+    await provider.pause(handle)
+    assert await provider.status(handle) == SandboxStatus.PAUSED
+    with pytest.raises(SandboxError, match="after resume"):
+        await provider.exec(handle, "true")
+    await provider.resume(handle)
+    assert (await provider.exec(handle, "echo up")).stdout == "up\n"
+    await provider.close(handle)
+
+
+async def test_endpoint_on_loopback_only(make: Callable[..., DockerProvider]) -> None:
+    """A declared port is published on 127.0.0.1 alone, and serves."""
+    provider = make(network="bridge")
+    handle = await provider.create(spec(PYTHON, ports=[8000], entrypoint=["python3", "-m", "http.server", "8000"]))
+    endpoint = await provider.endpoint(handle, 8000)
+    assert endpoint.endpoint.startswith("http://127.0.0.1:")
+    async with httpx.AsyncClient() as client:
+        for _ in range(100):
+            try:
+                reply = await client.get(endpoint.endpoint)
+                break
+            except httpx.TransportError:
+                import anyio
+
+                await anyio.sleep(0.1)
+        assert reply.status_code == 200
+    with pytest.raises(SandboxError, match="not declared"):
+        await provider.endpoint(handle, 9000)
+    await provider.close(handle)
+
+
+async def test_capabilities_and_pickling(make: Callable[..., DockerProvider]) -> None:
+    provider = make(memory_mib=512)
+    present = {protocol.__name__ for protocol in CAPABILITIES if isinstance(provider, protocol)}
+    assert present == {"SupportsSandboxEndpoint", "ConnectableProvider", "SupportsSandboxPauseResume",
+                       "SupportsSandboxList"}  # fmt: skip
+    assert isinstance(provider, SupportsSandboxList | SupportsSandboxPauseResume)
+    copy = pickle.loads(pickle.dumps(provider))
+    assert isinstance(copy, DockerProvider) and copy._options == provider._options
+
+
+async def test_a_config_builds_it_by_name(docker: None) -> None:
+    provider = build_provider({"provider": {"docker": {"memory_mib": 256}}, "middleware": ["metrics"]})
+    handle = await provider.create(spec())
+    assert (await provider.exec(handle, "echo $((6 * 7))")).stdout == "42\n"
+    await provider.close(handle)
+    await provider.aclose()

@@ -1,0 +1,87 @@
+"""The parsers of DockerProvider that need no daemon: the exec stream's frames, the pid line, paths, stat headers."""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+from pathlib import PurePosixPath
+
+import pytest
+
+from sandbox_middleware import SandboxError, SandboxPathError, SandboxTransferLimitError
+from sandbox_middleware.providers.docker._archive import check_stat, located
+from sandbox_middleware.providers.docker._exec import PidReader
+from sandbox_middleware.providers.docker._streams import Demultiplexer, OutputCapture
+
+
+def _frame(stream: int, data: bytes) -> bytes:
+    return bytes([stream, 0, 0, 0]) + len(data).to_bytes(4, "big") + data
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_frames_split_anywhere_come_back_whole(seed: int) -> None:
+    rng = random.Random(seed)
+    parts = [(rng.choice([1, 2]), rng.randbytes(rng.randrange(0, 300))) for _ in range(50)]
+    body = b"".join(_frame(stream, data) for stream, data in parts) + _frame(0, b"stdin is dropped")
+    out, err = OutputCapture(1 << 20), OutputCapture(1 << 20)
+    demux = Demultiplexer(out, err)
+    at = 0
+    while at < len(body):
+        step = rng.randrange(1, 40)
+        demux.feed(body[at : at + step])
+        at += step
+    want = {s: b"".join(d for stream, d in parts if stream == s) for s in (1, 2)}
+    assert out.text() == want[1].decode("utf-8", "replace") and err.text() == want[2].decode("utf-8", "replace")
+
+
+def test_a_flood_is_bounded_head_and_tail() -> None:
+    out = OutputCapture(100)
+    demux = Demultiplexer(out, OutputCapture(100))
+    demux.feed(_frame(1, b"H" * 60 + b"x" * 10_000 + b"T" * 60))
+    assert out.text().startswith("H" * 50) and out.text().endswith("T" * 50) and out.dropped == 10_020
+
+
+def test_the_pid_line_is_taken_off_stderr() -> None:
+    err = OutputCapture(1000)
+    reader = PidReader(err)
+    for chunk in (b"12", b"3\nreal ", b"stderr"):
+        reader.feed(chunk)
+    assert reader.pid == 123 and err.text() == "real stderr"
+    other = OutputCapture(1000)
+    PidReader(other).feed(b"not a pid\n")
+    assert other.text() == "not a pid\n"
+
+
+MOUNTS = (PurePosixPath("/workspace"), PurePosixPath("/tmp"))
+
+
+@pytest.mark.parametrize(
+    ("path", "mount", "parts"),
+    [("a/b", "/workspace", ("work", "a", "b")), ("/tmp/x", "/tmp", ("x",)), ("/workspace/y", "/workspace", ("y",))],
+)
+def test_paths_land_in_a_writable_directory(path: str, mount: str, parts: tuple[str, ...]) -> None:
+    assert located(path, PurePosixPath("/workspace/work"), MOUNTS, "p") == (PurePosixPath(mount), parts)
+
+
+@pytest.mark.parametrize("path", ["../x", "/etc/passwd", "/tmpx/y", "a/../../b", "bad\0name"])
+def test_paths_elsewhere_are_refused(path: str) -> None:
+    with pytest.raises(SandboxError):
+        located(path, PurePosixPath("/workspace"), MOUNTS, "p")
+
+
+def _stat(mode: int, size: int = 1) -> str:
+    return base64.b64encode(json.dumps({"name": "f", "size": size, "mode": mode}).encode()).decode()
+
+
+def test_only_regular_files_within_the_limit_pass() -> None:
+    check_stat(_stat(0o644, 10), "f", 10)
+    with pytest.raises(SandboxPathError, match="symlink"):
+        check_stat(_stat(1 << 27 | 0o777), "f", 10)
+    for special in (1 << 31, 1 << 25, 1 << 24, 1 << 26 | 1 << 21):
+        with pytest.raises(SandboxError, match="not a file"):
+            check_stat(_stat(special | 0o644), "f", 10)
+    with pytest.raises(SandboxTransferLimitError):
+        check_stat(_stat(0o644, 11), "f", 10)
+    with pytest.raises(SandboxError, match="did not say"):
+        check_stat(None, "f", 10)

@@ -1,0 +1,76 @@
+"""``python -m tokens.proxy``: prints its URL once it listens, serves, and names no upstream in its errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+
+def test_the_command_prints_its_url_and_serves(tmp_path: Path) -> None:
+    with socket.socket() as closed:  # an upstream port where nothing listens
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    env = {**os.environ, "UPSTREAM_KEY": "sk-secret"}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokens.proxy",
+            "--upstream",
+            f"http://127.0.0.1:{port}/v1",
+            "--port",
+            "0",
+            "--upstream-api-key-env",
+            "UPSTREAM_KEY",
+            "--store",
+            f"sqlite:///{tmp_path / 'records.db'}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:")
+        answer = httpx.post(
+            url + "/r/r1/v1/messages",
+            json={"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert answer.status_code == 502 and answer.json()["error"]["type"] == "api_error"
+        assert str(port) not in answer.text and "sk-secret" not in answer.text
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=20)
+    assert process.returncode == 0 and str(port) not in err and "sk-secret" not in err
+    assert (tmp_path / "records.db").exists()
+
+
+def test_bad_options_are_one_line_and_exit_2() -> None:
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokens.proxy",
+            "--upstream",
+            "http://h/v1",
+            "--upstream-api-key-env",
+            "NO_SUCH_VARIABLE_SET",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 2 and "NO_SUCH_VARIABLE_SET is not set" in missing.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "tokens.proxy", "--upstream", "http://h/v1", "--upstream-timeout", "-1"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "upstream_timeout" in bad.stderr

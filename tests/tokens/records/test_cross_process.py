@@ -1,0 +1,81 @@
+"""Across processes and machines' worth of clients: two processes and two Ray workers capture the
+turns of the same rollouts through one PostgreSQL store, each turn continuing a turn another
+worker wrote (found by the lineage resolver, no parent id given); a third process freezes each
+rollout and gets every turn, each parent resolved, delta prompts rebuilt into one trajectory.
+Run it under ``flock /work/wt/ray.lock`` on a shared machine (it starts a local Ray cluster)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.tokens.records.rollout_worker import capture_turns
+
+ROOT = Path(__file__).parents[3]
+ROLLOUTS = [f"rollout-{i}" for i in range(4)]
+TURNS = 8
+WORKERS = 4  # processes 0 and 1, Ray workers 2 and 3
+
+
+def _module(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "tests.tokens.records.rollout_worker", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _ray_capture(url: str, index: int) -> int:
+    return anyio.run(capture_turns, url, ROLLOUTS, TURNS, index, WORKERS)
+
+
+def _require_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        message = "ray is not installed: pip install -e '.[ray]'"
+        if os.environ.get("REQUIRE_RAY") == "1":
+            pytest.fail(message + " (REQUIRE_RAY=1: CI must run these tests)")
+        pytest.skip(message)
+    return ray
+
+
+@pytest.mark.anyio(False)
+def test_two_processes_and_two_ray_workers_share_rollouts_through_postgres(postgres_url: str) -> None:
+    ray = _require_ray()
+    names = ",".join(ROLLOUTS)
+    processes = [_module("capture", postgres_url, names, str(TURNS), str(i), str(WORKERS)) for i in (0, 1)]
+    freezer = _module("freeze", postgres_url, names, str(TURNS))
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", _temp_dir=temp,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})  # fmt: skip
+        try:
+            remote = ray.remote(_ray_capture)
+            captured = ray.get([remote.remote(postgres_url, i) for i in (2, 3)], timeout=300)
+        finally:
+            ray.shutdown()
+        outputs = [process.communicate(timeout=300) for process in processes]
+        report_out, report_err = freezer.communicate(timeout=300)
+    finally:
+        for process in [*processes, freezer]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        subprocess.run(["rm", "-rf", temp], check=False)
+    assert [p.returncode for p in processes] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert freezer.returncode == 0, report_err[-2000:]
+    assert captured == [len(ROLLOUTS) * 2] * 2 and [int(out) for out, _ in outputs] == [len(ROLLOUTS) * 2] * 2
+    report = json.loads(report_out)
+    for rollout in ROLLOUTS:
+        frozen = report[rollout]
+        assert frozen["turns"] == sorted(f"t{t}" for t in range(TURNS)) and not frozen["incomplete"]
+        assert frozen["resolutions"] == ["resolved"]  # no parent unresolved
+        assert frozen["parents"] == {f"t{t}": (f"t{t - 1}" if t else None) for t in range(TURNS)}
+        assert frozen["deltas"] == TURNS - 1 and frozen["segments"] == 1 and frozen["segment_turns"] == TURNS
+        assert frozen["versions"] == [f"worker-{i}" for i in range(WORKERS)]

@@ -1,0 +1,48 @@
+"""A token-capture proxy for agents that cannot be modified: Chat Completions, the Responses API and
+Anthropic Messages in, exact token ids captured from vLLM, answers in the client's own dialect.
+
+``create_app(upstream_url, store=...)`` is the ASGI app; ``python -m tokens.proxy --upstream URL``
+serves it; ``ProxyServer`` serves it on a loopback port in a background thread (tests). Needs the
+``proxy`` extra (``pip install 'llm-sandbox-middleware[proxy]'``). See docs/proxy.md.
+"""
+
+from ._app import DEFAULT_MAX_REQUEST_BYTES, Coordinates, EventStream, create_app
+from ._errors import (
+    CaptureFailedError,
+    ClientTimeoutError,
+    ProxyError,
+    RequestRejectedError,
+    RequestTooLargeError,
+    UpstreamError,
+    UpstreamTimeoutError,
+    anthropic_error_body,
+    openai_error_body,
+)
+from ._messages import MessagesEvents, chat_to_messages, messages_to_chat
+from ._responses import ResponsesEvents, chat_to_responses, responses_to_chat
+from ._server import ProxyServer
+from ._sink import TokenSink
+
+__all__ = [
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "CaptureFailedError",
+    "ClientTimeoutError",
+    "Coordinates",
+    "EventStream",
+    "MessagesEvents",
+    "ProxyError",
+    "ProxyServer",
+    "RequestRejectedError",
+    "RequestTooLargeError",
+    "ResponsesEvents",
+    "TokenSink",
+    "UpstreamError",
+    "UpstreamTimeoutError",
+    "anthropic_error_body",
+    "chat_to_messages",
+    "chat_to_responses",
+    "create_app",
+    "messages_to_chat",
+    "openai_error_body",
+    "responses_to_chat",
+]

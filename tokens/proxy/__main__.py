@@ -1,0 +1,82 @@
+"""``python -m tokens.proxy --upstream URL [--store URL] --host 127.0.0.1 --port PORT``: serve the capture
+proxy; its root URL is printed on one line once it listens (agents use ``<url>/r/<rollout-id>/v1``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from ..records import RecordsError, open_store
+from ._app import DEFAULT_MAX_REQUEST_BYTES, create_app
+from ._server import bound_url, server_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tokens.proxy", description=__doc__)
+    parser.add_argument("--upstream", required=True, help="the OpenAI-compatible base URL, e.g. http://host:8000/v1")
+    parser.add_argument("--store", help="where records go, e.g. sqlite:///records.db (tokens.records.open_store)")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="the port (default: 0, any free one)")
+    parser.add_argument(
+        "--upstream-api-key-env",
+        metavar="NAME",
+        help="the environment variable holding the upstream's API key (never on the command line)",
+    )
+    parser.add_argument("--responses-upstream", choices=("auto", "responses", "chat"), default="auto")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    parser.add_argument("--upstream-timeout", type=float, default=600.0)
+    parser.add_argument("--client-timeout", type=float, default=60.0)
+    return parser
+
+
+async def _serve(server: uvicorn.Server, host: str) -> None:
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            await task
+            raise SystemExit(1)  # uvicorn logged why (the port taken, ...)
+        await asyncio.sleep(0.01)
+    print(bound_url(server, host), flush=True)
+    await task
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    key = None
+    if args.upstream_api_key_env:
+        key = os.environ.get(args.upstream_api_key_env)
+        if not key:
+            print(f"tokens.proxy: the environment variable {args.upstream_api_key_env} is not set", file=sys.stderr)
+            return 2
+    store = None
+    if args.store:
+        try:
+            store = open_store(args.store)
+        except RecordsError as exc:
+            print(f"tokens.proxy: --store: {exc}", file=sys.stderr)
+            return 2
+    try:
+        app = create_app(args.upstream, store=store, upstream_api_key=key, responses_upstream=args.responses_upstream,
+                         max_request_bytes=args.max_request_bytes, upstream_timeout=args.upstream_timeout,
+                         client_timeout=args.client_timeout)  # fmt: skip
+    except ValueError as exc:
+        print(f"tokens.proxy: {exc}", file=sys.stderr)
+        return 2
+    server = uvicorn.Server(server_config(app, args.host, args.port))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_serve(server, args.host))
+    finally:
+        if store is not None:
+            asyncio.run(store.close())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Typed errors of the capture proxy, and their bodies in each dialect (what the official SDKs parse).
+
+Every error the proxy answers with is a ``ProxyError``: an HTTP status, an OpenAI error ``type``
+and an Anthropic error ``type``. Their messages say what was wrong and what to do, and never name
+the upstream (its URL or credentials): a client of the proxy is told the upstream failed, not where it lives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from .._errors import TokensError
+
+__all__ = [
+    "CaptureFailedError",
+    "ClientTimeoutError",
+    "ProxyError",
+    "RequestRejectedError",
+    "RequestTooLargeError",
+    "UpstreamError",
+    "UpstreamTimeoutError",
+    "anthropic_error_body",
+    "openai_error_body",
+]
+
+
+class ProxyError(TokensError):
+    """An answer of the proxy that is an error: ``status``, ``openai_type``, ``anthropic_type``, ``param``."""
+
+    status: ClassVar[int] = 500
+    openai_type: ClassVar[str] = "server_error"
+    anthropic_type: ClassVar[str] = "api_error"
+
+    def __init__(self, message: str, *, param: str | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        if status is not None:
+            self.status = status  # type: ignore[misc]  # an upstream's own status, passed on
+
+
+class RequestRejectedError(ProxyError):
+    """The request cannot be served as sent (a malformed body, an unsupported field); nothing went upstream."""
+
+    status = 400
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+
+
+class RequestTooLargeError(ProxyError):
+    """The request body is over the proxy's ``max_request_bytes``."""
+
+    status = 413
+    openai_type = "invalid_request_error"
+    anthropic_type = "request_too_large"
+
+
+class ClientTimeoutError(ProxyError):
+    """The client sent its request body too slowly (``client_timeout``)."""
+
+    status = 408
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+
+
+class UpstreamError(ProxyError):
+    """The upstream failed: unreachable, an HTTP error, a malformed or cut answer, or one capture cannot use."""
+
+    status = 502
+    openai_type = "upstream_error"
+    anthropic_type = "api_error"
+
+
+class CaptureFailedError(UpstreamError):
+    """The upstream answered, but capture cannot give exact tokens from it (missing, partial or
+    conflicting token metadata, a malformed or oversized answer); with a store, the rollout is marked incomplete."""
+
+
+class UpstreamTimeoutError(UpstreamError):
+    """The upstream did not answer (or went silent mid-stream) within ``upstream_timeout``."""
+
+    status = 504
+    openai_type = "upstream_timeout"
+    anthropic_type = "timeout_error"
+
+
+_ANTHROPIC_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                        404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                        503: "overloaded_error", 504: "timeout_error"}  # fmt: skip
+
+
+def _anthropic_type(error: ProxyError) -> str:
+    if type(error) is ProxyError or type(error) is UpstreamError:
+        return _ANTHROPIC_BY_STATUS.get(error.status, error.anthropic_type)
+    return error.anthropic_type
+
+
+def openai_error_body(error: ProxyError) -> dict[str, Any]:
+    """OpenAI's error shape, which the ``openai`` SDK raises as the ``APIStatusError`` of the status."""
+    return {"error": {"message": str(error), "type": error.openai_type, "param": error.param, "code": error.status}}
+
+
+def anthropic_error_body(error: ProxyError) -> dict[str, Any]:
+    """Anthropic's error shape (``{"type": "error", "error": {...}}``), as the ``anthropic`` SDK parses it."""
+    return {"type": "error", "error": {"type": _anthropic_type(error), "message": str(error)}}
+
+
+for _cls in (
+    ProxyError,
+    CaptureFailedError,
+    RequestRejectedError,
+    RequestTooLargeError,
+    ClientTimeoutError,
+    UpstreamError,
+    UpstreamTimeoutError,
+):
+    _cls.__module__ = "tokens.proxy"

@@ -1,0 +1,126 @@
+"""The proxy's records: one per captured call with a rollout id, through ``tokens.records.RecordWriter``.
+
+Every dialect is recorded as the chat completion it was served as (the converted messages are
+the lineage's items, so a continuation in any dialect finds its parent); a stream's answer is
+gathered chunk by chunk (``StreamRecord``) and its record put before the stream's last events go
+out. ``begin_call`` runs before anything is sent upstream; a capture failure marks the rollout
+incomplete, so a trainer masks it instead of training on a chain with a hole.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._bundle import TokenBundle, TokenCompletion
+from ..records import Coordinates, RecordsError, RecordWriteError, RecordWriter
+from ._chat import TOKEN_FIELDS
+from ._errors import ProxyError, RequestRejectedError
+
+__all__ = ["Recorder", "StreamRecord"]
+
+logger = logging.getLogger("tokens.proxy")
+
+SOURCE = "proxy"
+"""The bundle's source as recorded (the capture chain cross-checked it; records do not keep sources)."""
+
+
+def completion_of(response: Mapping[str, Any], fields: Mapping[str, Any]) -> TokenCompletion:
+    """A chat completion (``response``, first choice) with the bundle ``fields`` as a ``TokenCompletion``."""
+    prompt, generation, log_probs = (fields[name] for name in TOKEN_FIELDS)
+    bundle = TokenBundle(prompt, generation, log_probs, SOURCE, fields.get("routed_experts"))
+    return TokenCompletion(dict(response), (bundle,))
+
+
+@dataclass
+class StreamRecord:
+    """A chat completion stream gathered into the whole answer a record needs (constant work per chunk)."""
+
+    head: dict[str, Any] = field(default_factory=dict)
+    text: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    bundle: dict[str, Any] | None = None
+
+    def feed(self, chunk: Mapping[str, Any]) -> bool:
+        """Gather one chunk; True when it carries the bundles (the stream's answer is then whole)."""
+        if not self.head:
+            self.head = {key: chunk.get(key) for key in ("id", "model", "created")}
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.text.append(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                state = self.calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": []})
+                function = call.get("function") or {}
+                state["id"] = state["id"] or call.get("id") or ""
+                state["name"] = state["name"] or function.get("name") or ""
+                if function.get("arguments"):
+                    state["arguments"].append(function["arguments"])
+        bundles = chunk.get("token_bundles")
+        if bundles:
+            self.bundle = bundles[0]
+        return bool(bundles)
+
+    def completion(self) -> TokenCompletion:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}
+        if self.calls:
+            message["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": "".join(c["arguments"])},
+                }
+                for _, c in sorted(self.calls.items())
+            ]
+        assert self.bundle is not None
+        return completion_of({**self.head, "choices": [{"index": 0, "message": message}]}, self.bundle)
+
+
+class Recorder:
+    """The proxy's side of ``tokens.records``: ``begin``, ``write`` and ``incomplete`` per call."""
+
+    def __init__(self, store: Any) -> None:
+        self.writer = RecordWriter(store)
+        self.store = store
+
+    @staticmethod
+    def coordinates(rollout_id: str | None, call: str, parent: str | None, weight: str | None) -> Coordinates | None:
+        return None if rollout_id is None else Coordinates(rollout_id, call, parent, weight)
+
+    async def begin(self, coordinates: Coordinates | None, chat: Mapping[str, Any]) -> None:
+        if coordinates is None:
+            return
+        n = chat.get("n")
+        if n is not None and n != 1:
+            raise RequestRejectedError(f"n={n!r} with a rollout id: a record holds one choice; send n=1", param="n")
+        try:
+            await self.writer.begin(coordinates)
+        except RecordsError as exc:  # a frozen or retired rollout takes no more calls
+            raise ProxyError(f"rollout {coordinates.rollout_id!r} takes no more calls: {exc}", status=409) from None
+
+    async def write(
+        self, coordinates: Coordinates | None, chat: Mapping[str, Any], completion: TokenCompletion
+    ) -> None:
+        """Put the record (``chat`` is the request as served: its messages are the lineage's items)."""
+        if coordinates is None:
+            return
+        try:
+            await self.writer.write_chat(coordinates, chat, completion)
+        except RecordWriteError as exc:
+            raise ProxyError(
+                f"the record was not stored and the rollout could not be marked incomplete: {exc}"
+            ) from None
+
+    async def incomplete(self, coordinates: Coordinates | None) -> None:
+        """The call's capture failed: the rollout is marked incomplete (best effort; the error still goes back)."""
+        if coordinates is not None:
+            try:
+                await self.store.mark_incomplete(coordinates.rollout_id, coordinates.model_call_id)
+            except Exception as exc:  # the client gets the capture error either way
+                logger.warning("rollout %r, model call %r: capture failed and the rollout could not be marked "
+                               "incomplete (%s)", coordinates.rollout_id, coordinates.model_call_id,
+                               type(exc).__name__)  # fmt: skip

@@ -1,0 +1,333 @@
+"""The OpenAI Responses API to and from chat completions, as pure functions.
+
+``responses_to_chat`` turns a Responses request (``input`` as a string or items: messages,
+``function_call`` and ``function_call_output`` items, earlier output items echoed back) into a chat
+completion request; ``chat_to_responses`` turns the captured chat completion into a Responses
+answer, and ``ResponsesEvents`` does the same for a stream, chunk by chunk (constant work per
+chunk). The bundle rides on the last output item as ``prompt_token_ids``, ``generation_token_ids``
+and ``generation_log_probs`` (NeMo Gym's place for it); the ``openai`` SDK keeps such fields on the
+parsed item (``item.model_extra``, or ``getattr``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._chat import TOKEN_FIELDS, function_tool, required_string, sse, strip_token_fields, text_parts
+from ._errors import RequestRejectedError
+
+__all__ = ["ResponsesEvents", "chat_to_responses", "input_items", "responses_to_chat"]
+
+_TEXT = frozenset({"input_text", "output_text", "text", "refusal"})
+# Sampling fields vLLM takes on chat completions as they are.
+_PASSED = ("temperature", "top_p", "parallel_tool_calls", "seed", "user", "top_k", "min_p", "stop",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "chat_template_kwargs")  # fmt: skip
+_UNSERVED = {"background": "background responses", "conversation": "server-side conversations",
+             "prompt": "stored prompt templates"}  # fmt: skip
+
+
+def input_items(body: Mapping[str, Any]) -> list[Any]:
+    """The request's ``input`` as a list of items (a string is one user message)."""
+    given = body.get("input")
+    if isinstance(given, str):
+        return [{"type": "message", "role": "user", "content": given}]
+    if not isinstance(given, list):
+        raise RequestRejectedError("input: must be a string or a list of items", param="input")
+    return given
+
+
+def responses_to_chat(body: Mapping[str, Any], history: Sequence[Any] = ()) -> dict[str, Any]:
+    """The chat completion request for a Responses request; ``history`` holds the items of a
+    ``previous_response_id`` chain (its inputs and outputs), resolved by the caller."""
+    for name, what in _UNSERVED.items():
+        if body.get(name):
+            raise RequestRejectedError(f"{name}: {what} are not served by the capture proxy", param=name)
+    chat: dict[str, Any] = {"model": body.get("model")}
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    for index, item in enumerate([*history, *input_items(body)]):
+        _add_item(messages, item, f"input[{index}]")
+    chat["messages"] = messages
+    for name in _PASSED:
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    if body.get("tools"):
+        chat["tools"] = [_tool(tool, index) for index, tool in enumerate(body["tools"])]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        chat["tool_choice"] = _tool_choice(choice)
+    response_format = _format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    if body.get("stream"):
+        chat["stream"] = True
+    return chat
+
+
+def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
+    if not isinstance(item, dict):
+        raise RequestRejectedError(f"{where}: an input item must be an object", param="input")
+    kind = item.get("type", "message")
+    if kind == "message" and "role" in item:
+        role = item["role"]
+        if role not in ("user", "assistant", "system", "developer"):
+            raise RequestRejectedError(f"{where}: unknown role {role!r}", param="input")
+        content = text_parts(item.get("content", ""), f"{where}.content", text_types=_TEXT, image="input_image")
+        messages.append({"role": "system" if role == "developer" else role, "content": content})
+    elif kind == "function_call":
+        call = {
+            "id": required_string(item, "input", "call_id", where),
+            "type": "function",
+            "function": {
+                "name": required_string(item, "input", "name", where),
+                "arguments": required_string(item, "input", "arguments", where),
+            },
+        }
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":  # text and calls of one turn are one message
+            last.setdefault("tool_calls", []).append(call)
+            if last.get("content") == "":
+                last["content"] = None
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = item.get("output")
+        content = output if isinstance(output, str) else text_parts(output, f"{where}.output", text_types=_TEXT)
+        messages.append(
+            {"role": "tool", "tool_call_id": required_string(item, "input", "call_id", where), "content": content}
+        )
+    elif kind == "reasoning":
+        return  # the model's own earlier reasoning: chat completions has no place for it
+    else:
+        raise RequestRejectedError(f"{where}: items of type {kind!r} are not served by the capture proxy",
+                                   param="input")  # fmt: skip
+
+
+def _tool(tool: Any, index: int) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise RequestRejectedError(
+            f"tools[{index}]: only function tools are served by the capture proxy (not {kind!r})", param="tools"
+        )
+    return function_tool(tool["name"], tool.get("description"), tool.get("parameters"))
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise RequestRejectedError(f"tool_choice: {choice!r} is not served (auto, none, required or a function)",
+                               param="tool_choice")  # fmt: skip
+
+
+def _format(text: Any) -> dict[str, Any] | None:
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    if fmt["type"] == "json_schema":
+        schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    raise RequestRejectedError(f"text.format: type {fmt['type']!r} is not served", param="text")
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+
+def _usage(usage: Any) -> dict[str, Any] | None:
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}  # fmt: skip
+
+
+def _response(request: Mapping[str, Any], response_id: str, created: int, model: Any, status: str,
+              output: list[dict[str, Any]], usage: Any, finish_reason: Any = None) -> dict[str, Any]:  # fmt: skip
+    incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
+    return {
+        "id": response_id, "object": "response", "created_at": created, "model": model,
+        "status": "incomplete" if incomplete and status == "completed" else status,
+        "error": None, "incomplete_details": incomplete, "instructions": request.get("instructions"),
+        "metadata": request.get("metadata"), "output": output,
+        "parallel_tool_calls": request.get("parallel_tool_calls", True),
+        "temperature": request.get("temperature"), "tool_choice": request.get("tool_choice", "auto"),
+        "tools": list(request.get("tools") or []), "top_p": request.get("top_p"),
+        "max_output_tokens": request.get("max_output_tokens"),
+        "previous_response_id": request.get("previous_response_id"),
+        "text": request.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
+        "usage": _usage(usage), "user": request.get("user"), "store": request.get("store", True),
+    }  # fmt: skip
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}  # fmt: skip
+
+
+def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any], response_id: str) -> dict[str, Any]:
+    """The Responses answer for a captured chat completion (its first choice; its bundle on the last item)."""
+    choice = completion["choices"][0]
+    message = choice.get("message") or {}
+    output: list[dict[str, Any]] = []
+    content = message.get("content")
+    calls = message.get("tool_calls") or []
+    if content or not calls:
+        output.append(_message_item(f"msg_{response_id[5:]}", content or ""))
+    for index, call in enumerate(calls):
+        function = call.get("function") or {}
+        output.append(_call_item(f"fc_{response_id[5:]}_{index}", call.get("id", ""), function.get("name", ""),
+                                 function.get("arguments", "")))  # fmt: skip
+    output[-1].update({name: message[name] for name in TOKEN_FIELDS if name in message})
+    return _response(request, response_id, completion.get("created", int(time.time())), completion.get("model"),
+                     "completed", output, completion.get("usage"), choice.get("finish_reason"))  # fmt: skip
+
+
+def history_of(request: Mapping[str, Any], answer: Mapping[str, Any], earlier: Sequence[Any]) -> list[Any]:
+    """The items a ``previous_response_id`` naming ``answer`` stands for: the earlier chain, this
+    request's input and the answer's output, without bundle fields."""
+    return [*earlier, *input_items(request), *(strip_token_fields(item) for item in answer.get("output", ()))]
+
+
+# -- streams ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    index: int
+    item: dict[str, Any]
+    pieces: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ResponsesEvents:
+    """The Responses stream for a captured chat completion stream: ``start()``, then ``feed(chunk)``
+    per chat chunk, then ``finish()``; each returns the SSE bytes to send (constant work per chunk)."""
+
+    request: Mapping[str, Any]
+    response_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    model: Any = None
+    _sequence: int = 0
+    _items: list[_Item] = field(default_factory=list)
+    _text: _Item | None = None
+    _calls: dict[int, _Item] = field(default_factory=dict)
+    _usage: Any = None
+    _finish: Any = None
+    _bundles: Any = None
+    completed: dict[str, Any] | None = None
+    """The whole answer, once ``finish`` has run (what ``response.completed`` carries)."""
+
+    def _event(self, kind: str, **data: Any) -> bytes:
+        event = sse({"type": kind, "sequence_number": self._sequence, **data}, kind)
+        self._sequence += 1
+        return event
+
+    def _snapshot(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
+        return _response(self.request, self.response_id, self.created, self.model, status, output, self._usage,
+                         self._finish)  # fmt: skip
+
+    def start(self) -> list[bytes]:
+        snapshot = self._snapshot("in_progress", [])
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]  # fmt: skip
+
+    def _open(self, item: dict[str, Any]) -> tuple[_Item, bytes]:
+        opened = _Item(len(self._items), item)
+        self._items.append(opened)
+        added = {**item, "status": "in_progress"}
+        return opened, self._event("response.output_item.added", output_index=opened.index, item=added)
+
+    def feed(self, chunk: Mapping[str, Any]) -> list[bytes]:
+        if self.model is None:
+            self.model = chunk.get("model")
+        if chunk.get("usage") is not None:
+            self._usage = chunk["usage"]
+        if chunk.get("token_bundles"):
+            self._bundles = chunk["token_bundles"][0]
+        out: list[bytes] = []
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue  # a Responses answer has one generation
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out += self._text_delta(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                out += self._call_delta(call)
+            if choice.get("finish_reason") is not None:
+                self._finish = choice["finish_reason"]
+        return out
+
+    def _open_text(self) -> list[bytes]:
+        self._text, added = self._open({"id": f"msg_{self.response_id[5:]}", "type": "message", "role": "assistant",
+                                        "content": []})  # fmt: skip
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [added, self._event("response.content_part.added", item_id=self._text.item["id"],
+                                   output_index=self._text.index, content_index=0, part=part)]  # fmt: skip
+
+    def _text_delta(self, text: str) -> list[bytes]:
+        out = self._open_text() if self._text is None else []
+        assert self._text is not None
+        self._text.pieces.append(text)
+        out.append(self._event("response.output_text.delta", item_id=self._text.item["id"],
+                               output_index=self._text.index, content_index=0, delta=text, logprobs=[]))  # fmt: skip
+        return out
+
+    def _call_delta(self, call: Mapping[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        position = call.get("index", 0)
+        state = self._calls.get(position)
+        function = call.get("function") or {}
+        if state is None:
+            item = _call_item(f"fc_{self.response_id[5:]}_{position}", call.get("id") or "", function.get("name") or "",
+                              "")  # fmt: skip
+            state, added = self._open(item)
+            self._calls[position] = state
+            out.append(added)
+        arguments = function.get("arguments")
+        if arguments:
+            state.pieces.append(arguments)
+            out.append(self._event("response.function_call_arguments.delta", item_id=state.item["id"],
+                                   output_index=state.index, delta=arguments))  # fmt: skip
+        return out
+
+    def finish(self) -> list[bytes]:
+        """The closing events of every item and ``response.completed`` (the bundle on the last item)."""
+        out = self._open_text() if not self._items else []  # an empty answer is still one message
+        output: list[dict[str, Any]] = []
+        for state in self._items:
+            joined = "".join(state.pieces)
+            if state is self._text:
+                final = _message_item(state.item["id"], joined)
+                part = final["content"][0]
+                out += [self._event("response.output_text.done", item_id=final["id"], output_index=state.index,
+                                    content_index=0, text=joined, logprobs=[]),
+                        self._event("response.content_part.done", item_id=final["id"], output_index=state.index,
+                                    content_index=0, part=part)]  # fmt: skip
+            else:
+                item = state.item
+                final = _call_item(item["id"], item["call_id"], item["name"], joined)
+                out.append(self._event("response.function_call_arguments.done", item_id=final["id"],
+                                       output_index=state.index, name=final["name"], arguments=joined))  # fmt: skip
+            output.append(final)
+        if self._bundles is not None:
+            output[-1].update({name: self._bundles[name] for name in TOKEN_FIELDS if name in self._bundles})
+        for state, final in zip(self._items, output, strict=True):
+            out.append(self._event("response.output_item.done", output_index=state.index, item=final))
+        self.completed = self._snapshot("completed", output)
+        out.append(self._event("response.completed", response=self.completed))
+        return out

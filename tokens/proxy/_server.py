@@ -1,0 +1,75 @@
+"""Serving the proxy with uvicorn: on the command line, or on a loopback port in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+import uvicorn
+
+__all__ = ["ProxyServer", "server_config"]
+
+
+def server_config(app: Any, host: str, port: int) -> uvicorn.Config:
+    """uvicorn's settings for the proxy: its lifespan on, idle connections closed after 5 s, header
+    blocks capped at 64 KiB, no access log (it would record every rollout's URL)."""
+    return uvicorn.Config(app, host=host, port=port, lifespan="on", log_level="warning", access_log=False,
+                          timeout_keep_alive=5, h11_max_incomplete_event_size=64 * 2**10,
+                          timeout_graceful_shutdown=5)  # fmt: skip
+
+
+def bound_url(server: uvicorn.Server, host: str) -> str:
+    """The root URL of a started server (its real port when 0 was asked)."""
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return f"http://{host}:{port}"
+
+
+class ProxyServer:
+    """The app served on ``host`` (loopback by default) and a free port in a background thread, for
+    tests and notebooks: ``with ProxyServer(create_app(...)) as server: server.base_url("rollout-1")``.
+    Leaving the block stops the server (its lifespan closes the upstream clients) and the thread."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, startup_timeout: float = 30.0) -> None:
+        self._server = uvicorn.Server(server_config(app, host, port))
+        self._host = host
+        self._startup_timeout = startup_timeout
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self.url = ""
+        """The server's root URL, ``http://127.0.0.1:<port>``, once started."""
+
+    def base_url(self, rollout_id: str | None = None) -> str:
+        """The OpenAI/Anthropic base URL to give an agent: ``<url>/r/<rollout_id>/v1`` (or ``<url>/v1``)."""
+        return f"{self.url}/r/{rollout_id}/v1" if rollout_id is not None else f"{self.url}/v1"
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._server.serve())
+        except BaseException as exc:  # reported to the starting thread
+            self._failure = exc
+
+    def __enter__(self) -> ProxyServer:
+        self._thread = threading.Thread(target=self._run, name="tokens-proxy", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self._startup_timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self._stop()
+                raise RuntimeError(f"the proxy did not start on {self._host} ({self._failure!r})")
+            time.sleep(0.01)
+        self.url = bound_url(self._server, self._host)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+            if self._thread.is_alive():
+                self._server.force_exit = True
+                self._thread.join(timeout=5)

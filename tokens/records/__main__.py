@@ -1,0 +1,7 @@
+"""``python -m tokens.records URL VERB ...``: see ``tokens.records._cli``."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

@@ -1,0 +1,84 @@
+"""PostgreSQL: one store for many machines, through psycopg 3 (the ``postgres`` extra). Each write
+locks its rollout's row (``SELECT ... FOR UPDATE``): writes to one rollout are serialized across
+every client, different rollouts proceed in parallel. psycopg's blocking API runs in worker
+threads, so the store works on asyncio and trio alike."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from ._errors import RecordStoreError
+from ._schema import ddl
+
+__all__ = ["PostgresBackend"]
+
+_SCHEMA_LOCK = 0x746F6B656E73  # pg_advisory_xact_lock key: one DDL run at a time across clients
+INSTALL = "pip install 'llm-sandbox-middleware[postgres]'"
+
+
+class _Cursor:
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        cursor = self._connection.execute(sql.replace("?", "%s"), params)
+        return cursor.fetchall() if cursor.description is not None else []
+
+
+class PostgresBackend:
+    name = "postgresql"
+
+    def __init__(self, url: str, shown: str) -> None:
+        try:
+            import psycopg
+        except ImportError as exc:
+            raise RecordStoreError(f"{shown}: PostgreSQL needs psycopg 3; install it with {INSTALL}") from exc
+        self._psycopg = psycopg
+        self._url = url
+        self._shown = shown
+        self._schema_ready = False
+
+    def connect(self) -> Any:
+        try:
+            connection = self._psycopg.connect(self._url, autocommit=False, connect_timeout=10)
+        except self._psycopg.OperationalError as exc:
+            raise RecordStoreError(
+                f"{self._shown}: cannot connect to PostgreSQL ({exc}); check the URL, the server and its pg_hba.conf"
+            ) from None
+        if not self._schema_ready:
+            try:
+                with self.transaction(connection, write=True) as cursor:
+                    (present,) = cursor.execute("SELECT to_regclass('token_intents') IS NOT NULL")
+                    if not present[0]:
+                        self._create(cursor)
+            except BaseException:
+                connection.close()
+                raise
+            self._schema_ready = True
+        return connection
+
+    @staticmethod
+    def _create(cursor: _Cursor) -> None:
+        """The tables, made once (other clients wait on the advisory lock, then find them made)."""
+        cursor.execute("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
+        for statement in ddl(blob="BYTEA", float_="DOUBLE PRECISION", int_="BIGINT"):
+            cursor.execute(statement)
+        # Token arrays barely compress and pglz costs milliseconds per record: store them as they are.
+        cursor.execute("ALTER TABLE token_records ALTER COLUMN payload SET STORAGE EXTERNAL")
+
+    @contextmanager
+    def transaction(self, connection: Any, *, write: bool) -> Iterator[_Cursor]:
+        try:
+            yield _Cursor(connection)
+        except BaseException:
+            connection.rollback()
+            raise
+        connection.commit()
+
+    def lock_suffix(self) -> str:
+        return " FOR UPDATE"
+
+    def is_broken(self, exc: BaseException) -> bool:
+        return isinstance(exc, self._psycopg.OperationalError | self._psycopg.InterfaceError)

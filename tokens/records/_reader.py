@@ -1,0 +1,137 @@
+"""The trainer's side: a frozen rollout as token arrays and loss masks, then a conditional drop.
+
+``read_rollout(store, rollout_id)`` freezes the rollout, orders its records along their parent
+links, rebuilds delta prompts (each checked against its digest) and feeds them through a
+``Trajectory`` (so drift between turns is found and handled by its policy). Leaving the
+``async with`` block without an exception drops the rollout, only if nothing changed since the
+snapshot (``sample.dropped`` says whether it was).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._bundle import TokenBundle
+from .._chain import LOG_PROB_FLOOR
+from .._trajectory import DriftPolicy, Segment, Trajectory
+from ._errors import MalformedRecordError
+from ._record import UNRESOLVED, TokenRecord, check_digest, cumulative_tokens, weight_spans
+from ._types import TokenCaptureSnapshot
+
+__all__ = ["RolloutSample", "order_records", "read_rollout"]
+
+
+def order_records(entries: Iterable[TokenRecord]) -> list[tuple[TokenRecord, TokenBundle]]:
+    """Records in chain order (a parent before its children, siblings and separate roots by
+    ``created_at``), each with its turn's bundle: the whole prompt rebuilt from delta records."""
+    records = list(entries)
+    by_id = {record.model_call_id: record for record in records}
+    if len(by_id) != len(records):
+        raise MalformedRecordError("a snapshot holds two records with one model_call_id; it is not a snapshot")
+    children: dict[str | None, list[TokenRecord]] = {}
+    for record in records:
+        parent = record.parent_call_id if record.parent_call_id in by_id else None
+        children.setdefault(parent, []).append(record)
+    ordered: list[tuple[TokenRecord, TokenBundle]] = []
+    cumulative: dict[str, list[int]] = {}
+    stack = sorted(children.get(None, []), key=_created, reverse=True)
+    while stack:
+        record = stack.pop()
+        if record.prompt_is_delta and record.parent_call_id not in cumulative:
+            raise MalformedRecordError(
+                f"record {record.model_call_id!r} stores a delta prompt but its parent "
+                f"{record.parent_call_id!r} is not in the snapshot; it cannot be rebuilt"
+            )
+        parent_tokens = cumulative.get(record.parent_call_id or "", [])
+        tokens = cumulative_tokens(record, parent_tokens if record.prompt_is_delta else ())
+        check_digest(record, tokens)
+        cumulative[record.model_call_id] = tokens
+        prompt = tokens[: len(tokens) - len(record.generation_token_ids)]
+        floored = tuple(i for i, value in enumerate(record.generation_log_probs) if value <= LOG_PROB_FLOOR)
+        ordered.append(
+            (
+                record,
+                TokenBundle(
+                    prompt,
+                    list(record.generation_token_ids),
+                    list(record.generation_log_probs),
+                    "record",
+                    record.routed_experts,
+                    floored,
+                    weight_spans(record),
+                ),
+            )
+        )
+        stack.extend(sorted(children.get(record.model_call_id, []), key=_created, reverse=True))
+    if len(ordered) != len(records):
+        raise MalformedRecordError("the snapshot's parent links form a cycle; the records are corrupt")
+    return ordered
+
+
+def _created(record: TokenRecord) -> tuple[float, str]:
+    return record.created_at, record.model_call_id
+
+
+@dataclass
+class RolloutSample:
+    """One frozen rollout, ready for a trainer.
+
+    ``segments`` hold the token ids, loss masks (1 = generated) and log probabilities;
+    ``records`` the records in chain order. ``trainable`` is False when the rollout is incomplete
+    (a lost, failed or conflicting call), a call's parent was unresolved, or a segment drifted
+    under the ``mask`` policy: mask such a sample rather than train on a chain with a hole.
+    """
+
+    snapshot: TokenCaptureSnapshot
+    records: list[TokenRecord]
+    trajectory: Trajectory
+    dropped: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rollout_id(self) -> str:
+        return self.snapshot.rollout_id
+
+    @property
+    def segments(self) -> list[Segment]:
+        return self.trajectory.segments
+
+    @property
+    def trainable(self) -> bool:
+        return not self.notes and all(segment.trainable for segment in self.segments)
+
+
+def sample_of(
+    snapshot: TokenCaptureSnapshot, *, policy: DriftPolicy = "split", boundary_token_ids: Collection[int] = ()
+) -> RolloutSample:
+    trajectory = Trajectory(policy=policy, boundary_token_ids=boundary_token_ids)
+    ordered = order_records(snapshot.entries)
+    for _, bundle in ordered:
+        trajectory.add(bundle)
+    notes = ["incomplete: a call was lost, failed or conflicted"] if snapshot.incomplete else []
+    notes += [
+        f"model call {record.model_call_id!r}: parent unresolved ({record.parent_resolution_reason})"
+        for record, _ in ordered
+        if _status(record) == UNRESOLVED
+    ]
+    return RolloutSample(snapshot, [record for record, _ in ordered], trajectory, notes=notes)
+
+
+def _status(record: Any) -> str:
+    status = record.parent_resolution
+    return str(getattr(status, "value", status))
+
+
+@contextlib.asynccontextmanager
+async def read_rollout(
+    store: Any, rollout_id: str, *, policy: DriftPolicy = "split", boundary_token_ids: Collection[int] = ()
+) -> AsyncIterator[RolloutSample]:
+    """Freeze ``rollout_id`` in ``store`` (a ``TokenSource``) and yield its ``RolloutSample``; on a
+    clean exit drop it, conditionally on the snapshot consumed (``sample.dropped``)."""
+    snapshot = await store.freeze(rollout_id)
+    sample = sample_of(snapshot, policy=policy, boundary_token_ids=boundary_token_ids)
+    yield sample
+    sample.dropped = await store.drop(rollout_id, snapshot_id=snapshot.snapshot_id, version=snapshot.version)

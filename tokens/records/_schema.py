@@ -1,0 +1,24 @@
+"""The tables of a record store; ``{blob}``, ``{float}`` and ``{int}`` are the engine's types."""
+
+from __future__ import annotations
+
+__all__ = ["ddl"]
+
+_DDL = (
+    "CREATE TABLE IF NOT EXISTS token_rollouts (rollout_id TEXT PRIMARY KEY, version {int} NOT NULL, "
+    "frozen {int} NOT NULL, retired {int} NOT NULL, incomplete {int} NOT NULL, snapshot_id TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS token_records (rollout_id TEXT NOT NULL, model_call_id TEXT NOT NULL, "
+    "payload {blob} NOT NULL, payload_sha TEXT NOT NULL, fingerprint TEXT, fingerprint_version {int}, "
+    "context_len {int} NOT NULL, context_digest TEXT NOT NULL, cum_len {int}, digest TEXT, parent_call_id TEXT, "
+    "written_at {float} NOT NULL, PRIMARY KEY (rollout_id, model_call_id))",
+    "CREATE INDEX IF NOT EXISTS token_records_fingerprint ON token_records (rollout_id, fingerprint)",
+    "CREATE TABLE IF NOT EXISTS token_marks (rollout_id TEXT NOT NULL, model_call_id TEXT NOT NULL, "
+    "reason TEXT NOT NULL, marked_at {float} NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS token_marks_rollout ON token_marks (rollout_id)",
+    "CREATE TABLE IF NOT EXISTS token_intents (rollout_id TEXT NOT NULL, model_call_id TEXT NOT NULL, "
+    "PRIMARY KEY (rollout_id, model_call_id))",
+)
+
+
+def ddl(*, blob: str, float_: str, int_: str) -> list[str]:
+    return [statement.format(blob=blob, float=float_, int=int_) for statement in _DDL]

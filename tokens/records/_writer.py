@@ -1,0 +1,289 @@
+"""Capture writes records: a rollout's coordinates per request, and the record put before the
+response is handed back.
+
+Coordinates come as headers (``X-Rollout-Id``, ``X-Model-Call-Id``, ``X-Parent-Call-Id``,
+``X-Weight-Version``) or as top-level request fields of the record's names (``rollout_id``,
+``model_call_id``, ``parent_call_id``, ``weight_version``); ``take_coordinates`` removes both so
+neither reaches the server. ``RecordWriter`` is what ``TokenClient`` and
+``TokenCaptureTransport`` run with ``sink=``, and what a proxy of its own can run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._bundle import TokenBundle, TokenCompletion, WeightVersionSpan
+from .._errors import UnsupportedRequestError
+from ._digest import compute_digest
+from ._errors import RecordWriteError
+from ._fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
+from ._record import RESOLVED, ROOT, UNRESOLVED, TokenRecord, record_payload
+from ._store import RecordStore
+from ._types import NEMO_TOKEN_ENTRY, LineageMatch, ParentResolutionStatus
+
+__all__ = [
+    "COORDINATE_FIELDS",
+    "COORDINATE_HEADERS",
+    "Coordinates",
+    "RecordWriter",
+    "refuse_unrecordable",
+    "take_coordinates",
+]
+
+logger = logging.getLogger("tokens.records")
+
+COORDINATE_FIELDS = ("rollout_id", "model_call_id", "parent_call_id", "weight_version")
+COORDINATE_HEADERS = {f"x-{name.replace('_', '-')}": name for name in COORDINATE_FIELDS}
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
+MAX_COORDINATE_LENGTH = 512
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where one model call belongs: its rollout, its own id, optionally its parent (else found by
+    the lineage resolver) and the policy's weight version."""
+
+    rollout_id: str
+    model_call_id: str
+    parent_call_id: str | None = None
+    weight_version: str | None = None
+
+
+def _value(name: str, value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and name == "weight_version":
+        value = str(value)
+    if not isinstance(value, str) or not value or len(value) > MAX_COORDINATE_LENGTH or not value.isprintable():
+        raise UnsupportedRequestError(
+            f"{name}={value!r}: a record coordinate is a non-empty printable string of at most "
+            f"{MAX_COORDINATE_LENGTH} characters"
+        )
+    return value
+
+
+def take_coordinates(
+    headers: Mapping[str, str], body: Mapping[str, Any]
+) -> tuple[Coordinates | None, dict[str, str], dict[str, Any]]:
+    """The coordinates of a request and the headers and body without them (what the server gets).
+
+    None when no rollout id was given (then nothing is recorded). A field given both ways must
+    agree; a model call id is made (uuid4) when absent: pass one so that a retry is the same call.
+    """
+    kept_headers: dict[str, str] = {}
+    found: dict[str, str] = {}
+    for key, value in headers.items():
+        name = COORDINATE_HEADERS.get(key.lower())
+        if name is None:
+            kept_headers[key] = value
+        else:
+            found[name] = _value(name, value)
+    kept_body = {key: value for key, value in body.items() if key not in COORDINATE_FIELDS}
+    for name in COORDINATE_FIELDS:
+        if name in body and body[name] is not None:
+            value = _value(name, body[name])
+            if found.get(name, value) != value:
+                raise UnsupportedRequestError(f"{name}: the header says {found[name]!r}, the body {value!r}; give one")
+            found[name] = value
+    if "rollout_id" not in found:
+        if found:
+            raise UnsupportedRequestError(f"{sorted(found)} given without a rollout id (X-Rollout-Id or rollout_id)")
+        return None, kept_headers, kept_body
+    coordinates = Coordinates(
+        found["rollout_id"],
+        found.get("model_call_id") or uuid.uuid4().hex,
+        found.get("parent_call_id"),
+        found.get("weight_version"),
+    )
+    return coordinates, kept_headers, kept_body
+
+
+def output_items(response: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat completion's first choice as a Responses-style message item, token arrays removed."""
+    choices = response.get("choices") or []
+    message = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
+    if not isinstance(message, dict):
+        return []
+    item = {key: value for key, value in message.items() if key not in TOKEN_FIELDS}
+    item.setdefault("type", "message")
+    item.setdefault("role", "assistant")
+    return [item]
+
+
+def spans_for(bundle: TokenBundle, version: str | None) -> list[dict[str, Any]] | None:
+    """The record's ``weight_versions``: the server's spans, else one span of the known version."""
+    spans: Sequence[WeightVersionSpan] = bundle.weight_versions
+    if not spans and version is not None and bundle.generation_token_ids:
+        spans = (WeightVersionSpan(version, 0, len(bundle.generation_token_ids)),)
+    return [{"version": s.version, "start": s.start, "end": s.end} for s in spans] if spans else None
+
+
+class RecordWriter:
+    """Writes one record per captured call into ``sink`` (a ``TokenSink``; our ``RecordStore`` is
+    also the lineage resolver). ``weight_version`` is the default policy version (a request's
+    own, or the server's spans, take precedence).
+
+    ``begin`` runs before the request is sent (``begin_call`` when the sink has it: a frozen
+    rollout refuses the call before any compute). ``write_*`` resolves the parent, builds the
+    record (delta prompt when the parent is verified) and awaits ``put``. When ``put`` fails the
+    rollout is marked incomplete and the response still goes back (NeMo Gym's rule: a capture
+    error never fails the model call); when marking fails too, ``RecordWriteError`` is raised.
+    """
+
+    def __init__(self, sink: Any, *, weight_version: str | None = None) -> None:
+        for method in ("put", "mark_incomplete"):
+            if not callable(getattr(sink, method, None)):
+                raise TypeError(
+                    f"sink= must be a token sink with async put and mark_incomplete (such as "
+                    f"tokens.records.open_store(url)); {type(sink).__name__} has no {method}"
+                )
+        self.sink = sink
+        self.weight_version = None if weight_version is None else _value("weight_version", weight_version)
+
+    async def begin(self, coordinates: Coordinates) -> None:
+        begin_call = getattr(self.sink, "begin_call", None)
+        if begin_call is not None:
+            await begin_call(coordinates.rollout_id, coordinates.model_call_id)
+
+    async def write_chat(
+        self,
+        coordinates: Coordinates,
+        request: Mapping[str, Any],
+        completion: TokenCompletion,
+        server_version: str | None = None,
+    ) -> None:
+        """Record a chat completion's first choice (``n`` must be 1 with a sink)."""
+        messages = request.get("messages")
+        items = list(messages) if isinstance(messages, list) else []
+        outputs = output_items(completion.response)
+        server_version = server_version or _reported_version(completion.response)
+        await self._write(coordinates, completion, items, outputs, server_version)
+
+    async def write_token_in(self, coordinates: Coordinates, completion: TokenCompletion) -> None:
+        """Record a token-in call (``/v1/completions``, ``/inference/v1/generate``): the parent is
+        the recorded sequence the prompt extends, verified by digest."""
+        await self._write(coordinates, completion, None, [], _reported_version(completion.response))
+
+    async def _write(
+        self,
+        coordinates: Coordinates,
+        completion: TokenCompletion,
+        items: list[Any] | None,
+        outputs: list[dict[str, Any]],
+        server_version: str | None,
+    ) -> None:
+        bundle = completion.bundle
+        status, match, reason = await self._parent(coordinates, bundle, items)
+        prompt = bundle.prompt_token_ids
+        delta = False
+        if match is not None:
+            parent = match.cumulative_token_ids
+            if len(prompt) >= len(parent) and tuple(prompt[: len(parent)]) == parent:
+                prompt, delta = prompt[len(parent) :], True
+            else:
+                reason = reason or "prompt_does_not_extend_parent"
+        full = bundle.prompt_token_ids + bundle.generation_token_ids
+        fingerprint, context_digest = "", ""
+        if items is not None:
+            try:
+                fingerprint = assistant_fingerprint([*items, *outputs])
+                context_digest = conversation_digest(items)
+            except ValueError:
+                fingerprint, context_digest = "", ""  # content no fingerprint covers: resolvable by parent id only
+        version = coordinates.weight_version or server_version or self.weight_version
+        record = TokenRecord(
+            rollout_id=coordinates.rollout_id,
+            model_call_id=coordinates.model_call_id,
+            model=str(completion.response.get("model") or ""),
+            prompt_token_ids=list(prompt),
+            generation_token_ids=bundle.generation_token_ids,
+            generation_log_probs=bundle.generation_log_probs,
+            routed_experts=bundle.routed_experts,
+            output_items=outputs,
+            token_item_index=0 if outputs else None,
+            response_id=_response_id(completion.response),
+            created_at=time.time(),
+            parent_call_id=match.model_call_id if match is not None else None,
+            cum_len=len(full),
+            digest=compute_digest(full),
+            parent_resolution=status,
+            continuation_fingerprint=fingerprint,
+            continuation_context_len=len(items) if fingerprint and items is not None else 0,
+            continuation_context_digest=context_digest,
+            parent_resolution_reason=reason,
+            fingerprint_version=FINGERPRINT_VERSION if fingerprint else None,
+            prompt_is_delta=delta,
+            weight_versions=spans_for(bundle, version),
+        )
+        await self._put(record)
+
+    async def _parent(
+        self, coordinates: Coordinates, bundle: TokenBundle, items: list[Any] | None
+    ) -> tuple[str, LineageMatch | None, str]:
+        """(parent_resolution, the verified parent or None, the reason)."""
+        sink, rollout = self.sink, coordinates.rollout_id
+        if coordinates.parent_call_id is not None:
+            matcher = getattr(sink, "match", None)
+            if matcher is None:
+                return UNRESOLVED, None, f"parent_call_id {coordinates.parent_call_id!r} given, no store to verify it"
+            match = await matcher(rollout, coordinates.parent_call_id)
+            if match is None:
+                return UNRESOLVED, None, f"parent_call_id {coordinates.parent_call_id!r} has no record in the rollout"
+            return RESOLVED, match, "parent_call_id"
+        if items is not None and callable(getattr(sink, "resolve", None)):
+            resolution = await sink.resolve(rollout, items)
+        elif items is None and callable(getattr(sink, "resolve_prefix", None)):
+            resolution = await sink.resolve_prefix(rollout, bundle.prompt_token_ids)
+        else:
+            return UNRESOLVED, None, "no_lineage_resolver"
+        status = str(ParentResolutionStatus(resolution.status).value)
+        return status, resolution.match, resolution.reason if status != ROOT else ""
+
+    async def _put(self, record: TokenRecord) -> None:
+        entry: Any = record
+        if NEMO_TOKEN_ENTRY is not None and not isinstance(self.sink, RecordStore):
+            entry = NEMO_TOKEN_ENTRY.model_validate(record_payload(record))  # NeMo Gym's own sinks get its class
+        try:
+            await self.sink.put(entry)
+        except Exception as exc:
+            try:
+                await self.sink.mark_incomplete(record.rollout_id, record.model_call_id)
+            except Exception as mark_exc:
+                raise RecordWriteError(
+                    f"rollout {record.rollout_id!r}, model call {record.model_call_id!r}: the record was not stored "
+                    f"({exc!r}) and the rollout could not be marked incomplete ({mark_exc!r}); check the store"
+                ) from exc
+            logger.warning(
+                "rollout %r, model call %r: the record was not stored (%r); the rollout is marked incomplete",
+                record.rollout_id,
+                record.model_call_id,
+                exc,
+            )
+
+
+def _response_id(response: Mapping[str, Any]) -> str | None:
+    value = response.get("id") or response.get("request_id")
+    return value if isinstance(value, str) else None
+
+
+def _reported_version(response: Mapping[str, Any]) -> str | None:
+    value = response.get("weight_version")
+    return value if isinstance(value, str) and value else None
+
+
+def refuse_unrecordable(body: Mapping[str, Any]) -> None:
+    """A recorded call is one non-streamed choice (one record per model call)."""
+    if body.get("stream"):
+        raise UnsupportedRequestError(
+            "stream=true with a rollout id: recorded calls are not streamed yet; send "
+            "stream=false, or leave out the rollout id to stream without a record"
+        )
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise UnsupportedRequestError(
+            f"n={n!r} with a rollout id: a record holds one model call's one choice; "
+            "send n=1 per rollout (one rollout id per sample)"
+        )
