@@ -16,10 +16,10 @@ from typing import Any
 import anyio
 import pytest
 
-import sandbox_middleware
 from sandbox_middleware import (
     INTERCHANGEABLE_FIELDS,
     AdmissionMiddleware,
+    DockerProvider,
     LocalProvider,
     ProviderMiddleware,
     SandboxArgumentError,
@@ -72,13 +72,15 @@ def layer(provider: Any, cls: type) -> Any:
     return provider
 
 
-async def handout_p50_while_ahead(provider: Any, pool: WarmPoolMiddleware) -> tuple[float, list[SandboxHandle]]:
+async def handout_p50_while_ahead(
+    provider: Any, pool: WarmPoolMiddleware, spec: SandboxSpec | None = None
+) -> tuple[float, list[SandboxHandle]]:
     """Fill the pool of 8, then take 8 sandboxes one at a time: the milliseconds of the median hand-out."""
-    await pool.wait_ready(timeout_s=30)
+    await pool.wait_ready(timeout_s=60)
     times, handles = [], []
     for _ in range(8):
         started = time.perf_counter()
-        handles.append(await provider.create(SandboxSpec()))
+        handles.append(await provider.create(spec or SandboxSpec()))
         times.append((time.perf_counter() - started) * 1000)
     return statistics.median(times), handles
 
@@ -119,11 +121,26 @@ async def test_a_pool_on_the_local_provider(telemetry: TelemetryCapture, sandbox
     assert await local.list() == []
 
 
-def test_a_pool_on_the_docker_provider() -> None:
-    docker = getattr(sandbox_middleware, "DockerProvider", None)
-    if docker is None:
-        pytest.skip("sandbox_middleware.DockerProvider does not exist yet (its issue has not landed)")
-    pytest.fail("DockerProvider has landed: write the Docker pool test (as test_a_pool_on_the_local_provider)")
+async def test_a_pool_on_the_docker_provider(telemetry: TelemetryCapture) -> None:
+    """The same on real containers (the shared dockerd; every container carries this session's label)."""
+    from .providers.docker._support import containers, remove_containers, require_docker
+    from .providers.docker._support import spec as docker_spec
+
+    require_docker()
+    docker = DockerProvider()
+    spec = docker_spec()
+    provider = pooled_stack(SlowStart(docker, start_s=0.5), telemetry, size=8, specs=[spec])
+    try:
+        p50, handles = await handout_p50_while_ahead(provider, layer(provider, WarmPoolMiddleware), spec)
+        assert p50 < 5.0
+        assert (await provider.exec(handles[0], "echo warm")).stdout == "warm\n"
+        for handle in handles:
+            await provider.close(handle)
+        await provider.aclose()
+        assert telemetry.value("gym.sandbox.active") == 0
+        assert containers() == []
+    finally:
+        remove_containers()
 
 
 async def test_a_miss_creates_normally_and_starts_its_own_pool(telemetry: TelemetryCapture) -> None:
