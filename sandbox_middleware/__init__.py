@@ -1,5 +1,6 @@
 """Composable middleware for sandbox providers (the NeMo Gym ``SandboxProvider`` protocol)."""
 
+from ._admission import AdmissionMiddleware
 from ._budget import RetryBudget
 from ._config import ResolvedStack, build_provider, load_config, resolve_config
 from ._core import Middleware, Operation, ProviderMiddleware, stack
@@ -9,6 +10,7 @@ from ._errors import (
     ConfigError,
     DockerUnavailableError,
     RegistryError,
+    SandboxAdmissionError,
     SandboxArgumentError,
     SandboxCreateError,
     SandboxCreateVerificationError,
@@ -20,6 +22,8 @@ from ._errors import (
     SandboxNotStartedError,
     SandboxPathError,
     SandboxPtyError,
+    SandboxQuotaExceededError,
+    SandboxRateLimitedError,
     SandboxTransferLimitError,
     SandboxValueError,
 )
@@ -50,6 +54,7 @@ from ._protocol import (
     SupportsSandboxRuntimeRequirements,
     SupportsSandboxSharedStorage,
 )
+from ._quota import QUOTA_CLASSIFIERS, QuotaClassifier, QuotaExhausted, RateLimited, register_quota_classifier
 from ._reaper import ReapedSandbox, reap
 from ._recommended import recommended_middleware
 from ._registry import register_middleware, register_provider
@@ -57,12 +62,16 @@ from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
 from ._retry import DEFAULT_RETRY_ON, RetryMiddleware
 from ._sandbox import Sandbox
 from ._tracing import TracingMiddleware
+from ._warm_pool import INTERCHANGEABLE_FIELDS, WarmPoolMiddleware
 from .providers import DockerProvider, LocalProvider
 
 __all__ = [
     "CAPABILITIES",
     "DEFAULT_RETRY_ON",
+    "INTERCHANGEABLE_FIELDS",
+    "QUOTA_CLASSIFIERS",
     "SANDBOX_CREATE_ERRORS",
+    "AdmissionMiddleware",
     "BwrapUnavailableError",
     "ConfigError",
     "ConnectableProvider",
@@ -76,6 +85,9 @@ __all__ = [
     "Operation",
     "OwnershipMiddleware",
     "ProviderMiddleware",
+    "QuotaClassifier",
+    "QuotaExhausted",
+    "RateLimited",
     "ReapedSandbox",
     "RegistryError",
     "ReleaseAccountingMiddleware",
@@ -83,6 +95,7 @@ __all__ = [
     "RetryBudget",
     "RetryMiddleware",
     "Sandbox",
+    "SandboxAdmissionError",
     "SandboxArgumentError",
     "SandboxCreateError",
     "SandboxCreateVerificationError",
@@ -101,6 +114,8 @@ __all__ = [
     "SandboxPtyError",
     "SandboxPtySession",
     "SandboxPtySpec",
+    "SandboxQuotaExceededError",
+    "SandboxRateLimitedError",
     "SandboxResources",
     "SandboxSpec",
     "SandboxStatus",
@@ -117,12 +132,14 @@ __all__ = [
     "SupportsSandboxRuntimeRequirements",
     "SupportsSandboxSharedStorage",
     "TracingMiddleware",
+    "WarmPoolMiddleware",
     "build_provider",
     "load_config",
     "reap",
     "recommended_middleware",
     "register_middleware",
     "register_provider",
+    "register_quota_classifier",
     "resolve_config",
     "stack",
 ]

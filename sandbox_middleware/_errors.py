@@ -10,12 +10,15 @@ clauses catch ours)::
         │   └── SandboxArgumentError          an unusable argument; the message names it
         ├── SandboxCreateError [NeMo Gym]     the provider could not create a sandbox (retried by default)
         │   ├── SandboxCreateVerificationError [NeMo Gym]   a new sandbox failed its readiness checks
+        │   ├── SandboxRateLimitedError       the provider said "too many" (HTTP 429); retried after Retry-After
         │   └── testing.InjectedCreateError   (also InjectedFault) an injected create failure
         ├── SandboxPtyError [NeMo Gym]        a PTY session failed outside a normal exit
         ├── SandboxNotFoundError              no live sandbox of this provider has that handle
         │   └── SandboxExpiredError           its ttl_s ran out
         ├── SandboxPathError                  a path would leave the sandbox
         ├── SandboxLimitError                 a limit this machine cannot enforce (never retried)
+        ├── SandboxQuotaExceededError         a hard provider quota is exhausted (never retried); names the quota
+        ├── SandboxAdmissionError             the admission layer's shared limiter (SQLite file, Ray actor) failed
         ├── SandboxTransferLimitError         a file larger than max_transfer_bytes
         ├── BwrapUnavailableError             isolation="bwrap" cannot run on this machine
         ├── DockerUnavailableError            no Docker daemon answers at the socket (or not an API version we speak)
@@ -53,6 +56,7 @@ __all__ = [
     "InjectedCreateError",
     "InjectedFault",
     "RegistryError",
+    "SandboxAdmissionError",
     "SandboxArgumentError",
     "SandboxCreateError",
     "SandboxCreateVerificationError",
@@ -64,6 +68,8 @@ __all__ = [
     "SandboxNotStartedError",
     "SandboxPathError",
     "SandboxPtyError",
+    "SandboxQuotaExceededError",
+    "SandboxRateLimitedError",
     "SandboxTransferLimitError",
     "SandboxValueError",
     "UsageError",
@@ -95,6 +101,53 @@ class SandboxCreateError(SandboxError, NemoCreateError):
 
 class SandboxCreateVerificationError(SandboxCreateError, NemoCreateVerificationError):
     """A newly created sandbox failed the provider's readiness checks."""
+
+
+class SandboxRateLimitedError(SandboxCreateError):
+    """The provider refused a create as rate-limited (HTTP 429 or its SDK's rate-limit error).
+
+    A ``SandboxCreateError``, so a retry layer above retries it; the admission layer that raised it
+    holds every create back for ``retry_after_s`` (the provider's ``Retry-After``, or its default)
+    first. ``provider`` names the provider; the provider's own error is ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, provider: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.provider = provider
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rate_limited, (str(self), self.provider, self.retry_after_s))
+
+
+class SandboxQuotaExceededError(SandboxError):
+    """A hard quota of the provider account is exhausted (disk, CPU, sandboxes): asking again cannot
+    succeed until something is freed or the quota raised, so it is never retried.
+
+    ``quota`` names the quota (``"disk"``, ``"cpu"``, ...; ``"unknown"`` when the provider's message
+    does not say), ``provider`` the provider; the provider's own error is ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, provider: str, quota: str) -> None:
+        super().__init__(message)
+        self.provider = provider
+        self.quota = quota
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_quota_exceeded, (str(self), self.provider, self.quota))
+
+
+class SandboxAdmissionError(SandboxError):
+    """The admission layer could not consult its shared limiter (the host's SQLite file, the Ray
+    actor): the create was not attempted. The message names the limiter and what failed."""
+
+
+def _rate_limited(message: str, provider: str, retry_after_s: float) -> SandboxRateLimitedError:
+    return SandboxRateLimitedError(message, provider=provider, retry_after_s=retry_after_s)
+
+
+def _quota_exceeded(message: str, provider: str, quota: str) -> SandboxQuotaExceededError:
+    return SandboxQuotaExceededError(message, provider=provider, quota=quota)
 
 
 class SandboxPtyError(SandboxError, NemoPtyError):
@@ -208,6 +261,9 @@ PUBLIC: dict[str, type[Exception]] = {
         SandboxArgumentError,
         SandboxCreateError,
         SandboxCreateVerificationError,
+        SandboxRateLimitedError,
+        SandboxQuotaExceededError,
+        SandboxAdmissionError,
         SandboxPtyError,
         SandboxNotFoundError,
         SandboxExpiredError,

@@ -183,6 +183,8 @@ def _builtin_middleware() -> dict[str, Callable[[], Any]]:
         "release_accounting": load("._release_accounting", "ReleaseAccountingMiddleware"),
         "retry": load("._retry", "RetryMiddleware"),
         "ownership": load("._ownership", "OwnershipMiddleware"),
+        "admission": load("._admission", "AdmissionMiddleware"),
+        "warm_pool": load("._warm_pool", "WarmPoolMiddleware"),
     }
 
 

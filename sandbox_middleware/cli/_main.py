@@ -30,7 +30,7 @@ from .._reaper import reap
 from .._recommended import recommended_middleware_config
 from ..testing import parse_faults
 from ._export import EXPORTS, start_telemetry
-from ._process import ProcessResult, RunOptions, combine, orphans_row, run_process, with_run_id
+from ._process import ProcessResult, RunOptions, combine, orphans_row, run_process, with_layer, with_run_id
 from ._report import configure_logging, table
 from ._workload import RunState
 
@@ -60,7 +60,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
                     "operations": ["close"],
                     "on": ["SandboxError", "ConnectionError", "TimeoutError"],
                 },
-            ]
+            ],
+            admission={},  # no caps: a 429 waits out its Retry-After, a hard quota fails typed and fast
         ),
         "ownership",  # innermost: every create, retried ones too, names this run and process
     ],
@@ -108,6 +109,16 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of seconds, not {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds, 0 or more, not {text!r}")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of creates per second, not {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of creates per second above 0, not {text!r}")
     return value
 
 
@@ -160,6 +171,10 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds each session waits after each command (the model writing its next turn)",
     )
+    run.add_argument("--warm", type=_integer(1), default=None, metavar="N",
+                     help="keep N ready sandboxes in a warm pool (a warm_pool layer, as recommended)")  # fmt: skip
+    run.add_argument("--max-create-rate", type=_rate, default=None, metavar="R",
+                     help="admit at most R creates per second (the admission layer's max_create_rate)")  # fmt: skip
     run.add_argument("--run-id", default=None, help="the run id the ownership layer stamps (default: a random one)")
     run.add_argument(
         "--ray",
@@ -263,6 +278,10 @@ def _run_command(args: argparse.Namespace) -> int:
         raise UsageError(f"argument --faults: {exc}") from exc
     if args.prometheus_sd_file and (args.ray is None or args.export != "prometheus"):
         raise UsageError("argument --prometheus-sd-file: needs --ray and --export prometheus")
+    if args.warm is not None:
+        resolved = with_layer(resolved, "warm_pool", {"size": args.warm})
+    if args.max_create_rate is not None:
+        resolved = with_layer(resolved, "admission", {"max_create_rate": args.max_create_rate})
     resolved, run_id = with_run_id(resolved, args.run_id or uuid.uuid4().hex[:16])
     options = RunOptions(args.sessions, args.concurrency, args.commands, args.think, faults,
                          args.seed if args.seed is not None else int(time.time()) % 100_000,

@@ -13,16 +13,26 @@ from typing import Any, TypeVar
 
 import anyio
 
-from .._config import ResolvedStack
+from .._config import ResolvedStack, resolve_config
 from .._ownership import OwnershipMiddleware
 from .._protocol import SandboxProvider, SupportsSandboxList
 from .._reaper import ReapedSandbox, close_listed
+from .._registry import middleware_registry
 from .._release_accounting import ReleaseAccountingMiddleware
 from ._export import Telemetry
 from ._report import Points, draw, merge, progress, snapshot
 from ._workload import CLOSE_TIMEOUT_S, RunState, workload
 
-__all__ = ["ProcessResult", "RunOptions", "combine", "find_layer", "orphans_row", "run_process", "with_run_id"]
+__all__ = [
+    "ProcessResult",
+    "RunOptions",
+    "combine",
+    "find_layer",
+    "orphans_row",
+    "run_process",
+    "with_layer",
+    "with_run_id",
+]
 
 T = TypeVar("T")
 
@@ -82,6 +92,29 @@ def with_run_id(resolved: ResolvedStack, run_id: str) -> tuple[ResolvedStack, st
             in_effect = in_effect or layer.options["run_id"]
         layers.append(layer)
     return dataclasses.replace(resolved, middleware=layers), in_effect
+
+
+# Where a layer the command line adds goes: above the first layer of these names (else innermost).
+_PLACE_ABOVE = {
+    "warm_pool": ("metrics", "release_accounting", "retry", "admission", "ownership"),
+    "admission": ("ownership",),
+}
+
+
+def with_layer(resolved: ResolvedStack, name: str, options: dict[str, Any]) -> ResolvedStack:
+    """The stack with ``options`` set on its ``name`` layer (``warm_pool``, ``admission``), which is
+    added where the recommended stack puts it if the config has none: the command line's ``--warm``
+    and ``--max-create-rate``. The options are checked as a config's are."""
+    layers = list(resolved.middleware)
+    cls = middleware_registry.get(name)
+    for index, layer in enumerate(layers):
+        if layer.cls is cls:
+            layers[index] = dataclasses.replace(layer, options={**layer.options, **options})
+            return dataclasses.replace(resolved, middleware=layers)
+    added = resolve_config({"provider": resolved.provider.name, "middleware": [{name: options}]}).middleware[0]
+    above = [i for i, layer in enumerate(layers) if layer.name in _PLACE_ABOVE[name]]
+    layers.insert(above[0] if above else len(layers), added)
+    return dataclasses.replace(resolved, middleware=layers)
 
 
 def run_process(

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from sandbox_middleware import (
@@ -327,3 +328,37 @@ def test_register_provider_takes_precedence(fresh_registries: None) -> None:
         registry.register("local", FaultInjectingProvider)
     registry.register("local", FaultInjectingProvider, replace=True)
     assert registry.get("local") is FaultInjectingProvider
+
+
+def test_admission_and_warm_pool_from_config(tmp_path: Path) -> None:
+    """Both layers by name with every option; out-of-range and unknown values listed in one ConfigError."""
+    from sandbox_middleware import AdmissionMiddleware, WarmPoolMiddleware
+
+    config = {
+        "provider": {"local": {"isolation": "none", "base_dir": str(tmp_path / "boxes")}},
+        "middleware": [
+            {"warm_pool": {"size": 4, "max_age_s": 600, "refill_concurrency": 2, "max_keys": 3}},
+            {"admission": {"max_concurrent_creates": 20, "max_held": 100, "max_create_rate": 5.5, "burst": 2,
+                           "start_jitter_s": 0.5, "shared": "host", "shared_key": "e2b-account",
+                           "shared_path": str(tmp_path / "limits.sqlite"), "max_retry_after_s": 60}},
+        ],
+    }  # fmt: skip
+    provider: Any = build_provider(config)
+    assert isinstance(provider, WarmPoolMiddleware) and isinstance(provider.inner, AdmissionMiddleware)
+    pool, admission = provider, provider.inner
+    assert (pool.size, pool.max_age_s, pool.refill_concurrency, pool.max_keys) == (4, 600, 2, 3)
+    assert (admission.max_concurrent_creates, admission.max_held, admission.max_create_rate) == (20, 100, 5.5)
+    assert (admission.shared, admission.shared_key, admission.shared_path) == (
+        "host", "e2b-account", tmp_path / "limits.sqlite")  # fmt: skip
+    anyio.run(provider.aclose)
+    broken = {
+        "provider": "local",
+        "middleware": [{"warm_pool": {"size": 0}}, {"admission": {"max_create_rate": -1, "shared": "cluster"}}],
+    }
+    with pytest.raises(ConfigError) as caught:
+        resolve_config(broken)
+    assert caught.value.problems == [
+        "middleware[0] (warm_pool): option 'size' must be >= 1, not 0",
+        "middleware[1] (admission): option 'max_create_rate' must be > 0, not -1",
+        "middleware[1] (admission): option 'shared' must be one of 'process', 'host', 'ray', not 'cluster' (str)",
+    ]

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from sandbox_middleware import (
+    AdmissionMiddleware,
     MetricsMiddleware,
     OwnershipMiddleware,
     ReleaseAccountingMiddleware,
@@ -16,6 +17,7 @@ from sandbox_middleware import (
     SandboxHandle,
     SandboxSpec,
     TracingMiddleware,
+    WarmPoolMiddleware,
     recommended_middleware,
     resolve_config,
     stack,
@@ -115,5 +117,43 @@ def test_the_config_form_is_the_same_stack() -> None:
     two = recommended_middleware_config(retry=[{"attempts": 2}, {"operations": ["close"]}])
     assert two[3:] == [{"retry": {"attempts": 2}}, {"retry": {"operations": ["close"]}}]
     default = resolve_config(DEFAULT_CONFIG).middleware
-    assert [layer.cls for layer in default] == [*ORDER, RetryMiddleware, OwnershipMiddleware]
+    assert [layer.cls for layer in default] == [*ORDER, RetryMiddleware, AdmissionMiddleware, OwnershipMiddleware]
+    assert default[5].options == {}  # admission without caps: 429s wait out Retry-After, quotas fail typed
     assert [sorted(layer.options["operations"]) for layer in default[3:5]] == [["create"], ["close"]]
+
+
+def test_admission_and_the_pool_go_where_the_docstring_says(telemetry: TelemetryCapture) -> None:
+    """Each only when its options are given: the pool right below Tracing, admission below Retry; the options
+    and the meter provider reach them; the config form is the same stack."""
+    middleware = recommended_middleware(
+        meter_provider=telemetry.meter_provider, warm_pool={"size": 3}, admission={"max_create_rate": 5}
+    )
+    order = [TracingMiddleware, WarmPoolMiddleware, MetricsMiddleware, ReleaseAccountingMiddleware,
+             RetryMiddleware, AdmissionMiddleware]  # fmt: skip
+    assert [entry.cls for entry in middleware] == order
+    built = layers(stack(PlainProvider(), middleware))
+    pool, admission = built[1], built[5]
+    assert pool.size == 3 and admission.max_create_rate == 5
+    assert pool._instruments._provider is admission._instruments._provider is telemetry.meter_provider
+    assert [entry.cls for entry in recommended_middleware(admission={})] == [*ORDER, AdmissionMiddleware]
+    config = recommended_middleware_config(warm_pool={"size": 3}, admission={"max_create_rate": 5})
+    assert config == ["tracing", {"warm_pool": {"size": 3}}, "metrics", "release_accounting", "retry",
+                      {"admission": {"max_create_rate": 5}}]  # fmt: skip
+    resolved = resolve_config({"provider": "local", "middleware": config})
+    assert [layer.cls for layer in resolved.middleware] == order
+
+
+async def test_a_retried_create_is_admitted_again(telemetry: TelemetryCapture) -> None:
+    """Admission below Retry: the retried attempt waits for its own rate token (two admitted waits)."""
+    provider = stack(
+        FailsFirstCreate(),
+        recommended_middleware(
+            meter_provider=telemetry.meter_provider,
+            retry={"wait_initial": 0.0, "wait_jitter": 0.0},
+            admission={"max_create_rate": 20},
+        ),
+    )
+    await provider.create(SandboxSpec())
+    assert telemetry.histogram_count("gym.sandbox.admission.wait_duration_ms") == 2
+    assert telemetry.value("gym.sandbox.admission.throttled_total", reason="max_create_rate") == 1
+    assert telemetry.value("gym.sandbox.create_retry_total") == 1

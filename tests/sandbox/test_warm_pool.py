@@ -1,0 +1,264 @@
+"""``WarmPoolMiddleware``: ready sandboxes handed out at once, telemetry that stays true, recycling by age,
+refills within admission, a drained ``aclose``, and a crashed pool's sandboxes found by ``reap --run``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from sandbox_middleware import (
+    INTERCHANGEABLE_FIELDS,
+    AdmissionMiddleware,
+    DockerProvider,
+    LocalProvider,
+    ProviderMiddleware,
+    SandboxArgumentError,
+    SandboxHandle,
+    SandboxSpec,
+    WarmPoolMiddleware,
+    recommended_middleware,
+    stack,
+)
+from sandbox_middleware._warm_pool import spec_key
+from sandbox_middleware.testing import FaultInjectingProvider
+from sandbox_middleware.testing.fixtures import TelemetryCapture
+
+from .cli.test_cli import CLI
+from .test_admission import RateLimitedProvider, most_in_one_second
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).parents[2]
+
+
+class SlowStart(ProviderMiddleware):
+    """A scripted provider start: every create takes ``start_s`` more (a remote provider's minute, shortened)."""
+
+    def __init__(self, inner: Any, *, start_s: float) -> None:
+        super().__init__(inner)
+        self.start_s = start_s
+
+    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
+        await anyio.sleep(self.start_s)
+        return await self.inner.create(spec, **extensions)
+
+
+def pooled_stack(provider: Any, telemetry: TelemetryCapture, **pool: Any) -> Any:
+    """The recommended stack with a warm pool and admission, over ``provider``."""
+    return stack(
+        provider,
+        recommended_middleware(
+            meter_provider=telemetry.meter_provider,
+            tracer_provider=telemetry.tracer_provider,
+            warm_pool=pool,
+            admission={},
+        ),
+    )
+
+
+def layer(provider: Any, cls: type) -> Any:
+    while not isinstance(provider, cls):
+        provider = provider.inner
+    return provider
+
+
+async def handout_p50_while_ahead(
+    provider: Any, pool: WarmPoolMiddleware, spec: SandboxSpec | None = None
+) -> tuple[float, list[SandboxHandle]]:
+    """Fill the pool of 8, then take 8 sandboxes one at a time: the milliseconds of the median hand-out."""
+    await pool.wait_ready(timeout_s=60)
+    times, handles = [], []
+    for _ in range(8):
+        started = time.perf_counter()
+        handles.append(await provider.create(spec or SandboxSpec()))
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times), handles
+
+
+async def test_a_pool_of_8_hands_out_at_once_and_telemetry_stays_true(telemetry: TelemetryCapture) -> None:
+    """A 500 ms start: hand-outs from a pool ahead of demand are hits with a p50 under 5 ms; every pooled
+    sandbox counts in gym.sandbox.active; the provider's starts stay in startup_duration_ms."""
+    inner = FaultInjectingProvider(latency={"create": 0.5})
+    provider = pooled_stack(inner, telemetry, size=8, specs=[SandboxSpec()])
+    pool = layer(provider, WarmPoolMiddleware)
+    p50, handles = await handout_p50_while_ahead(provider, pool)
+    assert p50 < 5.0
+    assert telemetry.value("gym.sandbox.pool.handout_total", result="hit") == 8
+    assert telemetry.histogram_count("gym.sandbox.pool.handout_duration_ms", result="hit") == 8
+    # Pooled sandboxes exist and cost money: active counts them beside the 8 handed out.
+    assert telemetry.value("gym.sandbox.active") == len(inner.alive) == 8 + pool.ready()
+    assert telemetry.value("gym.sandbox.pool.ready") == pool.ready()
+    for handle in handles:
+        await provider.close(handle)
+    await pool.wait_ready(timeout_s=30)
+    assert telemetry.histogram_count("gym.sandbox.startup_duration_ms") == 16  # the provider's starts, refills too
+    await provider.aclose()
+    assert inner.alive == set() and telemetry.value("gym.sandbox.active") == 0
+    assert telemetry.value("gym.sandbox.pool.recycled_total", reason="drain") == 8
+    assert telemetry.value("gym.sandbox.pool.ready") == 0
+
+
+async def test_a_pool_on_the_local_provider(telemetry: TelemetryCapture, sandbox_base: Path) -> None:
+    """The same on real local sandboxes with a scripted 500 ms start; a handed-out sandbox runs commands."""
+    local = LocalProvider(isolation="none", base_dir=sandbox_base)
+    provider = pooled_stack(SlowStart(local, start_s=0.5), telemetry, size=8, specs=[SandboxSpec()])
+    p50, handles = await handout_p50_while_ahead(provider, layer(provider, WarmPoolMiddleware))
+    assert p50 < 5.0
+    assert (await provider.exec(handles[0], "echo warm")).stdout == "warm\n"
+    for handle in handles:
+        await provider.close(handle)
+    await provider.aclose()
+    assert await local.list() == []
+
+
+async def test_a_pool_on_the_docker_provider(telemetry: TelemetryCapture) -> None:
+    """The same on real containers (the shared dockerd; every container carries this session's label)."""
+    from .providers.docker._support import containers, remove_containers, require_docker
+    from .providers.docker._support import spec as docker_spec
+
+    require_docker()
+    docker = DockerProvider()
+    spec = docker_spec()
+    provider = pooled_stack(SlowStart(docker, start_s=0.5), telemetry, size=8, specs=[spec])
+    try:
+        p50, handles = await handout_p50_while_ahead(provider, layer(provider, WarmPoolMiddleware), spec)
+        assert p50 < 5.0
+        assert (await provider.exec(handles[0], "echo warm")).stdout == "warm\n"
+        for handle in handles:
+            await provider.close(handle)
+        await provider.aclose()
+        assert telemetry.value("gym.sandbox.active") == 0
+        assert containers() == []
+    finally:
+        remove_containers()
+
+
+async def test_a_miss_creates_normally_and_starts_its_own_pool(telemetry: TelemetryCapture) -> None:
+    inner = FaultInjectingProvider(latency={"create": 0.05})
+    provider = pooled_stack(inner, telemetry, size=2)
+    pool = layer(provider, WarmPoolMiddleware)
+    first = await provider.create(SandboxSpec(image="python:3.12"))  # no pool yet for this key: a miss
+    assert telemetry.value("gym.sandbox.pool.handout_total", result="miss") == 1
+    await pool.wait_ready(timeout_s=10)
+    # files are written after the hand-out, so they do not matter; the image does
+    hit = await provider.create(SandboxSpec(image="python:3.12", files={"a.txt": "x"}))
+    other = await provider.create(SandboxSpec(image="python:3.13"))
+    assert telemetry.value("gym.sandbox.pool.handout_total", result="hit") == 1
+    assert telemetry.value("gym.sandbox.pool.handout_total", result="miss") == 2
+    for handle in (first, hit, other):
+        await provider.close(handle)
+    await provider.aclose()
+    assert inner.alive == set()
+
+
+def test_which_fields_make_sandboxes_interchangeable() -> None:
+    base = SandboxSpec(image="img", env={"A": "1", "B": "2"}, resources={"cpu": 1})
+    assert spec_key(base) == spec_key(SandboxSpec(image="img", env={"B": "2", "A": "1"}, resources={"cpu": 1.0}))
+    assert spec_key(base) == spec_key(dataclasses.replace(base, files={"x": "y"}, ready_timeout_s=5))
+    for name, value in [("image", "other"), ("env", {"A": "9"}), ("resources", {"cpu": 2}), ("workdir", "/w"),
+                        ("entrypoint", ["sh"]), ("ports", [8080]), ("ttl_s", 60), ("metadata", {"task": "7"}),
+                        ("provider_options", {"gpu": True})]:  # fmt: skip
+        assert name in INTERCHANGEABLE_FIELDS
+        assert spec_key(base) != spec_key(dataclasses.replace(base, **{name: value})), name
+
+
+async def test_old_sandboxes_are_recycled(telemetry: TelemetryCapture) -> None:
+    inner = FaultInjectingProvider(latency={"create": 0.02})
+    provider = pooled_stack(inner, telemetry, size=2, max_age_s=0.3, specs=[SandboxSpec()])
+    pool = layer(provider, WarmPoolMiddleware)
+    await pool.wait_ready(timeout_s=10)
+    first_ids = {handle.sandbox_id for _, handle in next(iter(pool._pools.values())).ready}
+    await anyio.sleep(0.5)
+    await pool.wait_ready(timeout_s=10)
+    handle = await provider.create(SandboxSpec())
+    assert handle.sandbox_id not in first_ids
+    assert telemetry.value("gym.sandbox.pool.recycled_total", reason="max_age") >= 2
+    assert not first_ids & inner.alive  # the old ones were closed, not leaked
+    await provider.close(handle)
+    await provider.aclose()
+    assert inner.alive == set()
+
+
+async def test_refills_stay_within_the_admission_limits(telemetry: TelemetryCapture) -> None:
+    """Refills go through admission: a pool of 40 behind a limit of 20 creates/s, a held cap of 30."""
+    inner = RateLimitedProvider(limit=21)
+    provider = pooled_stack(inner, telemetry, size=40, specs=[SandboxSpec()])
+    admission = layer(provider, AdmissionMiddleware)
+    admission.max_create_rate, admission.max_held = 20, 30
+    pool = layer(provider, WarmPoolMiddleware)
+    pool._start()
+    with anyio.move_on_after(2.0):
+        await pool.wait_ready()
+    assert inner.refused == [] and most_in_one_second(inner.seen) <= 21
+    assert 20 <= len(inner.alive) <= 30  # the held cap counts pooled sandboxes
+    await provider.aclose()
+    assert inner.alive == set() and admission.held_slots() == 0
+
+
+def test_bad_options_are_refused_in_words() -> None:
+    with pytest.raises(SandboxArgumentError, match="size must be >= 1"):
+        WarmPoolMiddleware(FaultInjectingProvider(), size=0)
+    with pytest.raises(SandboxArgumentError, match="max_age_s must be > 0"):
+        WarmPoolMiddleware(FaultInjectingProvider(), size=1, max_age_s=0)
+
+
+# -- a crashed pool process, reaped ----------------------------------------------------------------
+
+POOL_PROCESS = """
+import sys, anyio
+from pathlib import Path
+from sandbox_middleware import *
+
+async def main(base, run_id):
+    provider = stack(LocalProvider(isolation="none", base_dir=Path(base)), [
+        Middleware(WarmPoolMiddleware, size=4, specs=[SandboxSpec()]),
+        Middleware(ReleaseAccountingMiddleware), Middleware(AdmissionMiddleware),
+        Middleware(OwnershipMiddleware, run_id=run_id),
+    ])
+    await provider.wait_ready(timeout_s=60)
+    print("ready", flush=True)
+    await anyio.sleep_forever()
+
+anyio.run(main, sys.argv[1], sys.argv[2])
+"""
+
+
+def _listed(base: Path) -> list[Any]:
+    async def listed() -> list[Any]:
+        provider = LocalProvider(isolation="none", base_dir=base)
+        try:
+            return await provider.list()
+        finally:
+            await provider.aclose()  # leaves what it only listed
+
+    return anyio.run(listed)
+
+
+def test_a_crashed_pools_sandboxes_are_reaped_by_run(tmp_path: Path, sandbox_base: Path) -> None:
+    process = subprocess.Popen([sys.executable, "-c", POOL_PROCESS, str(sandbox_base), "crashed-pool"],
+                               stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "ready\n"
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(30)
+    finally:
+        process.kill()
+    listed = _listed(sandbox_base)
+    assert len(listed) == 4 and {item.metadata["sandbox_middleware.run_id"] for item in listed} == {"crashed-pool"}
+    config = tmp_path / "stack.yaml"
+    config.write_text(f'provider: {{local: {{isolation: none, base_dir: "{sandbox_base}"}}}}\n')
+    reaped = subprocess.run([*CLI, "reap", str(config), "--run", "crashed-pool"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)  # fmt: skip
+    assert reaped.returncode == 0, reaped.stderr
+    assert {line.split()[0] for line in reaped.stdout.splitlines()} == {item.handle.sandbox_id for item in listed}
+    assert _listed(sandbox_base) == []
