@@ -3,6 +3,7 @@ tests that need bubblewrap skipped (failed with REQUIRE_BWRAP=1) where it cannot
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Generator, Iterator
@@ -12,6 +13,13 @@ import pytest
 
 from .bwrap import bwrap_problem, only_bwrap_unavailable, required, unavailable
 from .vllm.server import require_vllm_python, running_server
+
+# The tests' Ray clusters listen on loopback only. Ray 2.60 turns token authentication on for a new
+# local cluster (``ray.init()`` without an address) and writes ~/.ray/auth_token, which then switches
+# every later ``ray start`` on the machine to token mode (and a client without it fails with
+# InvalidAuthToken): a file left behind that changes other runs. Set before any test imports ray,
+# inherited by the heads, workers and CLI processes the tests start.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def pytest_configure(config: pytest.Config) -> None:
