@@ -24,6 +24,8 @@ that; it is invisible on a rendered page and plain to anyone editing one:
 
 An example that constructs a ``LocalProvider`` needs bubblewrap: where ``bwrap`` is not on PATH it is
 skipped, saying to ``apt-get install bubblewrap``; with ``REQUIRE_BWRAP=1`` (CI) that is a failure.
+One that constructs a ``DockerProvider`` needs a Docker daemon (the test images are built when
+missing): it is skipped in one line where none answers; with ``REQUIRE_DOCKER=1`` that is a failure.
 
 A traceback from an example names the Markdown page and the line of the failing statement.
 """
@@ -51,6 +53,7 @@ from pytest_llm_sandbox_middleware import running_capture_proxy
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests.bwrap import bwrap_problem, unavailable
+from tests.sandbox.providers.docker._support import require_docker
 from tokens.testing import FAKE_VLLM_URL, FakeVLLM
 
 ROOT = Path(__file__).parents[2]
@@ -120,6 +123,7 @@ def fake_vllm_at(*urls: str) -> Iterator[FakeVLLM]:
     with respx.mock(assert_all_called=False) as router:
         for url in urls:
             router.route(url__startswith=url).mock(side_effect=fake)
+        router.route(host="docker").pass_through()  # DockerProvider's Engine API calls, on its UNIX socket
         yield fake
 
 
@@ -196,6 +200,8 @@ def test_example_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPa
         pytest.skip(f"{block.where} not run: {block.not_run}")
     if "LocalProvider(" in block.code:
         require_bwrap()
+    if "DockerProvider(" in block.code:
+        require_docker()  # a daemon and the test images (built here when missing), or one skip line
     for other in BLOCKS:
         if other.page == block.page and other.file is not None:
             (tmp_path / other.file).write_text(other.code)
