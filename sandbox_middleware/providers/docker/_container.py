@@ -40,6 +40,7 @@ _MOUNTS = "sandbox_middleware.docker.mounts"
 _PORTS = "sandbox_middleware.docker.ports"
 TMP = PurePosixPath("/tmp")
 DEFAULT_MOUNT = PurePosixPath("/workspace")
+SHM_BYTES = 16 << 20
 
 
 @dataclass
@@ -131,6 +132,10 @@ def create_body(plan: Plan) -> dict[str, Any]:
         "CapDrop": ["ALL"],
         "SecurityOpt": ["no-new-privileges"],
         "ReadonlyRootfs": True,
+        # The provider never reads container logs: with a log driver, output of the main process (or
+        # a command writing to /proc/1/fd/1) would grow a file on the host's disk without bound.
+        "LogConfig": {"Type": "none", "Config": {}},
+        "ShmSize": SHM_BYTES,  # /dev/shm: a tmpfs charged to the memory cgroup
     }
     mounts = ",".join(str(mount) for mount in (plan.mount, TMP))
     labels = {

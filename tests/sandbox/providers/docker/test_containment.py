@@ -172,3 +172,19 @@ async def test_ttl_is_enforced_whatever_the_entrypoint(provider: DockerProvider)
             while client.get(f"/containers/{handle.sandbox_id}/json").status_code != 404:
                 await anyio.sleep(0.2)
     await provider.close(handle)
+
+
+async def test_output_to_the_main_process_fills_no_host_disk(provider: DockerProvider) -> None:
+    """50 MB written to PID 1's stdout and stderr (writable by the sandbox's user) lands in no log
+    file on the host: the container has no log driver; /dev/shm is a small tmpfs."""
+    handle = await provider.create(spec(entrypoint=["sh", "-c", "head -c 5000000 /dev/zero; sleep 1000"]))
+    flood = "head -c 50000000 /dev/zero > /proc/1/fd/1; head -c 50000000 /dev/zero > /proc/1/fd/2; echo done"
+    assert (await provider.exec(handle, flood)).stdout == "done\n"
+    with engine() as client:
+        info = client.get(f"/containers/{handle.sandbox_id}/json").json()
+    assert info["HostConfig"]["LogConfig"]["Type"] == "none"
+    log = info.get("LogPath") or ""
+    assert log == "" or not os.path.exists(log) or os.path.getsize(log) < 4096
+    shm = await provider.exec(handle, "dd if=/dev/zero of=/dev/shm/big bs=1M count=64")
+    assert shm.return_code != 0 and "No space left" in shm.stderr
+    await provider.close(handle)
