@@ -8,15 +8,21 @@ no fork is needed, so a command holding every pid of the pids limit is killed to
 kills every process still carrying the marker and the process group of each, round after round
 until none is left. A command that both clears its environment and leaves its process group escapes this kill;
 ``close`` and the TTL remove the whole container, and everything in it, in any case.
+
+Where the provider runs as root beside the daemon (the container's processes are in this host's
+``/proc``), the provider kills from the host instead (``host_victims``): with the container paused
+(the freezer: nothing forks or fights back), it reads each process's environment and process group
+from ``/proc`` and SIGKILLs those of the command; the in-container kill is the fallback.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterable
 
 from ._streams import OutputCapture
 
-__all__ = ["KILL", "MARKER", "RUN", "PidReader", "new_marker"]
+__all__ = ["KILL", "MARKER", "RUN", "PidReader", "host_victims", "new_marker"]
 
 MARKER = "SANDBOX_MIDDLEWARE_EXEC"
 
@@ -43,6 +49,40 @@ for round in 1 2 3 4 5 6 7 8 9 10; do
 done
 exit 1
 """
+
+
+def _group(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        return int(stat.read().rpartition(b")")[2].split()[2])
+
+
+def host_victims(container: str, marker: str, pids: Iterable[int], init: int) -> list[int] | None:
+    """The host pids (of ``pids``, the container's, from ``GET /containers/{id}/top``) of one command:
+    those carrying ``marker`` and every process in their process groups but the group of the
+    container's init (host pid ``init``). None when a pid is not a process of ``container`` in this
+    host's ``/proc`` (a daemon elsewhere, or not root): the caller kills from inside instead."""
+    groups: dict[int, int] = {}
+    marked = marker.encode()
+    carriers = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cgroup", "rb") as cgroup:
+                if container.encode() not in cgroup.read():
+                    return None
+            groups[pid] = _group(pid)
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if marked in environ.read().split(b"\0"):
+                    carriers.add(pid)
+        except FileNotFoundError:
+            continue  # it ended meanwhile
+        except (OSError, ValueError, IndexError):
+            return None
+    try:
+        spared = _group(init)
+    except (OSError, ValueError, IndexError):
+        return None
+    wanted = {groups[pid] for pid in carriers} - {spared}
+    return [pid for pid, group in groups.items() if pid in carriers or group in wanted]
 
 
 def new_marker() -> str:

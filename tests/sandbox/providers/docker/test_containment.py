@@ -188,3 +188,51 @@ async def test_output_to_the_main_process_fills_no_host_disk(provider: DockerPro
     shm = await provider.exec(handle, "dd if=/dev/zero of=/dev/shm/big bs=1M count=64")
     assert shm.return_code != 0 and "No space left" in shm.stderr
     await provider.close(handle)
+
+
+def _processes(handle_id: str) -> list[str]:
+    """The command lines of a container's processes, seen from the host."""
+    with engine() as client:
+        top = client.get(f"/containers/{handle_id}/top").json()
+    return [row[-1] for row in top["Processes"]]
+
+
+async def _settled(handle_id: str, expected: list[str]) -> list[str]:
+    """The container's processes once the killed ones are reaped (a few seconds at most)."""
+    with anyio.move_on_after(5):
+        while _processes(handle_id) != expected:
+            await anyio.sleep(0.2)
+    return _processes(handle_id)
+
+
+async def test_a_command_holding_every_pid_leaves_nothing_after_its_timeout(
+    make: Callable[..., DockerProvider],
+) -> None:
+    """A session of its own forking sleeps until the pids limit is full: an in-container kill could
+    not fork a thing; the kill from the host leaves nothing of the command."""
+    provider = make(pids=64)
+    handle = await provider.create(spec())
+    before = _processes(handle.sandbox_id)  # init and the keep-alive loop
+    bomb = "setsid sh -c 'while :; do sleep 1000 & done' >/dev/null 2>&1 & sleep 30"
+    with anyio.fail_after(30):
+        result = await provider.exec(handle, bomb, timeout_s=3)
+    assert result.error_type == "timeout"
+    assert await _settled(handle.sandbox_id, before) == before
+    assert (await provider.exec(handle, "echo alive")).stdout == "alive\n"
+    await provider.close(handle)
+
+
+async def test_a_watcher_killing_the_kill_leaves_nothing_after_the_timeout(provider: DockerProvider) -> None:
+    """A watcher in its own session SIGKILLs every process that looks like the provider's kill; the
+    container is frozen while the host kills, so it never gets the chance."""
+    handle = await provider.create(spec())
+    before = _processes(handle.sandbox_id)
+    watcher = (
+        'setsid sh -c \'while :; do for d in /proc/[0-9]*; do grep -q "for roun[d]" $d/cmdline 2>/dev/null '
+        "&& kill -9 ${d#/proc/}; done; done' >/dev/null 2>&1 & sleep 1001"
+    )
+    with anyio.fail_after(30):
+        result = await provider.exec(handle, watcher, timeout_s=3)
+    assert result.error_type == "timeout"
+    assert await _settled(handle.sandbox_id, before) == before
+    await provider.close(handle)
