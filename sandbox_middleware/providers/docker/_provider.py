@@ -185,6 +185,8 @@ class DockerProvider:
         plan = await self._plan(spec)
         body = create_body(plan)
         name = f"sandbox-{uuid.uuid4().hex[:12]}"
+        if plan.deadline is not None:  # before the container exists: a worker killed from here leaves none unwatched
+            self._watchdog.ensure()
         container = await self._create_container(name, body, plan.image)
         try:
             await self._api.call("POST", f"/containers/{container}/start", f"start container {name}")

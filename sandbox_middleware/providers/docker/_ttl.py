@@ -1,11 +1,12 @@
 """DockerProvider's TTL watchdog: a process of its own that removes containers whose deadline has passed.
 
 A container made with ``spec.ttl_s`` carries its deadline in the label ``EXPIRES`` (seconds since
-the epoch), whatever its entrypoint. One watchdog per daemon socket (a ``flock``ed lock file in the
-temp directory) lists the containers with that label every ``POLL_S`` seconds and force-removes
-(with their volumes) those past their deadline. It runs in its own session, apart from the process
-that started it, so a TTL holds when that process is killed; it exits once no container with a
-deadline is left, and after ``DOWN_S`` seconds of a daemon that does not answer.
+the epoch), whatever its entrypoint. One watchdog per daemon socket (a ``flock``ed lock file in a
+directory only this user can write, ``lock_path``) lists the containers with that label every
+``POLL_S`` seconds and force-removes (with their volumes) those past their deadline. It runs in
+its own session, apart from the process that started it, so a TTL holds when that process is
+killed; it exits once no container with a deadline has been left for ``IDLE_S`` seconds, and after
+``DOWN_S`` seconds of a daemon that does not answer.
 
 This file imports only the standard library and httpx: the provider starts it as
 ``python _ttl.py SOCKET VERSION LOCK``, which must not pay for importing the package.
@@ -18,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -29,18 +31,53 @@ __all__ = ["EXPIRES", "POLL_S", "WatchdogLauncher", "lock_path"]
 
 EXPIRES = "sandbox_middleware.docker.expires_at"
 POLL_S = 0.5
+IDLE_S = 10.0  # with no container left: a create that started it may not have made its container yet
 DOWN_S = 120.0
 
 
+def _private_dir() -> str:
+    """A directory only this user can write: /run/sandbox_middleware for root, else $XDG_RUNTIME_DIR
+    when it is ours and 0700, else ``sandbox_middleware-<euid>`` (0700, ours) in the temp directory."""
+    euid = os.geteuid()
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if euid == 0:
+        directory = "/run/sandbox_middleware"
+    elif runtime and _owned(runtime):
+        return runtime
+    else:
+        directory = os.path.join(tempfile.gettempdir(), f"sandbox_middleware-{euid}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    if not _owned(directory):
+        raise PermissionError(
+            f"{directory} is not a directory of uid {euid} with mode 0700 (another user made it?); remove it, "
+            "or set XDG_RUNTIME_DIR to a private directory"
+        )
+    return directory
+
+
+def _owned(directory: str) -> bool:
+    try:
+        info = os.lstat(directory)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o077
+
+
 def lock_path(socket: str) -> str:
+    """The lock file of the watchdog of ``socket``, in a directory no other user can write."""
     digest = hashlib.sha256(os.path.abspath(socket).encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"docker-ttl-{os.geteuid()}-{digest}.lock")
+    return os.path.join(_private_dir(), f"docker-ttl-{digest}.lock")
+
+
+def _open_lock(lock: str) -> int:
+    return os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
 
 
 def _running(lock: str) -> bool:
     """Whether a watchdog holds ``lock`` now."""
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _open_lock(lock)
     except OSError:
         return False
     try:
@@ -98,7 +135,7 @@ def _expired(client: httpx.Client, now: float) -> tuple[list[str], bool]:
 
 
 def main(socket: str, version: str, lock: str) -> int:
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = _open_lock(lock)
     for _ in range(20):  # a launcher's check holds the lock for an instant
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -124,7 +161,7 @@ def main(socket: str, version: str, lock: str) -> int:
                 any_left = True
             if not any_left:  # a short grace: a create may be adding one right now
                 idle_since = idle_since or time.monotonic()
-                if time.monotonic() - idle_since > 2 * POLL_S:
+                if time.monotonic() - idle_since > IDLE_S:
                     return 0
             else:
                 idle_since = None

@@ -161,3 +161,35 @@ async def test_lost_create_responses_are_found_as_orphans(make: Callable[..., Do
     for listing in orphans:
         await provider.close(listing.handle)
     await accounting.release_held()  # type: ignore[attr-defined]
+
+
+async def test_a_ttl_container_is_watched_before_it_exists(
+    make: Callable[..., DockerProvider], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker killed between the container's create and the end of ``create`` (seeding) leaves no
+    unwatched TTL container: the watchdog of the socket is started before the container is made."""
+    from sandbox_middleware.providers.docker import _ttl
+
+    from ._support import SOCKET, spec
+
+    socket = tmp_path / "docker.sock"  # another path to the same daemon: a watchdog of its own
+    socket.symlink_to(SOCKET)
+    provider = make(socket=str(socket))
+    lock = _ttl.lock_path(str(socket))
+    original = provider._create_container
+    held = []
+
+    async def create_container(*args: object, **kwargs: object) -> str:
+        with anyio.move_on_after(10):
+            while not _ttl._running(lock):
+                await anyio.sleep(0.05)
+        held.append(_ttl._running(lock))
+        return await original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(provider, "_create_container", create_container)
+    handle = await provider.create(spec(ttl_s=600))
+    assert held == [True]
+    await provider.close(handle)
+    with anyio.fail_after(_ttl.IDLE_S + 10):  # it leaves nothing behind: the watchdog ends once idle
+        while _ttl._running(lock):
+            await anyio.sleep(0.2)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
-from pathlib import PurePosixPath
+import stat
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -85,3 +87,43 @@ def test_only_regular_files_within_the_limit_pass() -> None:
         check_stat(_stat(0o644, 11), "f", 10)
     with pytest.raises(SandboxError, match="did not say"):
         check_stat(None, "f", 10)
+
+
+def test_the_watchdog_lock_is_in_a_directory_of_ours(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another local user who made the lock's directory first (or planted a symlink as the lock)
+    gets no hold on the watchdog: the directory is refused, the symlink never followed."""
+    from sandbox_middleware.providers.docker import _ttl
+
+    monkeypatch.setattr(_ttl.os, "geteuid", lambda: os.getuid() + 4242)  # not root
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(_ttl.tempfile, "gettempdir", lambda: str(tmp_path))
+    planted = Path(tmp_path) / f"sandbox_middleware-{os.getuid() + 4242}"
+    planted.mkdir(mode=0o777)
+    planted.chmod(0o777)
+    with pytest.raises(PermissionError, match="mode 0700"):
+        _ttl.lock_path("/var/run/docker.sock")
+    planted.rmdir()
+    monkeypatch.setattr(_ttl.os, "geteuid", os.getuid)
+    lock = Path(_ttl.lock_path("/var/run/docker.sock")) if os.getuid() else None
+    if lock is not None:  # root's directory is /run/sandbox_middleware
+        assert lock.parent == planted.with_name(f"sandbox_middleware-{os.getuid()}")
+        assert stat.S_IMODE(lock.parent.stat().st_mode) == 0o700
+    link = Path(tmp_path) / "link.lock"
+    target = Path(tmp_path) / "target"
+    target.write_text("x")
+    link.symlink_to(target)
+    assert not _ttl._running(str(link))
+    with pytest.raises(OSError):
+        _ttl._open_lock(str(link))
+    assert target.read_text() == "x"
+
+
+def test_roots_watchdog_lock_is_in_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sandbox_middleware.providers.docker import _ttl
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (the lock's directory of root is /run/sandbox_middleware)")
+    lock = Path(_ttl.lock_path("/var/run/docker.sock"))
+    assert lock.parent == Path("/run/sandbox_middleware")
+    info = lock.parent.lstat()
+    assert stat.S_ISDIR(info.st_mode) and info.st_uid == 0 and stat.S_IMODE(info.st_mode) == 0o700
