@@ -26,7 +26,7 @@ import anyio
 from ..._errors import SandboxError, SandboxPathError, SandboxTransferLimitError
 from ..local._arguments import check_text, sandbox_parts
 
-__all__ = ["END", "TarReader", "check_stat", "located", "padding", "tar_records", "tar_stream"]
+__all__ = ["END", "TarReader", "check_directory", "check_stat", "located", "padding", "tar_records", "tar_stream"]
 
 _BLOCK = 512
 _CHUNK = 1 << 20
@@ -69,6 +69,19 @@ def check_stat(header: str | None, path: str, limit: int) -> None:
         raise SandboxTransferLimitError(
             f"{path!r} is {size} bytes, over max_transfer_bytes={limit}; nothing was copied "
             "(compress or split it in the sandbox, or raise the provider's limit)"
+        )
+
+
+def check_directory(header: str | None, path: str, component: str) -> None:
+    """Refuse a parent ``component`` of ``path`` that is a symlink or not a directory (the stat header)."""
+    try:
+        mode = int(json.loads(base64.b64decode(header or ""))["mode"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SandboxError(f"the daemon did not say what {component!r} of {path!r} is ({exc!r:.100})") from exc
+    if mode & _GO_SYMLINK or not mode & _GO_DIR:
+        raise SandboxPathError(
+            f"a component of {path!r}, {component!r}, is not a directory (a symlink?); transfers never follow "
+            "one: name a path through real directories"
         )
 
 

@@ -38,7 +38,7 @@ from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, Sand
 from ..local._arguments import check_text, checked_env, checked_timeout, fspath, positive_number, sandbox_id_of
 from ..local._limits import LIMIT_BOUNDS, Limits
 from ._api import EngineAPI, EngineError, negotiate
-from ._archive import END, TarReader, check_stat, located, padding, tar_records, tar_stream
+from ._archive import END, TarReader, check_directory, check_stat, located, padding, tar_records, tar_stream
 from ._container import (
     LABEL,
     Box,
@@ -605,6 +605,14 @@ class DockerProvider:
         what = f"download {source_path!r} from sandbox {handle.sandbox_id[:12]} to {target_path}"
         archive = f"/containers/{box.container}/archive"
         try:
+            for depth in range(1, len(parts)):  # the daemon follows a symlink in a parent: refuse one
+                parent = str(mount.joinpath(*parts[:depth]))
+                head = await self._api.call("HEAD", archive, what, params={"path": parent}, ok=(404,))
+                if head.status_code == 404:
+                    raise SandboxError(
+                        f"DockerProvider: {source_path!r} is not a file in sandbox {handle.sandbox_id[:12]}"
+                    )
+                check_directory(head.headers.get("X-Docker-Container-Path-Stat"), source_path, parent)
             head = await self._api.call("HEAD", archive, what, params={"path": path}, ok=(404,))
             if head.status_code == 404:
                 raise SandboxError(f"DockerProvider: {source_path!r} is not a file in sandbox {handle.sandbox_id[:12]}")

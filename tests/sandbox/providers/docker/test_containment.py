@@ -152,6 +152,14 @@ async def test_transfers_refuse_symlinks_special_files_and_big_files(
     with pytest.raises(SandboxTransferLimitError, match="2000 bytes, over max_transfer_bytes=1000"):
         await provider.download_file(handle, "big", tmp_path / "x")
     assert not (tmp_path / "x").exists()
+    # a symlink in a parent component is refused too: the daemon would follow it
+    await provider.exec(handle, "ln -s /etc etc; mkdir -p real && echo ok > real/file && ln -s real alias")
+    for through in ("etc/passwd", "alias/file"):
+        with pytest.raises(SandboxPathError, match="not a directory"):
+            await provider.download_file(handle, through, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    await provider.download_file(handle, "real/file", tmp_path / "x")
+    assert (tmp_path / "x").read_text() == "ok\n"
     # an upload through a planted symlink is refused; the link's target is never written
     await provider.exec(handle, "ln -s /etc planted")
     (tmp_path / "in").write_text("x")
