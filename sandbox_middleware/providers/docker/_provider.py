@@ -158,7 +158,10 @@ class DockerProvider:
         self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, Box] = {}
         self._users: dict[str, tuple[str, tuple[int, int] | None]] = {}
-        self._watchdog = WatchdogLauncher(self._socket, version)
+        try:
+            self._watchdog = WatchdogLauncher(self._socket, version)
+        except PermissionError as exc:  # its lock's directory was made by someone else (_ttl.lock_path)
+            raise SandboxError(f"DockerProvider: the TTL watchdog cannot lock safely: {exc}") from None
 
     def __repr__(self) -> str:
         return f"DockerProvider(socket={self._socket!r}, api_version={self.api_version!r})"
