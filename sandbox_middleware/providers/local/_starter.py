@@ -35,9 +35,9 @@ bytes, ``returncode``).
 
 from __future__ import annotations
 
+import _ctypes  # ctypes' C half: the package's import is most of the starter's own start-up
 import _signal  # type: ignore[import-not-found]  # signal's C half: no enum import at start
 import _socket
-import ctypes
 import fcntl
 import os
 import select
@@ -109,25 +109,42 @@ def command_status(status: int) -> int:
 # --- inside the sandbox --------------------------------------------------------------------------
 
 
+class _Int(_ctypes._SimpleCData):  # type: ignore[type-arg]  # ctypes.c_int
+    _type_ = "i"
+
+
+class _Call(_ctypes.CFuncPtr):  # a libc function as ctypes.CDLL calls it
+    _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+    _restype_ = _Int
+
+
 class _Libc:
-    """The few system calls Python 3.9 has no wrapper for."""
+    """The few system calls Python 3.9 has no wrapper for, through ``_ctypes`` alone (ints, bytes and
+    None as arguments, an int back, ``errno`` kept), as ``ctypes.CDLL(None, use_errno=True)`` makes them."""
 
     def __init__(self) -> None:
-        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._handle = _ctypes.dlopen(None, os.RTLD_NOW)  # type: ignore[arg-type]  # None: the program itself
+        self._calls: dict[str, _Call] = {}
+
+    def __getitem__(self, name: str) -> _Call:
+        call = self._calls.get(name)
+        if call is None:
+            call = self._calls[name] = _Call((name, self))  # type: ignore[arg-type]  # any object with _handle
+        return call
 
     def _check(self, result: int, what: str) -> None:
         if result != 0:
-            code = ctypes.get_errno()
+            code = _ctypes.get_errno()
             raise OSError(code, f"{what}: {os.strerror(code)}")
 
     def unshare(self, flags: int) -> None:
-        self._check(self._libc.unshare(flags), "unshare")
+        self._check(self["unshare"](flags), "unshare")
 
     def mount(self, source: bytes | None, target: bytes, fstype: bytes | None, flags: int) -> None:
-        self._check(self._libc.mount(source, target, fstype, flags, None), f"mount {target!r}")
+        self._check(self["mount"](source, target, fstype, flags, None), f"mount {target!r}")
 
     def prctl(self, option: int, value: int, value2: int = 0) -> int:
-        result: int = self._libc.prctl(option, value, value2, 0, 0)
+        result: int = self["prctl"](option, value, value2, 0, 0)
         return result
 
     def drop_capabilities(self) -> None:
@@ -138,8 +155,8 @@ class _Libc:
             self._check(self.prctl(_PR_CAPBSET_DROP, cap), f"drop capability {cap} from the bounding set")
         self._check(self.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL), "clear ambient capabilities")
         header = struct.pack("=Ii", _CAPABILITY_VERSION_3, 0)
-        data = ctypes.create_string_buffer(24)  # two zeroed __user_cap_data_struct: effective, permitted, inheritable
-        self._check(self._libc.capset(header, data), "capset")
+        data = bytes(24)  # two zeroed __user_cap_data_struct: effective, permitted, inheritable (only read)
+        self._check(self["capset"](header, data), "capset")
         self._check(self.prctl(_PR_SET_DUMPABLE, 0), "PR_SET_DUMPABLE")
 
 
