@@ -20,6 +20,11 @@ from ._errors import SandboxArgumentError
 __all__ = ["AT_LEAST_ONE", "NON_NEGATIVE", "NON_NEGATIVE_WHOLE", "POSITIVE", "Bound", "Bounds", "bounds_of"]
 
 
+def _plain(number: float) -> str:
+    """A bound as a person writes it: 16777216, not 1.67772e+07."""
+    return str(int(number)) if float(number).is_integer() else f"{number:g}"
+
+
 @dataclass(frozen=True, slots=True)
 class Bound:
     """A finite number ``>= low`` (``> low`` with ``strict``), at most ``high``; ``whole``: an int
@@ -40,8 +45,8 @@ class Bound:
         return replace(self, high=high)
 
     def __str__(self) -> str:
-        text = f"{'>' if self.strict else '>='} {self.low:g}"
-        return text if self.high is None else f"{text} and <= {self.high:g}"
+        text = f"{'>' if self.strict else '>='} {_plain(self.low)}"
+        return text if self.high is None else f"{text} and <= {_plain(self.high)}"
 
     def problem(self, value: object) -> str | None:
         """What is wrong with ``value`` ("must be ..., not ..."), or None when it is accepted."""

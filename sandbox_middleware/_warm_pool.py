@@ -132,10 +132,10 @@ class WarmPoolMiddleware(ProviderMiddleware):
     _wrapped = frozenset({"create"})
     BOUNDS: ClassVar[Bounds] = Bounds(
         "WarmPoolMiddleware",
-        size=AT_LEAST_ONE,
+        size=AT_LEAST_ONE.at_most(1024),  # per spec key: a larger "pool" is a fleet that outlives its use
         max_age_s=POSITIVE.or_none(),
         refill_concurrency=AT_LEAST_ONE.or_none(),
-        max_keys=AT_LEAST_ONE,
+        max_keys=AT_LEAST_ONE.at_most(256),
         create_timeout_s=POSITIVE,
         close_timeout_s=POSITIVE,
     )

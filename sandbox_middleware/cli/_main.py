@@ -28,6 +28,7 @@ from .._errors import ConfigError, SandboxError, UsageError
 from .._protocol import SandboxProvider
 from .._reaper import reap
 from .._recommended import recommended_middleware_config
+from .._warm_pool import WarmPoolMiddleware
 from ..testing import parse_faults
 from ._export import EXPORTS, start_telemetry
 from ._process import ProcessResult, RunOptions, combine, orphans_row, run_process, with_layer, with_run_id
@@ -171,7 +172,8 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds each session waits after each command (the model writing its next turn)",
     )
-    run.add_argument("--warm", type=_integer(1), default=None, metavar="N",
+    max_warm = int(WarmPoolMiddleware.BOUNDS["size"].high or 0)
+    run.add_argument("--warm", type=_integer(1, max_warm), default=None, metavar="N",
                      help="keep N ready sandboxes in a warm pool (a warm_pool layer, as recommended)")  # fmt: skip
     run.add_argument("--max-create-rate", type=_rate, default=None, metavar="R",
                      help="admit at most R creates per second (the admission layer's max_create_rate)")  # fmt: skip
@@ -278,6 +280,8 @@ def _run_command(args: argparse.Namespace) -> int:
         raise UsageError(f"argument --faults: {exc}") from exc
     if args.prometheus_sd_file and (args.ray is None or args.export != "prometheus"):
         raise UsageError("argument --prometheus-sd-file: needs --ray and --export prometheus")
+    if args.provider == "docker" and not args.image:
+        raise UsageError("argument --image: --provider docker needs the image every session's sandbox runs")
     if args.warm is not None:
         resolved = with_layer(resolved, "warm_pool", {"size": args.warm})
     if args.max_create_rate is not None:

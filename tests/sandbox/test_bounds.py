@@ -140,3 +140,10 @@ def test_a_bound_describes_itself() -> None:
     assert Bound(0).problem(None) == "must be float, not None (NoneType)"
     assert Bound(0).or_none().problem(math.inf) == "must be a finite number, not inf (null means no limit)"
     assert Bound(0, strict=True).at_most(10).problem(10.5) == "must be > 0 and <= 10, not 10.5"
+
+
+def test_a_bound_reads_as_a_person_writes_it() -> None:
+    from sandbox_middleware._bounds import AT_LEAST_ONE, POSITIVE
+
+    assert str(AT_LEAST_ONE.at_most(16_777_216)) == ">= 1 and <= 16777216"
+    assert str(POSITIVE.at_most(0.25)) == "> 0 and <= 0.25"

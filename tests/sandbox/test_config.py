@@ -358,7 +358,7 @@ def test_admission_and_warm_pool_from_config(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         resolve_config(broken)
     assert caught.value.problems == [
-        "middleware[0] (warm_pool): option 'size' must be >= 1, not 0",
+        "middleware[0] (warm_pool): option 'size' must be >= 1 and <= 1024, not 0",
         "middleware[1] (admission): option 'max_create_rate' must be > 0, not -1",
         "middleware[1] (admission): option 'shared' must be one of 'process', 'host', 'ray', not 'cluster' (str)",
     ]

@@ -42,3 +42,13 @@ middleware: [tracing, metrics, release_accounting, retry, ownership]
     assert bad.returncode == 2 and "--max-create-rate: must be a finite number of creates per second above 0" in (
         bad.stderr
     )
+
+
+def test_a_pool_beyond_its_bound_and_docker_without_an_image_are_usage_errors() -> None:
+    """`--warm` is bounded as WarmPoolMiddleware's size is (a pool of 100,000 would be a fleet that
+    outlives the run); `--provider docker` without `--image` fails before any session starts."""
+    done = run("run", "--warm", "100000")
+    assert done.returncode == 2 and "argument --warm: must be from 1 to 1024, not 100000" in done.stderr
+    done = run("run", "--provider", "docker", "--sessions", "1")
+    assert done.returncode == 2 and "argument --image: --provider docker needs the image" in done.stderr
+    assert "sessions ok" not in done.stdout
