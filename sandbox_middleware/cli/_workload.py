@@ -7,6 +7,7 @@ sandbox they hold is closed (shielded from cancellation, bounded in time) before
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import sys
 import tempfile
@@ -21,6 +22,8 @@ import anyio
 from .._errors import CommandFailedError
 from .._protocol import SandboxProvider, SandboxSpec
 from .._sandbox import Sandbox
+
+logger = logging.getLogger("sandbox_middleware")
 
 __all__ = ["CLEANUP_TIMEOUT_S", "CLOSE_TIMEOUT_S", "RunState", "workload"]
 
@@ -166,6 +169,8 @@ async def _session(
     except Exception as exc:
         run.failed += 1
         key = type(exc).__name__
+        if key not in run.session_errors:  # each kind's message once: the table counts them by class
+            logger.error("a session failed: %s: %s", key, exc)
         run.session_errors[key] = run.session_errors.get(key, 0) + 1
     finally:
         if sandbox.started:

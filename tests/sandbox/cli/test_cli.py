@@ -127,6 +127,8 @@ def test_every_session_failing_exits_3(tmp_path: Path) -> None:
     assert done.returncode == 3, done.stdout + done.stderr
     assert row(done.stdout, "sessions ok / failed") == "0 / 6"
     assert row(done.stdout, "sandboxes still held") == "0"
+    failures = [line for line in done.stderr.splitlines() if "a session failed: " in line]
+    assert failures == ["ERROR sandbox_middleware: a session failed: InjectedCreateError: injected create failure"]
 
 
 @pytest.fixture
