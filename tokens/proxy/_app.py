@@ -639,6 +639,11 @@ def create_app(
             f"create_app: responses_upstream must be 'auto', 'responses' or 'chat', not {responses_upstream!r}"
         )
     urls: dict[str | None, str] = {None: upstream_url} if isinstance(upstream_url, str) else dict(upstream_url)
+    for model, url in urls.items():
+        parsed = httpx.URL(url) if isinstance(url, str) else None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+            where = "upstream_url" if model is None else f"upstream_url[{model!r}]"
+            raise ValueError(f"create_app: {where} must be an http(s) URL with a host, e.g. http://host:8000/v1")
     timeout = httpx.Timeout(upstream_timeout, connect=connect_timeout)
     upstreams = {
         model: _Upstream(url, upstream_api_key, transport, middleware=middleware, max_response_bytes=max_response_bytes,

@@ -50,7 +50,11 @@ async def _run(store: RecordStore, args: argparse.Namespace) -> int:
             )
         return 0
     if args.verb == "show":
-        for record, bundle in order_records(await store.records(args.rollout)):
+        records = await store.records(args.rollout)
+        if not records:
+            print(f"tokens-records: no records of rollout {args.rollout!r} in this store", file=sys.stderr)
+            return 1
+        for record, bundle in order_records(records):
             if args.json:
                 print(msgspec.json.encode(record_payload(record)).decode())
                 continue

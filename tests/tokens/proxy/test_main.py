@@ -74,3 +74,10 @@ def test_bad_options_are_one_line_and_exit_2() -> None:
         text=True,
     )
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "upstream_timeout" in bad.stderr
+    scheme = subprocess.run(
+        [sys.executable, "-m", "tokens.proxy", "--upstream", "ftp://x", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert scheme.returncode == 2 and "must be an http(s) URL with a host" in scheme.stderr

@@ -71,6 +71,8 @@ def test_cli_lists_shows_freezes_and_drops(tmp_path: Path, capsys: pytest.Captur
     anyio.run(fill)
     assert main([url, "rollouts"]) == 0
     assert capsys.readouterr().out == "r\t3 records\tversion 3\topen\n"
+    assert main([url, "show", "nosuch"]) == 1
+    assert "no records of rollout 'nosuch'" in capsys.readouterr().err
     assert main([url, "show", "r"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("b\tparent a (resolved)\tprompt 5 (delta)\tgeneration 2")
