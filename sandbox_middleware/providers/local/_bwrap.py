@@ -27,6 +27,7 @@ __all__ = [
     "STARTER_CAPS",
     "SYSTEM_DIRS",
     "BwrapCommand",
+    "memfd",
 ]
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -52,7 +53,8 @@ _NO_PTY_DEV = [
 ]  # fmt: skip
 
 
-def _memfd(name: str, data: bytes) -> int:
+def memfd(name: str, data: bytes) -> int:
+    """A memfd holding ``data``, read from offset 0, close-on-exec (closed again on any failure)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         view = memoryview(data)
@@ -141,7 +143,7 @@ class BwrapCommand:
         options += ["--bind", str(outer / "box"), str(view_root), "--remount-ro", "/dev", "--remount-ro", "/"]
         options += ["--chdir", str(view_root), "--clearenv"]
         if self._seccomp is not None:
-            fds.append(_memfd("sandbox-seccomp", self._seccomp))
+            fds.append(memfd("sandbox-seccomp", self._seccomp))
             options += ["--add-seccomp-fd", str(fds[-1])]
-        fds.append(_memfd("sandbox-args", b"".join(os.fsencode(option) + b"\0" for option in options)))
+        fds.append(memfd("sandbox-args", b"".join(os.fsencode(option) + b"\0" for option in options)))
         return [*self._prefix(launch.uid), "--args", str(fds[-1]), "--", *command]

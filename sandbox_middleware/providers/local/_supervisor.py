@@ -23,6 +23,7 @@ import anyio
 
 from ..._errors import SandboxError
 from . import _starter
+from ._bwrap import memfd
 from ._starter import CODE, EXEC, EXIT, FAIL, KILL, READY, encode_spec, rights
 
 __all__ = ["CommandStarter", "find_python"]
@@ -45,19 +46,6 @@ def find_python(visible: Sequence[str]) -> str | None:
         ):
             return real
     return None
-
-
-def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.lseek(fd, 0, os.SEEK_SET)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class CommandStarter:
@@ -93,7 +81,7 @@ class CommandStarter:
         process = None
         try:
             os.set_blocking(err_w, False)  # the starter never blocks on a message nobody reads
-            fds.append(_memfd("sandbox-starter", _SOURCE))
+            fds.append(memfd("sandbox-starter", _SOURCE))
             script = f"/proc/self/fd/{fds[0]}"
             command = [python, "-I", "-S", "-B", script, str(theirs.fileno()), str(oom_score_adj)]
             argv = build(command, fds)
@@ -167,7 +155,7 @@ class CommandStarter:
             raise
         try:
             try:
-                spec = _memfd("sandbox-command", encode_spec(argv, env, cwd))
+                spec = memfd("sandbox-command", encode_spec(argv, env, cwd))
                 try:
                     await self._send(theirs.fileno(), out, err, spec)
                 finally:
