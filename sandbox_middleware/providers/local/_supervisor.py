@@ -10,6 +10,7 @@ waits on it for ever.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -46,6 +47,13 @@ def find_python(visible: Sequence[str]) -> str | None:
         ):
             return real
     return None
+
+
+# bwrap's --die-with-parent is PR_SET_PDEATHSIG, which fires when the *thread* that forked it exits.
+# Worker threads of an event loop exit when idle or when their loop ends (NeMo Gym's synchronous
+# facade, asyncio.run per call), which killed live sandboxes' starters: starters are forked by this
+# one thread, which waits for work for the life of the process and so dies only with it.
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-starter-spawner")
 
 
 class CommandStarter:
@@ -85,10 +93,10 @@ class CommandStarter:
             script = f"/proc/self/fd/{fds[0]}"
             command = [python, "-I", "-S", "-B", script, str(theirs.fileno()), str(oom_score_adj)]
             argv = build(command, fds)
-            process = subprocess.Popen(
-                argv, pass_fds=[*fds, theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=err_w, env=env, start_new_session=True,
-            )  # fmt: skip
+            process = _SPAWNER.submit(
+                subprocess.Popen, argv, pass_fds=[*fds, theirs.fileno()], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=err_w, env=env, start_new_session=True,
+            ).result()  # fmt: skip
         except BaseException:
             control.close()
             os.close(err_r)
