@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+import signal
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import anyio
 
 from sandbox_middleware import (
     SandboxEndpoint,
@@ -126,3 +129,19 @@ def recommended_stack(inner: Any, telemetry: Any = None, **retry: Any) -> Any:
     meters = None if telemetry is None else telemetry.meter_provider
     tracers = None if telemetry is None else telemetry.tracer_provider
     return stack(inner, recommended_middleware(meter_provider=meters, tracer_provider=tracers, retry=retry))
+
+
+async def crashed_worker(argv: Sequence[str]) -> set[str]:
+    """Run a worker that prints the ids of the three sandboxes it creates, one a line, then SIGKILL
+    it: its sandboxes are held by nobody. Returns their ids."""
+    async with await anyio.open_process(list(argv)) as worker:
+        assert worker.stdout is not None
+        lines = b""
+        with anyio.fail_after(60):
+            async for chunk in worker.stdout:
+                lines += chunk
+                if lines.count(b"\n") == 3:
+                    break
+        worker.send_signal(signal.SIGKILL)
+        await worker.wait()
+    return set(lines.decode().split())

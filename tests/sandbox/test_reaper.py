@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import anyio
 import pytest
 
 from sandbox_middleware import (
@@ -23,6 +21,7 @@ from sandbox_middleware import (
     stack,
 )
 from sandbox_middleware.testing import FaultInjectingProvider
+from tests.providers import crashed_worker
 
 pytestmark = pytest.mark.anyio
 
@@ -50,26 +49,11 @@ async def local(tmp_path: Path, sandbox_base: Path) -> AsyncIterator[LocalProvid
     await provider.aclose()
 
 
-async def _crashed_worker(base: Path, run_id: str) -> set[str]:
-    """Start a worker that creates three sandboxes, then SIGKILL it: its sandboxes are held by nobody."""
-    async with await anyio.open_process([sys.executable, "-c", _WORKER, str(base), run_id]) as worker:
-        assert worker.stdout is not None
-        lines = b""
-        with anyio.fail_after(60):
-            async for chunk in worker.stdout:
-                lines += chunk
-                if lines.count(b"\n") == 3:
-                    break
-        worker.send_signal(signal.SIGKILL)
-        await worker.wait()
-    return set(lines.decode().split())
-
-
 async def test_reap_closes_exactly_what_a_killed_worker_held(
     local: LocalProvider, tmp_path: Path, sandbox_base: Path
 ) -> None:
     """After SIGKILL, reap closes the dead worker's sandboxes and none of a live run's."""
-    crashed = await _crashed_worker(sandbox_base, "crashed-run")
+    crashed = await crashed_worker([sys.executable, "-c", _WORKER, str(sandbox_base), "crashed-run"])
     live = stack(local, [Middleware(OwnershipMiddleware, run_id="live-run")])
     mine = await live.create(SandboxSpec())
     unowned = await local.create(SandboxSpec())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from sandbox_middleware import (
 )
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
+from tests.providers import crashed_worker
 
 from ._daemon import private_daemon
 from ._support import SESSION, SESSION_KEY, require_docker, spec
@@ -123,18 +123,7 @@ async def test_a_killed_workers_containers_are_found_and_reaped(make: Callable[.
     from ._support import BUSYBOX
 
     provider = make()
-    async with await anyio.open_process([sys.executable, "-c", _WORKER, "worker-run", BUSYBOX, SESSION_KEY,
-                                         SESSION]) as worker:  # fmt: skip
-        assert worker.stdout is not None
-        lines = b""
-        with anyio.fail_after(60):
-            async for chunk in worker.stdout:
-                lines += chunk
-                if lines.count(b"\n") == 3:
-                    break
-        worker.send_signal(signal.SIGKILL)
-        await worker.wait()
-    crashed = set(lines.decode().split())
+    crashed = await crashed_worker([sys.executable, "-c", _WORKER, "worker-run", BUSYBOX, SESSION_KEY, SESSION])
     live = stack(provider, [Middleware(OwnershipMiddleware, run_id="worker-run")])
     mine = await live.create(spec())
     reaped = await reap(provider, run_id="worker-run")
