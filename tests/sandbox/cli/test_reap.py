@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import anyio
 import pytest
 
 from sandbox_middleware import LocalProvider, Middleware, OwnershipMiddleware, SandboxHandle, SandboxSpec, stack
-from tests.sandbox.test_reaper import _crashed_worker
+from tests.providers import crashed_worker
+from tests.sandbox.test_reaper import _WORKER
 from tests.vllm.server import free_port
 
 from .test_cli import retries, row, run
@@ -50,7 +52,7 @@ def test_lost_create_responses_are_reported_as_orphans_and_reaped(tmp_path: Path
 def test_reap_command_closes_a_crashed_run_and_spares_a_live_one(tmp_path: Path, sandbox_base: Path) -> None:
     """reap lists (--dry-run) and then closes exactly the killed worker's sandboxes, each by id."""
     config = _config(tmp_path, sandbox_base)
-    crashed = anyio.run(_crashed_worker, sandbox_base, "crashed-run")
+    crashed = anyio.run(crashed_worker, [sys.executable, "-c", _WORKER, str(sandbox_base), "crashed-run"])
 
     async def live_run() -> tuple[LocalProvider, list[SandboxHandle]]:
         local = LocalProvider(isolation="none", base_dir=sandbox_base)
