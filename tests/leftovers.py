@@ -13,3 +13,11 @@ def left_behind(directory: Path) -> list[str]:
     for base in directory.glob("llm-sandbox-middleware-*"):
         found += [f"{base.name}/{entry.name}" for entry in base.iterdir() if entry.name.startswith(LEFT_BEHIND)]
     return sorted(found)
+
+
+def sandbox_dirs(base: Path) -> list[Path]:
+    """The sandbox directories in a LocalProvider's ``base``, not counting live providers' spares
+    (a directory with a spare record and no sandbox record: made ahead, never handed out)."""
+    if not base.exists():
+        return []
+    return [path for path in base.iterdir() if (path / "meta.json").exists() or not (path / "spare.json").exists()]

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import fcntl
 import json
+import logging
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar, Literal
@@ -35,6 +36,7 @@ from ..._errors import (
     SandboxLimitError,
     SandboxNotFoundError,
 )
+from ..._ownership import Owner
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
 from ._arguments import (
     DEFAULT_VIEW_ROOT,
@@ -59,6 +61,7 @@ from ._process import group_alive, kill_group
 from ._records import (
     RECORD,
     SANDBOX_ID,
+    SPARE_RECORD,
     Box,
     check_reachable,
     intact,
@@ -69,6 +72,7 @@ from ._records import (
     scan,
     write_private,
 )
+from ._spares import Spares
 from ._supervisor import CommandStarter, find_python
 from ._transfers import check_directory, download, open_directory, upload
 from ._uids import UidLease, lease_uid
@@ -80,6 +84,9 @@ __all__ = [
 
 Isolation = Literal["none", "bwrap"]
 LimitBackend = Literal["auto", "cgroup", "rlimit"]
+
+Shape = tuple[Limits, PurePosixPath]  # what makes sandboxes interchangeable for a spare (_spares.py)
+logger = logging.getLogger("sandbox_middleware")
 
 _MAX_TTL_S = 30 * 24 * 3600.0
 _FILE_SHARE = 4  # all sandboxes' open files together: at most a quarter of the host's file table
@@ -135,6 +142,7 @@ class LocalProvider:
         connect_key: bytes | None = None,
         sandbox_uid: int | None = None,
         nofile: int = 256,
+        prestart: bool = True,
     ) -> None:
         # What pickling sends (a Ray actor builds its own provider from it): options, not sandboxes.
         self._options: dict[str, Any] = {
@@ -142,6 +150,7 @@ class LocalProvider:
             "pids": pids, "cpu": cpu, "disk_gib": disk_gib, "max_output_bytes": max_output_bytes,
             "max_transfer_bytes": max_transfer_bytes, "ro_paths": tuple(ro_paths), "limit_backend": limit_backend,
             "connect_key": connect_key, "sandbox_uid": sandbox_uid, "nofile": nofile,
+            "prestart": prestart,
         }  # fmt: skip
         if isolation not in ("none", "bwrap"):
             raise SandboxArgumentError(f"LocalProvider: isolation must be 'none' or 'bwrap', not {isolation!r}")
@@ -186,6 +195,8 @@ class LocalProvider:
         self._tmpfs = probe_tmpfs()
         self._python: str | None = None
         self._starting = threading.Lock()  # one starter per sandbox adopted from another process
+        self._sweep_spares()
+        self._spares = Spares(self._make_spare, self._discard) if self._bwrap is not None and prestart else None
         if self._bwrap is not None:
             self._python = find_python([*SYSTEM_DIRS, *self._ro_paths])
             if self._python is None:
@@ -245,28 +256,24 @@ class LocalProvider:
         return Launch(tuple(rlimits), joins, pty=False, uid=uid)
 
     def _probe(self) -> None:
-        """Start a command starter under bwrap in a scratch sandbox (it makes its first command's
-        namespaces before it answers), so a machine where commands cannot start fails now."""
-        assert self._bwrap is not None
-        self._base.mkdir(parents=True, exist_ok=True)
-        outer = Path(tempfile.mkdtemp(prefix="local-probe-", dir=self._base))
-        uid, lease = self._new_uid()
+        """Start a command starter under bwrap now (it makes its first command's namespaces before it
+        answers), so a machine where commands cannot start fails here: in the first spare, when spares
+        are on and a sandbox of the default limits can be made, else in a scratch sandbox without limits."""
+        view_root = PurePosixPath(DEFAULT_VIEW_ROOT)
+        if self._spares is not None:
+            with contextlib.suppress(SandboxError):  # a create of the defaults fails the same way, and says why
+                limits = Limits.resolve(self._defaults, None)
+                self._refuse_unenforceable(limits)
+                self._spares.offer((limits, view_root), self._make_spare((limits, view_root)))
+                return
         try:
-            lay_out(outer, uid)
-            launch = self._launch(Limits(None, None, None, None), (), uid)
-            self._start_starter(outer, PurePosixPath(DEFAULT_VIEW_ROOT), launch, "a probe sandbox").close()
+            self._discard(self._prepare((Limits(None, None, None, None), view_root)))
         except SandboxError as exc:
             raise BwrapUnavailableError(
                 f"LocalProvider(isolation='bwrap'): commands cannot start under bwrap on this machine ({exc}); "
                 "unprivileged user namespaces may be disabled (sysctl kernel.unprivileged_userns_clone, or an "
                 "AppArmor restriction)"
             ) from exc
-        except OSError as exc:
-            raise BwrapUnavailableError(f"LocalProvider(isolation='bwrap'): bwrap could not start: {exc}") from exc
-        finally:
-            shutil.rmtree(outer, ignore_errors=True)
-            if lease is not None:
-                lease.release()
 
     def _start_starter(self, outer: Path, view_root: PurePosixPath, launch: Launch, where: str) -> CommandStarter:
         """Launch a sandbox's command starter as its commands used to be launched (blocking)."""
@@ -405,13 +412,12 @@ class LocalProvider:
         else:
             view_root = PurePosixPath(DEFAULT_VIEW_ROOT)
             cwd = sandbox_parts(workdir, (), "spec.workdir") if workdir else ()
-        sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
         metadata = {
             check_text(k, "spec.metadata key"): check_text(v, f"spec.metadata[{k!r}]") for k, v in spec.metadata.items()
         }
-        box = await anyio.to_thread.run_sync(
-            self._make_box, sandbox_id, limits, view_root, env, cwd, spec.ports, ttl, metadata
-        )
+        shape = (dataclasses.replace(limits, explicit=frozenset()), view_root)
+        box = await anyio.to_thread.run_sync(self._make_box, shape, env, cwd, spec.ports, ttl, metadata)
+        sandbox_id = box.sandbox_id
         self._boxes[sandbox_id] = box
         if box.deadline is not None:
             self._watchdog.add(box.deadline, sandbox_id)
@@ -434,15 +440,41 @@ class LocalProvider:
 
     def _make_box(
         self,
-        sandbox_id: str,
-        limits: Limits,
-        view_root: PurePosixPath,
+        shape: Shape,
         env: dict[str, str],
         cwd: tuple[str, ...],
         ports: Iterable[int],
         ttl: float | None,
         metadata: dict[str, str],
     ) -> Box:
+        """A sandbox of ``shape`` for a create: the spare when it has that shape, else a new one; then the
+        next spare of that shape is made in the background."""
+        box = self._spares.take(shape) if self._spares is not None else None
+        if box is None:
+            box = self._prepare(shape)
+        try:
+            box.env, box.cwd, box.ports, box.metadata = env, cwd, tuple(ports), metadata
+            box.created = time.time()
+            box.deadline = None if ttl is None else time.monotonic() + ttl
+            write_private(box.outer, RECORD, json.dumps(box.record()).encode())
+            with contextlib.suppress(FileNotFoundError):  # a spare's, which list() never shows
+                os.unlink(box.outer / SPARE_RECORD)
+            with open_directory(box.root, cwd, "spec.workdir", create=True, owner=box.uid):
+                pass
+        except BaseException as exc:
+            leftovers = self._teardown(box)
+            if isinstance(exc, OSError):
+                suffix = f"; could not remove {leftovers}" if leftovers else ""
+                raise SandboxCreateError(f"LocalProvider: cannot create a sandbox: {exc}{suffix}") from exc
+            raise
+        if self._spares is not None:
+            self._spares.refill(shape)
+        return box
+
+    def _prepare(self, shape: Shape) -> Box:
+        """A new sandbox of ``shape``: its directory, cgroups, mount, uid and starter (blocking)."""
+        limits, view_root = shape
+        sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
         cgroups: list[Path] = []
         outer: Path | None = None
         mounted = False
@@ -463,21 +495,18 @@ class LocalProvider:
                 outer=outer,
                 view_root=view_root,
                 isolated=self._bwrap is not None,
-                env=env,
-                cwd=cwd,
-                ports=tuple(ports),
+                env={},
+                cwd=(),
+                ports=(),
                 cgroups=cgroups,
                 mounted=mounted,
-                deadline=None if ttl is None else time.monotonic() + ttl,
+                deadline=None,
                 limits=limits,
-                metadata=metadata,
+                metadata={},
                 created=time.time(),
                 launch=self._launch(limits, cgroups, uid),
                 lease=lease,
             )
-            write_private(outer, RECORD, json.dumps(box.record()).encode())
-            with open_directory(box.root, cwd, "spec.workdir", create=True, owner=uid):
-                pass
             if self._bwrap is not None:
                 try:
                     box.starter = self._start_starter(outer, view_root, box.launch, f"sandbox {sandbox_id!r}")
@@ -494,6 +523,34 @@ class LocalProvider:
             if isinstance(exc, OSError):
                 raise SandboxCreateError(f"LocalProvider: cannot create a sandbox: {exc}{suffix}") from exc
             raise
+
+    def _make_spare(self, shape: Hashable) -> Box:
+        """A spare of ``shape`` (in the maker thread): a new sandbox, its record naming this process."""
+        assert isinstance(shape, tuple)
+        box = self._prepare(shape)
+        try:
+            write_private(box.outer, SPARE_RECORD, json.dumps(Owner.current().metadata()).encode())
+        except BaseException:
+            self._discard(box)
+            raise
+        return box
+
+    def _discard(self, box: Box) -> None:
+        """Remove a sandbox nothing holds (a spare, or one whose create failed half-way)."""
+        leftovers = self._teardown(box)
+        if leftovers:
+            logger.warning("LocalProvider: a spare sandbox left %s behind; remove them by hand", ", ".join(leftovers))
+
+    def _sweep_spares(self) -> None:
+        """Remove the spares that processes which died without closing them left in base_dir."""
+        for sandbox_id, outer, record in scan(self._base, SPARE_RECORD):
+            owner = Owner.from_metadata(record)
+            if owner is None or owner.alive() is not False or (outer / RECORD).exists():
+                continue
+            cgroups = self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else []
+            leftovers = remove_box(outer, is_mount_point(outer), cgroups)
+            if leftovers:
+                logger.warning("LocalProvider: a dead process's spare sandbox left %s behind", ", ".join(leftovers))
 
     def _box(self, handle: SandboxHandle) -> Box:
         box = self._boxes.get(sandbox_id_of(handle))
@@ -573,7 +630,9 @@ class LocalProvider:
                 box.lease.release()
 
     async def aclose(self) -> None:
-        """Close every sandbox still open here, then raise one error naming those that failed."""
+        """Remove the spare, close every sandbox still open here, then raise one error naming those that failed."""
+        if self._spares is not None:
+            await anyio.to_thread.run_sync(self._spares.close)
         failures = []
         for sandbox_id in list(self._boxes):
             try:

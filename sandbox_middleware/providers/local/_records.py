@@ -32,6 +32,7 @@ from ._uids import UidLease
 __all__ = [
     "RECORD",
     "SANDBOX_ID",
+    "SPARE_RECORD",
     "Box",
     "check_reachable",
     "intact",
@@ -46,6 +47,7 @@ __all__ = [
 
 SANDBOX_ID = re.compile(r"local-[0-9a-f]{12}")
 RECORD = "meta.json"  # beside box/, out of the sandbox's view
+SPARE_RECORD = "spare.json"  # instead of RECORD while the sandbox is a spare (``_spares.py``): its maker
 
 
 @dataclass
@@ -71,6 +73,10 @@ class Box:
     expired: bool = False
     closed: bool = False  # close() has begun
     broken: bool = False  # a close could not remove everything
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.outer.name[:18]
 
     @property
     def uid(self) -> int | None:
@@ -191,9 +197,9 @@ def check_reachable(path: Path) -> None:
             )
 
 
-def read_record(outer: Path, uid: int) -> dict[str, Any]:
+def read_record(outer: Path, uid: int, name: str = RECORD) -> dict[str, Any]:
     with open_directory(outer, (), outer.name) as dir_fd:
-        fd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     with os.fdopen(fd, "rb") as file:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
@@ -204,9 +210,9 @@ def read_record(outer: Path, uid: int) -> dict[str, Any]:
     return record
 
 
-def scan(base: Path) -> list[tuple[str, Path, dict[str, Any]]]:
-    """The sandbox directories in base_dir with their records: ours only (this uid's, real
-    directories, a regular 0600 record of ours), each id at most once."""
+def scan(base: Path, name: str = RECORD) -> list[tuple[str, Path, dict[str, Any]]]:
+    """The sandbox directories in base_dir with their records (``name``: ``SPARE_RECORD`` for the
+    spares): ours only (this uid's, real directories, a regular 0600 record of ours), each id at most once."""
     found: dict[str, tuple[str, Path, dict[str, Any]] | None] = {}
     uid = os.geteuid()
     with contextlib.suppress(FileNotFoundError):
@@ -218,7 +224,7 @@ def scan(base: Path) -> list[tuple[str, Path, dict[str, Any]]]:
                 info = entry.stat(follow_symlinks=False)
                 if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
                     continue
-                record = read_record(Path(entry.path), uid)
+                record = read_record(Path(entry.path), uid, name)
             except (OSError, SandboxError, ValueError, RecursionError):
                 continue  # being created or removed, or not ours
             # The same id twice is a planted copy (or a bug): trust neither.

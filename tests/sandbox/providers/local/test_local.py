@@ -223,7 +223,9 @@ async def test_pickles_as_its_options(sandbox_base: Path) -> None:
     local = LocalProvider(isolation="bwrap", base_dir=sandbox_base, memory_mib=512, connect_key=b"k" * 32)
     handle = await local.create(SandboxSpec())
     copy = pickle.loads(pickle.dumps(local))
-    assert copy.isolation == "bwrap" and copy.mechanisms == local.mechanisms
+    measured = "memory budget"  # what the machine uses now, which moves between two readings
+    mechanisms = {name: value for name, value in local.mechanisms.items() if name != measured}
+    assert copy.isolation == "bwrap" and {k: v for k, v in copy.mechanisms.items() if k != measured} == mechanisms
     assert copy._defaults == local._defaults and copy._boxes == {}
     again = await copy.connect(await local.serialize_handle(handle))
     assert (await copy.exec(again, "echo ok")).stdout == "ok\n"

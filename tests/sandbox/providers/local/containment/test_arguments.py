@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from sandbox_middleware import LocalProvider, SandboxArgumentError, SandboxLimitError, SandboxSpec, SandboxValueError
+from tests.leftovers import sandbox_dirs
 
 pytestmark = pytest.mark.anyio
 
@@ -89,7 +90,7 @@ async def test_bad_specs_are_typed_errors_and_leave_nothing(
     """A bad spec is refused (by the spec itself, or at create) before anything is made: no directory, no cgroup."""
     with pytest.raises(SandboxValueError, match=argument):
         await provider.create(spec())
-    assert not sandbox_base.exists() or list(sandbox_base.iterdir()) == []
+    assert sandbox_dirs(sandbox_base) == []
 
 
 @pytest.mark.parametrize("workdir", ["//etc", "//proc", "/usr/.", "/workspace/../etc"])

@@ -283,7 +283,7 @@ async def test_sandboxes_never_share_a_uid(
     """With the random draw forced to repeat, live sandboxes still get distinct uids, and a closed
     sandbox's uid is free again; one sandbox taking its uid's every inotify instance leaves the other its own."""
     _forced_draw(monkeypatch)
-    local = make(isolation="bwrap", base_dir=sandbox_base)
+    local = make(isolation="bwrap", base_dir=sandbox_base, prestart=False)  # no spare drawing uids meanwhile
     first, second = await local.create(SandboxSpec()), await local.create(SandboxSpec())
     assert _owner(first) == _uids.UID_BASE + 7 and _owner(second) == _uids.UID_BASE + 8
     grab = (
@@ -313,7 +313,7 @@ from sandbox_middleware.providers.local import _uids
 _uids.draw = lambda: _uids.UID_BASE + 7  # every process draws the same uid first
 
 async def main():
-    local = LocalProvider(base_dir=sys.argv[1])
+    local = LocalProvider(base_dir=sys.argv[1], prestart=False)  # no spare drawing uids meanwhile
     handles = [await local.create(SandboxSpec(resources={"memory_mib": 64})) for _ in range(2)]
     print(json.dumps([Path(h.raw["root"]).stat().st_uid for h in handles]), flush=True)
     await anyio.to_thread.run_sync(sys.stdin.readline)  # hold them until told

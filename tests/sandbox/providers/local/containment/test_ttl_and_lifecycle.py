@@ -18,6 +18,7 @@ from sandbox_middleware import (
     SandboxSpec,
     SandboxStatus,
 )
+from tests.leftovers import sandbox_dirs
 
 from ._support import as_root
 
@@ -187,7 +188,7 @@ async def test_failed_create_leaves_nothing_behind(
     tiny = make(isolation=provider.isolation, base_dir=sandbox_base, disk_gib=1e-9)
     with pytest.raises(SandboxError, match="cannot create a sandbox"):
         await tiny.create(SandboxSpec())
-    assert list(sandbox_base.iterdir()) == []
+    assert sandbox_dirs(sandbox_base) == []
     leftovers = list(Path("/sys/fs/cgroup").glob(f"**/sandbox-middleware/local-{known.hex[:12]}"))
     assert leftovers == []
 
@@ -208,4 +209,4 @@ async def test_close_removes_a_tree_thousands_deep(
     outer = Path(handle.raw["root"]).parent
     await local.close(handle)
     assert not outer.exists()
-    assert list(sandbox_base.iterdir()) == []
+    assert sandbox_dirs(sandbox_base) == []

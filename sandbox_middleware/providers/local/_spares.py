@@ -1,0 +1,121 @@
+"""Spare sandboxes: under bwrap, one sandbox of the shape last asked for is made ahead, in the background.
+
+Most of a bwrap sandbox's create is its command starter's start (bwrap, then a Python interpreter:
+30-60 ms on a loaded machine). ``Spares`` keeps one sandbox of the shape the last create asked for
+(its limits and view root: what its directory, cgroups, mounts, uid and starter are made of) ready,
+so the next create of that shape takes it and only writes its record and makes its working
+directory; the next spare is made behind it, one at a time, in one background thread. A spare has
+run nothing: no command has started in it, nothing else holds it. While it is a spare its directory
+holds ``SPARE_RECORD`` (its maker: host, pid, start time) instead of the record ``list`` reads, so
+no listing shows it. Spares are removed at ``aclose``, at interpreter exit, and, when their process
+died without either, by the next provider made on the same base_dir.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Hashable
+
+from ._records import Box
+
+__all__ = ["Spares"]
+
+logger = logging.getLogger("sandbox_middleware")
+
+# One thread makes and removes the spares of every provider of the process, one at a time: a spare is
+# for the next create, which never waits for it (a create that finds none makes its own sandbox).
+_MAKER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spare-maker")
+_MAKE_TIMEOUT_S = 60.0  # a spare's make is bounded by its starter's start (30 s) and a removal
+_OPEN: weakref.WeakSet[Spares] = weakref.WeakSet()
+
+
+class Spares:
+    """One provider's spare: ``make(shape)`` builds a sandbox of that shape (blocking), ``discard(box)``
+    removes one; both are called in the maker thread, ``discard`` also in ``close``'s."""
+
+    def __init__(self, make: Callable[[Hashable], Box], discard: Callable[[Box], None]) -> None:
+        self._make = make
+        self._discard = discard
+        self._lock = threading.Condition()
+        self._ready: tuple[Hashable, Box] | None = None
+        self._making = False
+        self._closed = False
+        _OPEN.add(self)
+
+    def offer(self, shape: Hashable, box: Box) -> None:
+        """Keep ``box`` as the spare of ``shape``; it is removed instead once closed or when one is kept."""
+        with self._lock:
+            keep = not self._closed and self._ready is None
+            if keep:
+                self._ready = (shape, box)
+        if not keep:
+            self._discard(box)
+
+    def take(self, shape: Hashable) -> Box | None:
+        """The spare, if it has ``shape`` and its starter lives (else None: one of another shape is removed)."""
+        with self._lock:
+            ready, self._ready = self._ready, None
+        if ready is None:
+            return None
+        if ready[0] == shape and ready[1].starter is not None and ready[1].starter.alive:
+            return ready[1]
+        self._submit(self._discard, ready[1])
+        return None
+
+    def refill(self, shape: Hashable) -> None:
+        """After a create of ``shape`` succeeded: make a spare of that shape, unless one is kept or being made."""
+        with self._lock:
+            if self._closed or self._making or self._ready is not None:
+                return
+            self._making = True
+        if not self._submit(self._fill, shape):
+            with self._lock:
+                self._making = False
+                self._lock.notify_all()
+
+    def _submit(self, work: Callable[..., None], *args: object) -> bool:
+        try:
+            _MAKER.submit(_logged, work, *args)
+        except RuntimeError:  # the interpreter is shutting down: close() removes what is left
+            if work is self._discard:
+                work(*args)
+            return False
+        return True
+
+    def _fill(self, shape: Hashable) -> None:
+        try:
+            box = self._make(shape)
+            self.offer(shape, box)
+        finally:
+            with self._lock:
+                self._making = False
+                self._lock.notify_all()
+
+    def close(self) -> None:
+        """Make no more spares and remove the one kept, after the one being made, if any (blocking)."""
+        with self._lock:
+            self._closed = True
+            self._lock.wait_for(lambda: not self._making, timeout=_MAKE_TIMEOUT_S)
+            ready, self._ready = self._ready, None
+        _OPEN.discard(self)
+        if ready is not None:
+            self._discard(ready[1])
+
+
+def _logged(work: Callable[..., None], *args: object) -> None:
+    """Run background work; a failure is logged (a create of that shape fails the same way, and says why)."""
+    try:
+        work(*args)
+    except Exception as exc:
+        logger.debug("LocalProvider: a spare sandbox could not be made or removed: %s", exc)
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit (after the maker thread finished its work): remove every provider's spare."""
+    for spares in list(_OPEN):
+        spares.close()
