@@ -3,9 +3,7 @@ shows a spare; aclose, interpreter exit and the next provider of a dead process 
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -127,16 +125,15 @@ async def test_a_spare_is_removed_at_exit_and_a_killed_process_spare_by_the_next
     sandbox_base: Path,
 ) -> None:
     sandbox_base.mkdir(parents=True)
-    exited = subprocess.run([sys.executable, "-c", _EXITS, str(sandbox_base), "exit"], capture_output=True, text=True)
-    assert exited.returncode == 0 and exited.stdout == "created\n", exited.stderr
+    exited = await anyio.run_process([sys.executable, "-c", _EXITS, str(sandbox_base), "exit"], check=False)
+    assert exited.returncode == 0 and exited.stdout == b"created\n", exited.stderr.decode()
     assert list(sandbox_base.iterdir()) == []  # atexit removed the spare it made meanwhile
 
-    killed = subprocess.Popen([sys.executable, "-c", _EXITS, str(sandbox_base), "hang"], stdout=subprocess.PIPE)
-    assert killed.stdout is not None and killed.stdout.readline() == b"created\n"
-    orphan = await one_spare(sandbox_base)
-    os.kill(killed.pid, signal.SIGKILL)
-    killed.wait()
-    killed.stdout.close()
+    async with await anyio.open_process([sys.executable, "-c", _EXITS, str(sandbox_base), "hang"]) as killed:
+        assert killed.stdout is not None and await killed.stdout.receive() == b"created\n"
+        orphan = await one_spare(sandbox_base)
+        killed.send_signal(signal.SIGKILL)
+        await killed.wait()
     assert orphan.exists() and cgroups_of(orphan.name[:18])  # left behind: nothing ran its exit
 
     alive = LocalProvider(isolation="bwrap", base_dir=sandbox_base)  # sweeps it before making its own
