@@ -1,18 +1,19 @@
 """Shared pytest setup: every ``anyio``-marked test runs on asyncio and on trio; a run leaves no sandboxes behind.
 
 The run gets a temporary directory of its own (``TMPDIR`` for this process and every subprocess it
-starts). When the run ends, any sandbox directory (``local-*``) or workload directory
-(``sandbox-middleware-*``) left in it fails the run; then the directory is removed.
+starts). When the run ends, any sandbox directory (``local-*``), workload directory
+(``sandbox-middleware-*``) or mount left in it fails the run; then the directory is removed.
 """
 
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.leftovers import left_behind
+from tests.leftovers import left_behind, mounts_below
 
 _run_tmp: Path | None = None
 
@@ -44,10 +45,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _run_tmp is None:
         return
     leaked = left_behind(_run_tmp)
+    for mount in reversed(mounts_below(_run_tmp)):  # lazily, so the directory can go
+        subprocess.run(["umount", "-l", mount], capture_output=True, check=False)
     shutil.rmtree(_run_tmp, ignore_errors=True)
     if leaked:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        message = f"the test run left {len(leaked)} sandbox or workload directories in its temp dir: {leaked}"
+        message = f"the test run left {len(leaked)} sandbox or workload directories or mounts in its temp dir: {leaked}"
         if reporter is not None:
             reporter.write_line(f"ERROR: {message}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

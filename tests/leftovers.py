@@ -8,11 +8,20 @@ LEFT_BEHIND = ("local-", "sandbox-middleware-")
 
 
 def left_behind(directory: Path) -> list[str]:
-    """Leftovers in ``directory`` and in LocalProvider's default base_dir there (``llm-sandbox-middleware-UID``)."""
+    """Leftovers in ``directory`` and in LocalProvider's default base_dir there (``llm-sandbox-middleware-UID``),
+    and mounts anywhere below it (a sandbox's tmpfs)."""
     found = [entry.name for entry in directory.iterdir() if entry.name.startswith(LEFT_BEHIND)]
     for base in directory.glob("llm-sandbox-middleware-*"):
         found += [f"{base.name}/{entry.name}" for entry in base.iterdir() if entry.name.startswith(LEFT_BEHIND)]
-    return sorted(found)
+    return sorted(found) + [f"mount {mount}" for mount in mounts_below(directory)]
+
+
+def mounts_below(directory: Path) -> list[str]:
+    """The mount points below ``directory`` (from /proc/self/mounts; octal escapes as the kernel writes them)."""
+    prefix = str(directory).rstrip("/") + "/"
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1].encode().decode("unicode_escape") for line in mounts]
+    return [point for point in points if point.startswith(prefix)]
 
 
 def sandbox_dirs(base: Path) -> list[Path]:

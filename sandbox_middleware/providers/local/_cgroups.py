@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import select
 import signal
 import threading
 import time
@@ -27,6 +28,7 @@ __all__ = ["MEMORY_RESERVE", "CgroupBackend", "MemoryBudget", "file_max"]
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _PARENT = "sandbox-middleware"
 _UNLIMITED = 2**62
+_KILL_ROUND_S = 0.005  # one round of kill: the processes read are waited for this long at most
 _MiB = 1 << 20
 MEMORY_RESERVE = (256 * _MiB, 10)  # kept free for the trainer: the larger of 256 MiB and 1/10 of the tightest limit
 
@@ -297,18 +299,34 @@ class CgroupBackend:
 
     @staticmethod
     def kill(groups: list[Path]) -> None:
-        """SIGKILL every process in ``groups``, repeating until none is left (forks race the reads)."""
+        """SIGKILL every process in ``groups``, repeating until none is left (forks race the reads).
+
+        Each is signalled and waited for through a pidfd: no pid is signalled after it was reused, and
+        the wait ends the moment the last one exits (killed processes mostly go within a millisecond)."""
         for group in groups:
             with contextlib.suppress(OSError):
                 (group / "cgroup.kill").write_text("1")
-        for attempt in range(100):
+        for _ in range(100):
             pids = {int(pid) for group in groups for pid in _read_procs(group)}
             if not pids:
                 return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(min(0.005, 0.0005 * 2**attempt))  # killed processes are mostly gone within a millisecond
+            pidfds = []
+            try:
+                for pid in pids:
+                    try:
+                        pidfds.append(os.pidfd_open(pid))
+                    except ProcessLookupError:
+                        continue
+                    except OSError:  # out of descriptors, say: by pid, then
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.kill(pid, signal.SIGKILL)
+                        continue
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        signal.pidfd_send_signal(pidfds[-1], signal.SIGKILL)
+                _wait_exits(pidfds, _KILL_ROUND_S)
+            finally:
+                for pidfd in pidfds:
+                    os.close(pidfd)
 
     @staticmethod
     def remove(groups: list[Path]) -> list[str]:
@@ -380,6 +398,25 @@ def _pid_max() -> int:
         return int(Path("/proc/sys/kernel/pid_max").read_text())
     except (OSError, ValueError):
         return 0
+
+
+def _wait_exits(pidfds: list[int], timeout_s: float) -> None:
+    """Wait until every process of ``pidfds`` has exited, or ``timeout_s`` passed (then sleep out the rest)."""
+    deadline = time.monotonic() + timeout_s
+    poller = select.poll()
+    for pidfd in pidfds:
+        poller.register(pidfd, select.POLLIN)
+    left = len(pidfds)
+    while left:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        events = poller.poll(remaining * 1000)
+        for pidfd, _mask in events:
+            poller.unregister(pidfd)
+        left -= len(events)
+    if not pidfds:  # none could be waited for: a short pause before the next reading
+        time.sleep(min(timeout_s, 0.0005))
 
 
 def _read_procs(group: Path) -> list[str]:
