@@ -18,8 +18,9 @@ which no command ever holds:
   signal, as bwrap reported it) and exits, and the kernel kills whatever the command left behind:
   nothing outlives its command. A timeout (or a cancelled call) kills the init, hence the whole
   namespace, ``setsid`` children included.
-- Inits are made ahead, one spare at a time, while a command runs or nothing happens; a command then
-  costs one message to the starter, one to its init and one ``posix_spawn``.
+- Inits are made ahead, one spare at a time: once the last command ended, or, when commands come
+  back to back, while one runs; a command then costs one message to the starter, one to its init
+  and one ``posix_spawn``.
 - Commands cannot reach the starter: it lives in a PID namespace they cannot see (so they can
   neither signal nor ptrace it), it is non-dumpable, and none of its descriptors reaches a command.
   Each command's result travels on a socket pair of its own, made by the provider and held by the
@@ -43,6 +44,7 @@ import os
 import select
 import struct
 import sys
+import time
 
 # --- the protocol --------------------------------------------------------------------------------
 # On the control socket (SOCK_SEQPACKET), provider -> starter: EXEC with four descriptors (the
@@ -65,6 +67,7 @@ _CAPABILITY_VERSION_3 = 0x20080522
 _SIOCSIFFLAGS, _IFF_UP = 0x8914, 0x1
 _PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus")  # what bwrap's --proc makes read-only where writable
 _INIT_FAILED = 126  # the exit code of a command init that could not set up (its message is on stderr)
+_BACK_TO_BACK_S = 0.05  # a command this soon after the last one ended: commands come back to back
 _NOT_STARTED = 127  # the exit code of a command that could not be executed (its message is on stderr)
 
 
@@ -231,6 +234,8 @@ class Starter:
         self._spare: _Spare | None = None
         self._by_pidfd: dict[int, _Command] = {}
         self._by_reply: dict[int, _Command] = {}
+        self._ended = 0.0  # time.monotonic() when the last command ended
+        self._eager = False  # whether commands come back to back (the next init is made at once)
 
     def serve(self) -> None:
         self._libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a command init's parent exits at once: it is ours
@@ -241,12 +246,16 @@ class Starter:
         self._spare = self._prepare()  # before READY: a sandbox whose commands cannot start fails at create
         self._control.send(READY)
         while True:
-            if self._spare is None:  # the next command's init, made while its command is not waited for
+            # The next command's init: after idle (a model's turn between commands, RL's way) made once
+            # no command runs, not beside one that starts, whose answer would wait for the CPU it
+            # takes; when commands come back to back, made while one runs, so the next finds it.
+            if self._spare is None and (self._eager or not self._by_pidfd):
                 try:
                     self._spare = self._prepare()
                 except OSError as exc:  # the pids limit, say: tried again, and a command meanwhile fails
                     _say(2, str(exc))
-            for fd, _mask in self._poll.poll(None if self._spare is not None else 50):
+            waiting = self._spare is not None or self._by_pidfd
+            for fd, _mask in self._poll.poll(None if waiting else 50):
                 if fd == self._control.fileno():
                     if not self._on_control():
                         os._exit(0)  # at once: bwrap's init then ends every process of the sandbox
@@ -282,6 +291,7 @@ class Starter:
         return True
 
     def _start(self, reply: _socket.socket, fds: list[int]) -> None:
+        self._eager = bool(self._by_pidfd) or time.monotonic() - self._ended < _BACK_TO_BACK_S
         spare = self._spare if self._spare is not None else self._prepare()
         self._spare = None
         try:
@@ -316,6 +326,7 @@ class Starter:
         _pid, status = os.waitpid(command.pid, os.WNOHANG)
         if _pid == 0:
             return
+        self._ended = time.monotonic()
         self._poll.unregister(command.pidfd)
         os.close(command.pidfd)
         del self._by_pidfd[command.pidfd]
