@@ -13,6 +13,7 @@ handle, telemetry) with the SDK configured.
 from __future__ import annotations
 
 import gc
+import statistics
 import sys
 import time
 import tracemalloc
@@ -193,11 +194,15 @@ async def held_round(provider: Any, held: list[SandboxHandle]) -> tuple[float, f
 
 
 async def held_table() -> bool:
-    """The stack's own cost per operation at 100 and at 10,000 held sandboxes, GC on; whether the goal is met."""
+    """The stack's own cost per operation at 100 and at 10,000 held sandboxes, GC on; whether the goal is met.
+
+    Each round runs on the stack and then on a bare provider holding as many sandboxes; the stack's own
+    cost is the difference within a round (so the machine's drift between rounds cancels out), and a
+    level's figure is the median over its rounds."""
     print(f"\nheld sandboxes, GC on: rounds of {BATCH} creates / execs / closes at once, {HELD_ROUNDS} rounds, "
-          "stack and bare provider interleaved (CPU us per operation, mean over the rounds)")  # fmt: skip
+          "stack and bare provider interleaved (CPU us per operation, median over the rounds)")  # fmt: skip
     print(f"{'held':>7}  {'variant':>14}  {'stack':>22}  {'bare provider':>22}  {'stack own cost':>22}")
-    own: dict[tuple[str, int], list[float]] = {}
+    own: dict[tuple[str, int], float] = {}
     for count in HELD:
         for variant in ("no-sdk", "sdk"):
             stacked, inner, providers = build(variant)
@@ -205,14 +210,16 @@ async def held_table() -> bool:
             held = [await stacked.create(SandboxSpec()) for _ in range(count)]
             bare_held = [await bare.create(SandboxSpec()) for _ in range(count)]
             gc.collect()
-            mean_stack, mean_bare = [0.0] * 3, [0.0] * 3
+            rounds: list[tuple[tuple[float, float, float], tuple[float, float, float]]] = []
             for _ in range(HELD_ROUNDS):
-                for best, provider, handles in ((mean_stack, stacked, held), (mean_bare, bare, bare_held)):
-                    for index, value in enumerate(await held_round(provider, handles)):
-                        best[index] += value / HELD_ROUNDS
+                rounds.append((await held_round(stacked, held), await held_round(bare, bare_held)))
             assert len(inner.alive) == count and len(bare.alive) == count
-            own[variant, count] = [s - b for s, b in zip(mean_stack, mean_bare, strict=True)]
-            cells = [" / ".join(f"{v:6.1f}" for v in values) for values in (mean_stack, mean_bare, own[variant, count])]
+            medians = [
+                [statistics.median(r[side][i] for r in rounds) for i in range(3)] for side in (0, 1)
+            ]  # fmt: skip
+            differences = [statistics.median(r[0][i] - r[1][i] for r in rounds) for i in range(3)]
+            own[variant, count] = statistics.median(sum(r[0]) - sum(r[1]) for r in rounds)
+            cells = [" / ".join(f"{v:6.1f}" for v in values) for values in (*medians, differences)]
             print(f"{count:>7}  {LABELS[variant]:>14}  " + "  ".join(f"{cell:>22}" for cell in cells))
             for handle in held:
                 await stacked.close(handle)
@@ -220,7 +227,7 @@ async def held_table() -> bool:
                 telemetry.shutdown()
     met = True
     for variant in ("no-sdk", "sdk"):
-        low, high = sum(own[variant, HELD[0]]), sum(own[variant, HELD[-1]])
+        low, high = own[variant, HELD[0]], own[variant, HELD[-1]]
         ratio = high / low if low > 0 else float("inf")
         met = met and ratio <= 1.3
         print(f"{LABELS[variant]:>14}: own cost of create + exec + close at {HELD[-1]:,} held / at {HELD[0]:,} held: "
