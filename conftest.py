@@ -2,7 +2,8 @@
 
 The run gets a temporary directory of its own (``TMPDIR`` for this process and every subprocess it
 starts). When the run ends, any sandbox directory (``local-*``), workload directory
-(``sandbox-middleware-*``) or mount left in it fails the run; then the directory is removed.
+(``sandbox-middleware-*``) or mount left in it fails the run, and so does (under ``REQUIRE_BWRAP=1``,
+where CI runs alone on its machine) a sandbox cgroup the run made and left; then the directory is removed.
 """
 
 import os
@@ -13,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.leftovers import left_behind, mounts_below
+from tests.leftovers import left_behind, mounts_below, sandbox_cgroups
 
 _run_tmp: Path | None = None
+_cgroups_before: set[str] | None = None  # under REQUIRE_BWRAP=1 (CI, alone on its machine): checked at the end
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -34,7 +36,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _run_tmp
+    global _run_tmp, _cgroups_before
+    if os.environ.get("REQUIRE_BWRAP") == "1":
+        _cgroups_before = sandbox_cgroups()
     _run_tmp = Path(tempfile.mkdtemp(prefix="pytest-run-"))
     _run_tmp.chmod(0o711)  # bwrap sandboxes run as an unprivileged uid that must reach their base_dir here
     os.environ["TMPDIR"] = str(_run_tmp)
@@ -45,6 +49,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _run_tmp is None:
         return
     leaked = left_behind(_run_tmp)
+    if _cgroups_before is not None:
+        leaked += [f"cgroup {group}" for group in sorted(sandbox_cgroups() - _cgroups_before)]
     for mount in reversed(mounts_below(_run_tmp)):  # lazily, so the directory can go
         subprocess.run(["umount", "-l", mount], capture_output=True, check=False)
     shutil.rmtree(_run_tmp, ignore_errors=True)

@@ -16,6 +16,20 @@ def left_behind(directory: Path) -> list[str]:
     return sorted(found) + [f"mount {mount}" for mount in mounts_below(directory)]
 
 
+def sandbox_cgroups() -> set[str]:
+    """Every LocalProvider sandbox cgroup on this machine (``.../sandbox-middleware/local-*``, any
+    controller), as paths: taken at a run's start and end, what is new at the end was left by it."""
+    root = Path("/sys/fs/cgroup")
+    found = set()
+    for parent in (
+        *root.glob("sandbox-middleware"),
+        *root.glob("*/sandbox-middleware"),
+        *root.glob("*/**/sandbox-middleware"),
+    ):
+        found.update(str(group) for group in parent.glob("local-*") if group.is_dir())
+    return found
+
+
 def mounts_below(directory: Path) -> list[str]:
     """The mount points below ``directory`` (from /proc/self/mounts; octal escapes as the kernel writes them)."""
     prefix = str(directory).rstrip("/") + "/"

@@ -4,11 +4,12 @@ Most of a bwrap sandbox's create is its command starter's start (bwrap, then a P
 30-60 ms on a loaded machine). ``Spares`` keeps one sandbox of the shape the last create asked for
 (its limits and view root: what its directory, cgroups, mounts, uid and starter are made of) ready,
 so the next create of that shape takes it and only writes its record and makes its working
-directory; the next spare is made behind it, one at a time, in one background thread. A spare has
-run nothing: no command has started in it, nothing else holds it. While it is a spare its directory
-holds ``SPARE_RECORD`` (its maker: host, pid, start time) instead of the record ``list`` reads, so
-no listing shows it. Spares are removed at ``aclose``, at interpreter exit, and, when their process
-died without either, by the next provider made on the same base_dir.
+directory; the next spare is made behind it (shortly after, see ``_REFILL_AFTER_S``), one at a
+time, in one background thread. A spare has run nothing: no command has started in it, nothing
+else holds it. While it is a spare its directory holds ``SPARE_RECORD`` (its maker: host, pid,
+start time) instead of the record ``list`` reads, so no listing shows it. Spares are removed at
+``aclose``, at interpreter exit, and, when their process died without either, by the next provider
+made on the same base_dir.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ logger = logging.getLogger("sandbox_middleware")
 # One thread makes and removes the spares of every provider of the process, one at a time: a spare is
 # for the next create, which never waits for it (a create that finds none makes its own sandbox).
 _MAKER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spare-maker")
+# A refill waits this long after the create that took the spare: the caller's first commands, which
+# mostly follow a create at once, run before the next spare's start (bwrap, Python) competes with
+# them for CPU (on 2 cores it doubled an exec and a close right after the create).
+_REFILL_AFTER_S = 0.2
 _MAKE_TIMEOUT_S = 60.0  # a spare's make is bounded by its starter's start (30 s) and a removal
 _OPEN: weakref.WeakSet[Spares] = weakref.WeakSet()
 
@@ -44,6 +49,7 @@ class Spares:
         self._ready: tuple[Hashable, Box] | None = None
         self._making = False
         self._closed = False
+        self._closing = threading.Event()  # set by close: a refill waiting to start gives up
         _OPEN.add(self)
 
     def offer(self, shape: Hashable, box: Box) -> None:
@@ -88,6 +94,8 @@ class Spares:
 
     def _fill(self, shape: Hashable) -> None:
         try:
+            if self._closing.wait(_REFILL_AFTER_S):
+                return
             box = self._make(shape)
             self.offer(shape, box)
         finally:
@@ -97,6 +105,7 @@ class Spares:
 
     def close(self) -> None:
         """Make no more spares and remove the one kept, after the one being made, if any (blocking)."""
+        self._closing.set()
         with self._lock:
             self._closed = True
             self._lock.wait_for(lambda: not self._making, timeout=_MAKE_TIMEOUT_S)
