@@ -19,6 +19,7 @@ from sandbox_middleware import (
     SandboxSpec,
     SandboxStatus,
 )
+from tests.leftovers import sandbox_dirs
 from tests.providers import PlainProvider
 
 pytestmark = pytest.mark.anyio
@@ -148,4 +149,5 @@ async def test_exec_passes_provider_keywords_and_a_bad_local_file_closes(tmp_pat
     local = LocalProvider(base_dir=sandbox_base)
     with pytest.raises(SandboxError, match=r"missing\.txt"):
         await Sandbox(local, local_files={"in.txt": tmp_path / "missing.txt"}).start()
-    assert list(sandbox_base.iterdir()) == []
+    assert sandbox_dirs(sandbox_base) == []
+    await local.aclose()

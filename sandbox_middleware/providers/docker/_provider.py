@@ -197,10 +197,15 @@ class DockerProvider:
             files = [(PurePosixPath(target), text.encode()) for target, text in spec.files.items()]
             await self._seed(container, plan, files)
         except BaseException as exc:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+            left = f"; container {container[:12]} was not removed (its labels let reap find it)"
+            # The daemon may have gone away meanwhile: the first error is the one to report.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(30), contextlib.suppress(SandboxError):
                 await self._remove(container)
+                left = ""
             if isinstance(exc, EngineError | DockerUnavailableError):
-                raise SandboxCreateError(f"DockerProvider: cannot start a container of {plan.image!r}: {exc}") from exc
+                raise SandboxCreateError(
+                    f"DockerProvider: cannot start a container of {plan.image!r}: {exc}{left}"
+                ) from exc
             raise
         box = Box(container, plan.user, plan.cwd, (plan.mount, PurePosixPath("/tmp")), plan.ports, plan.deadline,
                   plan.metadata, time.time())  # fmt: skip
