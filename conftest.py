@@ -6,6 +6,7 @@ starts). When the run ends, any sandbox directory (``local-*``), workload direct
 where CI runs alone on its machine) a sandbox cgroup the run made and left; then the directory is removed.
 """
 
+import gc
 import os
 import shutil
 import subprocess
@@ -48,6 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _run_tmp is None:
         return
+    gc.collect()  # providers nothing refers to any more remove their spares (their finalizers)
     leaked = left_behind(_run_tmp)
     if _cgroups_before is not None:
         leaked += [f"cgroup {group}" for group in sorted(sandbox_cgroups() - _cgroups_before)]

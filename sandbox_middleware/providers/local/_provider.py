@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path, PurePosixPath
@@ -66,10 +67,12 @@ from ._records import (
     check_reachable,
     intact,
     is_real_directory,
+    kill_box,
     lay_out,
     prepare_base,
     remove_box,
     scan,
+    teardown,
     write_private,
 )
 from ._spares import Spares
@@ -196,7 +199,10 @@ class LocalProvider:
         self._python: str | None = None
         self._starting = threading.Lock()  # one starter per sandbox adopted from another process
         self._sweep_spares()
-        self._spares = Spares(self._make_spare, self._discard) if self._bwrap is not None and prestart else None
+        self._spares: Spares | None = None
+        if self._bwrap is not None and prestart:  # removed with this provider, if not at aclose (or at exit)
+            self._spares = Spares(weakref.WeakMethod(self._make_spare), partial(discard, self._base))
+            weakref.finalize(self, self._spares.close)
         if self._bwrap is not None:
             self._python = find_python([*SYSTEM_DIRS, *self._ro_paths])
             if self._python is None:
@@ -267,7 +273,7 @@ class LocalProvider:
                 self._spares.offer((limits, view_root), self._make_spare((limits, view_root)))
                 return
         try:
-            self._discard(self._prepare((Limits(None, None, None, None), view_root)))
+            discard(self._base, self._prepare((Limits(None, None, None, None), view_root)))
         except SandboxError as exc:
             raise BwrapUnavailableError(
                 f"LocalProvider(isolation='bwrap'): commands cannot start under bwrap on this machine ({exc}); "
@@ -462,7 +468,7 @@ class LocalProvider:
             with open_directory(box.root, cwd, "spec.workdir", create=True, owner=box.uid):
                 pass
         except BaseException as exc:
-            leftovers = self._teardown(box)
+            leftovers = teardown(box, self._base)
             if isinstance(exc, OSError):
                 suffix = f"; could not remove {leftovers}" if leftovers else ""
                 raise SandboxCreateError(f"LocalProvider: cannot create a sandbox: {exc}{suffix}") from exc
@@ -531,15 +537,9 @@ class LocalProvider:
         try:
             write_private(box.outer, SPARE_RECORD, json.dumps(Owner.current().metadata()).encode())
         except BaseException:
-            self._discard(box)
+            discard(self._base, box)
             raise
         return box
-
-    def _discard(self, box: Box) -> None:
-        """Remove a sandbox nothing holds (a spare, or one whose create failed half-way)."""
-        leftovers = self._teardown(box)
-        if leftovers:
-            logger.warning("LocalProvider: a spare sandbox left %s behind; remove them by hand", ", ".join(leftovers))
 
     def _sweep_spares(self) -> None:
         """Remove the spares that processes which died without closing them left in base_dir."""
@@ -569,20 +569,7 @@ class LocalProvider:
         box = self._boxes.get(sandbox_id)
         if box is not None and not box.expired:
             box.expired = True
-            self._kill(box)
-
-    @staticmethod
-    def _kill(box: Box) -> None:
-        """Kill every process of the sandbox: through its cgroups where it has them (no pid is ever
-        signalled by a number that could have been reused), else its still-running process groups. A
-        starter's death alone ends every process of its sandbox (bwrap's init takes them with it)."""
-        if box.starter is not None:
-            box.starter.kill()
-        if box.cgroups:
-            CgroupBackend.kill(box.cgroups)
-        else:
-            for group in list(box.groups):
-                kill_group(group)
+            kill_box(box)
 
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
         box = self._boxes.get(sandbox_id_of(handle))
@@ -606,7 +593,7 @@ class LocalProvider:
         if box is None:
             return
         box.closed = True
-        leftovers = await anyio.to_thread.run_sync(self._teardown, box)
+        leftovers = await anyio.to_thread.run_sync(teardown, box, self._base)
         if leftovers:
             box.broken = True
             raise SandboxError(
@@ -614,20 +601,6 @@ class LocalProvider:
                 f"{', '.join(leftovers[:10])}{' ...' if len(leftovers) > 10 else ''}; remove them by hand"
             )
         del self._boxes[handle.sandbox_id]
-
-    def _teardown(self, box: Box) -> list[str]:
-        if box.starter is not None:
-            box.starter.close()
-        self._kill(box)
-        # Only ever inside base_dir: the box's directory was made there by this provider, or
-        # connect() checked that it lies there.
-        if not box.outer.is_relative_to(self._base):
-            return [f"{box.outer} (outside base_dir {self._base}; not touched)"]
-        try:
-            return remove_box(box.outer, box.mounted, box.cgroups)
-        finally:
-            if box.lease is not None:  # its processes are dead: the uid is free for another sandbox
-                box.lease.release()
 
     async def aclose(self) -> None:
         """Remove the spare, close every sandbox still open here, then raise one error naming those that failed."""
@@ -925,6 +898,13 @@ class LocalProvider:
                 except (SandboxError, ValueError, TypeError):
                     return None
         return None
+
+
+def discard(base: Path, box: Box) -> None:
+    """Remove a sandbox nothing holds (a spare, or a scratch one); what is left behind is logged."""
+    leftovers = teardown(box, base)
+    if leftovers:
+        logger.warning("LocalProvider: a spare sandbox left %s behind; remove them by hand", ", ".join(leftovers))
 
 
 def _restore(options: dict[str, Any]) -> LocalProvider:

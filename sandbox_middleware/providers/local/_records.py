@@ -25,6 +25,7 @@ from ._cgroups import CgroupBackend
 from ._launch import Launch
 from ._limits import Limits
 from ._mounts import is_mount_point, unmount
+from ._process import kill_group
 from ._supervisor import CommandStarter
 from ._transfers import open_directory
 from ._uids import UidLease
@@ -37,11 +38,13 @@ __all__ = [
     "check_reachable",
     "intact",
     "is_real_directory",
+    "kill_box",
     "lay_out",
     "prepare_base",
     "read_record",
     "remove_box",
     "scan",
+    "teardown",
     "write_private",
 ]
 
@@ -234,6 +237,34 @@ def scan(base: Path, name: str = RECORD) -> list[tuple[str, Path, dict[str, Any]
 
 def is_real_directory(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink()
+
+
+def kill_box(box: Box) -> None:
+    """Kill every process of the sandbox: through its cgroups where it has them (no pid is ever
+    signalled by a number that could have been reused), else its still-running process groups. A
+    starter's death alone ends every process of its sandbox (bwrap's init takes them with it)."""
+    if box.starter is not None:
+        box.starter.kill()
+    if box.cgroups:
+        CgroupBackend.kill(box.cgroups)
+    else:
+        for group in list(box.groups):
+            kill_group(group)
+
+
+def teardown(box: Box, base: Path) -> list[str]:
+    """End the sandbox's starter and processes, then remove it (only ever inside ``base``, where its
+    provider made it or ``connect`` checked it lies); returns what could not be removed."""
+    if box.starter is not None:
+        box.starter.close()
+    kill_box(box)
+    if not box.outer.is_relative_to(base):
+        return [f"{box.outer} (outside base_dir {base}; not touched)"]
+    try:
+        return remove_box(box.outer, box.mounted, box.cgroups)
+    finally:
+        if box.lease is not None:  # its processes are dead: the uid is free for another sandbox
+            box.lease.release()
 
 
 def remove_box(outer: Path, mounted: bool, cgroups: list[Path]) -> list[str]:

@@ -8,13 +8,12 @@ directory; the next spare is made behind it (shortly after, see ``_REFILL_AFTER_
 time, in one background thread. A spare has run nothing: no command has started in it, nothing
 else holds it. While it is a spare its directory holds ``SPARE_RECORD`` (its maker: host, pid,
 start time) instead of the record ``list`` reads, so no listing shows it. Spares are removed at
-``aclose``, at interpreter exit, and, when their process died without either, by the next provider
-made on the same base_dir.
+``aclose``, when the provider is collected or at interpreter exit (its finalizer), and, when their
+process died without either, by the next provider made on the same base_dir.
 """
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import logging
 import threading
@@ -35,14 +34,14 @@ _MAKER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix
 # them for CPU (on 2 cores it doubled an exec and a close right after the create).
 _REFILL_AFTER_S = 0.2
 _MAKE_TIMEOUT_S = 60.0  # a spare's make is bounded by its starter's start (30 s) and a removal
-_OPEN: weakref.WeakSet[Spares] = weakref.WeakSet()
 
 
 class Spares:
-    """One provider's spare: ``make(shape)`` builds a sandbox of that shape (blocking), ``discard(box)``
-    removes one; both are called in the maker thread, ``discard`` also in ``close``'s."""
+    """One provider's spare: ``make`` is a weak reference to the provider's method that builds a
+    sandbox of a shape (blocking), so the provider can be collected and its finalizer call ``close``;
+    ``discard(box)`` removes one. Both are called in the maker thread, ``discard`` also in ``close``'s."""
 
-    def __init__(self, make: Callable[[Hashable], Box], discard: Callable[[Box], None]) -> None:
+    def __init__(self, make: weakref.WeakMethod[Callable[[Hashable], Box]], discard: Callable[[Box], None]) -> None:
         self._make = make
         self._discard = discard
         self._lock = threading.Condition()
@@ -50,7 +49,7 @@ class Spares:
         self._making = False
         self._closed = False
         self._closing = threading.Event()  # set by close: a refill waiting to start gives up
-        _OPEN.add(self)
+        self._filler = 0  # the maker thread's ident, once it made one
 
     def offer(self, shape: Hashable, box: Box) -> None:
         """Keep ``box`` as the spare of ``shape``; it is removed instead once closed or when one is kept."""
@@ -93,10 +92,13 @@ class Spares:
         return True
 
     def _fill(self, shape: Hashable) -> None:
+        self._filler = threading.get_ident()
         try:
-            if self._closing.wait(_REFILL_AFTER_S):
+            make = None if self._closing.wait(_REFILL_AFTER_S) else self._make()
+            if make is None:  # closed meanwhile, or the provider is gone
                 return
-            box = self._make(shape)
+            box = make(shape)
+            del make  # the provider's last reference may be this one: its finalizer closes us here
             self.offer(shape, box)
         finally:
             with self._lock:
@@ -108,9 +110,9 @@ class Spares:
         self._closing.set()
         with self._lock:
             self._closed = True
-            self._lock.wait_for(lambda: not self._making, timeout=_MAKE_TIMEOUT_S)
+            if threading.get_ident() != self._filler:  # in the maker thread, the spare made is removed by offer
+                self._lock.wait_for(lambda: not self._making, timeout=_MAKE_TIMEOUT_S)
             ready, self._ready = self._ready, None
-        _OPEN.discard(self)
         if ready is not None:
             self._discard(ready[1])
 
@@ -121,10 +123,3 @@ def _logged(work: Callable[..., None], *args: object) -> None:
         work(*args)
     except Exception as exc:
         logger.debug("LocalProvider: a spare sandbox could not be made or removed: %s", exc)
-
-
-@atexit.register
-def _close_all() -> None:
-    """At exit (after the maker thread finished its work): remove every provider's spare."""
-    for spares in list(_OPEN):
-        spares.close()

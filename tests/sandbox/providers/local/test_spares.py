@@ -3,6 +3,7 @@ shows a spare; aclose, interpreter exit and the next provider of a dead process 
 
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -147,3 +148,13 @@ async def test_a_spare_is_removed_at_exit_and_a_killed_process_spare_by_the_next
     assert spares(sandbox_base) == [mine]
     await alive.aclose()
     assert list(sandbox_base.iterdir()) == []
+
+
+async def test_a_provider_dropped_without_aclose_removes_its_spare_when_collected(sandbox_base: Path) -> None:
+    local = LocalProvider(isolation="bwrap", base_dir=sandbox_base)
+    handle = await local.create(SandboxSpec())
+    await local.close(handle)
+    spare = await one_spare(sandbox_base)
+    del local
+    gc.collect()
+    assert not spare.exists() and cgroups_of(spare.name[:18]) == []
