@@ -79,6 +79,9 @@ class EngineAPI:
     def __init__(self, socket: str, version: str, timeout_s: float) -> None:
         self.socket = socket
         self.version = version
+        # An exec's output stream may be silent for as long as its command runs: no read timeout
+        # there (the command's own timeout and the sandbox's TTL bound it), the others as usual.
+        self._silent_read = httpx.Timeout(timeout_s, read=None)
         self._client = httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=socket),
             base_url=f"{_BASE}/v{version}",
@@ -109,12 +112,23 @@ class EngineAPI:
 
     @asynccontextmanager
     async def stream(
-        self, method: str, path: str, what: str, *, params: Mapping[str, str] | None = None, body: Any = None
+        self,
+        method: str,
+        path: str,
+        what: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        body: Any = None,
+        silent_ok: bool = False,
     ) -> AsyncIterator[httpx.Response]:
-        """A request whose body is read as it arrives (exec output, archives), as sent: never decompressed."""
+        """A request whose body is read as it arrives (exec output, archives), as sent: never decompressed.
+        ``silent_ok``: the body may pause for any time (a command's output), no read timeout."""
         headers = {"Accept-Encoding": "identity"}
+        timeout = self._silent_read if silent_ok else httpx.USE_CLIENT_DEFAULT
         try:
-            async with self._client.stream(method, path, params=params, json=body, headers=headers) as reply:
+            async with self._client.stream(
+                method, path, params=params, json=body, headers=headers, timeout=timeout
+            ) as reply:
                 if reply.status_code >= 400:
                     await reply.aread()
                     raise EngineError(reply.status_code, _message(reply), what)

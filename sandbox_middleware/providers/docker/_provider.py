@@ -470,25 +470,27 @@ class DockerProvider:
         """Read the exec's output until it ends, or until shortly after its command has exited (a
         background child holding the streams open must not hold the call)."""
         what = f"read the output of exec {exec_id[:12]}"
+        start = {"Detach": False, "Tty": False}
         try:
             async with (
-                self._api.stream("POST", f"/exec/{exec_id}/start", what, body={"Detach": False, "Tty": False}) as reply,
+                self._api.stream("POST", f"/exec/{exec_id}/start", what, body=start, silent_ok=True) as reply,
                 anyio.create_task_group() as tasks,
             ):
+                # Neither task lets an error out: the task group would raise it as an ExceptionGroup.
 
                 async def read() -> None:
-                    async for chunk in reply.aiter_raw():
-                        demux.feed(chunk)
+                    with contextlib.suppress(httpx.HTTPError):  # the stream broke: the exit code tells
+                        async for chunk in reply.aiter_raw():
+                            demux.feed(chunk)
                     tasks.cancel_scope.cancel()
 
                 async def watch() -> None:
                     await anyio.sleep(0.25)
-                    while True:
-                        if not (await self._exec_info(exec_id)).get("Running"):
-                            break
-                        await anyio.sleep(0.1)
-                    await anyio.sleep(0.05)  # what it wrote last is in flight
-                    tasks.cancel_scope.cancel()
+                    with contextlib.suppress(SandboxError):  # the daemon is going: the read ends by itself
+                        while (await self._exec_info(exec_id)).get("Running"):
+                            await anyio.sleep(0.1)
+                        await anyio.sleep(0.05)  # what it wrote last is in flight
+                        tasks.cancel_scope.cancel()
 
                 tasks.start_soon(read)
                 tasks.start_soon(watch)

@@ -46,6 +46,18 @@ async def test_exec_output_exit_code_env_cwd(provider: DockerProvider) -> None:
     await provider.close(handle)
 
 
+async def test_a_command_silent_longer_than_the_request_timeout_runs_to_its_end(
+    make: Callable[..., DockerProvider],
+) -> None:
+    """request_timeout_s bounds each API request, not a command's silence: the exec stream has no
+    read timeout (an ExceptionGroup of httpx's ReadTimeout escaped after request_timeout_s)."""
+    provider = make(request_timeout_s=1)
+    handle = await provider.create(spec())
+    result = await provider.exec(handle, "sleep 2.5; echo done", timeout_s=30)
+    assert (result.stdout, result.return_code, result.error_type) == ("done\n", 0, None)
+    await provider.close(handle)
+
+
 async def test_user_is_non_root_and_user_root_has_no_capabilities(provider: DockerProvider) -> None:
     """The busybox image sets no USER: commands run as uid 65534; the python image's USER is kept;
     ``user="root"`` is root without capabilities."""
