@@ -487,7 +487,9 @@ class DockerProvider:
                 async def watch() -> None:
                     await anyio.sleep(0.25)
                     with contextlib.suppress(SandboxError):  # the daemon is going: the read ends by itself
-                        while (await self._exec_info(exec_id)).get("Running"):
+                        while True:
+                            if not (await self._exec_info(exec_id)).get("Running"):
+                                break
                             await anyio.sleep(0.1)
                         await anyio.sleep(0.05)  # what it wrote last is in flight
                         tasks.cancel_scope.cancel()
