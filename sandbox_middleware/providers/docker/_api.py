@@ -16,7 +16,7 @@ import httpx
 
 from ..._errors import DockerUnavailableError, SandboxError
 
-__all__ = ["MAX_API_VERSION", "MIN_API_VERSION", "EngineAPI", "EngineError", "negotiate"]
+__all__ = ["MAX_API_VERSION", "MIN_API_VERSION", "EngineAPI", "EngineError", "message_of", "negotiate"]
 
 MIN_API_VERSION = "1.40"  # Docker 19.03: every field the provider sends (Init, Mounts' VolumeOptions, PidsLimit)
 MAX_API_VERSION = "1.43"  # the newest whose container and exec bodies the provider was written against
@@ -107,7 +107,7 @@ class EngineAPI:
         except httpx.HTTPError as exc:
             raise self.unavailable(what, exc) from exc
         if reply.status_code >= 400 and reply.status_code not in ok:
-            raise EngineError(reply.status_code, _message(reply), what)
+            raise EngineError(reply.status_code, message_of(reply), what)
         return reply
 
     @asynccontextmanager
@@ -131,7 +131,7 @@ class EngineAPI:
             ) as reply:
                 if reply.status_code >= 400:
                     await reply.aread()
-                    raise EngineError(reply.status_code, _message(reply), what)
+                    raise EngineError(reply.status_code, message_of(reply), what)
                 yield reply
         except httpx.HTTPError as exc:
             raise self.unavailable(what, exc) from exc
@@ -145,7 +145,8 @@ class EngineAPI:
         await self._client.aclose()
 
 
-def _message(reply: httpx.Response) -> str:
+def message_of(reply: httpx.Response) -> str:
+    """The daemon's own message of an error reply (its JSON ``message``), else the start of its body."""
     try:
         return str(json.loads(reply.content).get("message", "")).strip() or reply.reason_phrase
     except (ValueError, AttributeError):

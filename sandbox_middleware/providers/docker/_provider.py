@@ -37,7 +37,7 @@ from ..._errors import (
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
 from ..local._arguments import check_text, checked_env, checked_timeout, fspath, positive_number, sandbox_id_of
 from ..local._limits import LIMIT_BOUNDS, Limits
-from ._api import EngineAPI, EngineError, negotiate
+from ._api import EngineAPI, EngineError, message_of, negotiate
 from ._archive import END, TarReader, check_directory, check_stat, located, padding, tar_records, tar_stream
 from ._container import (
     LABEL,
@@ -315,8 +315,13 @@ class DockerProvider:
                                      content=b"".join(chunks) + END)  # fmt: skip
 
     async def _remove(self, container: str) -> None:
-        await self._api.call("DELETE", f"/containers/{container}", f"remove container {container[:12]}",
-                             params={"force": "true", "v": "true"}, ok=(404,))  # fmt: skip
+        """Force-remove ``container`` and its volumes; one already gone, or being removed by another
+        process (the TTL watchdog, a reaper, a second close), is done."""
+        what = f"remove container {container[:12]}"
+        reply = await self._api.call("DELETE", f"/containers/{container}", what, params={"force": "true", "v": "true"},
+                                     ok=(404, 409))  # fmt: skip
+        if reply.status_code == 409 and "already in progress" not in (message := message_of(reply)):
+            raise EngineError(409, message, what)
 
     def _box(self, handle: SandboxHandle) -> Box:
         box = self._boxes.get(sandbox_id_of(handle))

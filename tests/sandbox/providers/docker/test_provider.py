@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 
@@ -16,6 +17,7 @@ from sandbox_middleware import (
     DockerUnavailableError,
     SandboxArgumentError,
     SandboxError,
+    SandboxHandle,
     SandboxImageNotFoundError,
     SandboxLimitError,
     SandboxNotFoundError,
@@ -117,6 +119,19 @@ async def test_status_close_and_unknown_handles(provider: DockerProvider) -> Non
     assert await provider.status(handle) == SandboxStatus.STOPPED
     with pytest.raises(SandboxNotFoundError, match="no live sandbox"):
         await provider.exec(handle, "true")
+
+
+async def test_closing_one_sandbox_from_two_providers_at_once_is_quiet(make: Callable[..., DockerProvider]) -> None:
+    """The second DELETE of a container being removed answers 409 "already in progress": close is
+    idempotent, so that is done, not an error (it raised EngineError: the TTL watchdog or a reaper
+    removing a sandbox while its owner closes it hit the same)."""
+    first, second = make(), make()
+    for _ in range(3):
+        handle = await first.create(spec())
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(first.close, handle)
+            tasks.start_soon(second.close, SandboxHandle(handle.sandbox_id, "docker"))
+        assert await first.status(handle) is SandboxStatus.STOPPED
 
 
 async def test_a_missing_image_is_a_typed_error_naming_it(provider: DockerProvider) -> None:
