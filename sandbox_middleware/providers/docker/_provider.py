@@ -197,7 +197,9 @@ class DockerProvider:
             files = [(PurePosixPath(target), text.encode()) for target, text in spec.files.items()]
             await self._seed(container, plan, files)
         except BaseException as exc:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+            # A removal that fails too (the daemon died) must not replace the start's error: the
+            # container keeps its labels, so reap finds it.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(30), contextlib.suppress(SandboxError):
                 await self._remove(container)
             if isinstance(exc, EngineError | DockerUnavailableError):
                 raise SandboxCreateError(f"DockerProvider: cannot start a container of {plan.image!r}: {exc}") from exc
@@ -352,7 +354,7 @@ class DockerProvider:
             info = await self._inspect(sandbox_id, f"status of {sandbox_id[:12]}")
         except DockerUnavailableError:
             return SandboxStatus.UNKNOWN
-        if info is None or (info.get("Config") or {}).get("Labels", {}).get(LABEL) != "1":
+        if info is None or _labels(info).get(LABEL) != "1":
             return SandboxStatus.STOPPED
         return _STATUS.get(str((info.get("State") or {}).get("Status")), SandboxStatus.UNKNOWN)
 
@@ -365,8 +367,7 @@ class DockerProvider:
             if handle.provider_name != self.name:
                 return
             info = await self._inspect(sandbox_id, f"close {sandbox_id[:12]}")
-            labels = ((info or {}).get("Config") or {}).get("Labels") or {}
-            if info is None or labels.get(LABEL) != "1":
+            if info is None or _labels(info).get(LABEL) != "1":
                 return  # gone, or not a sandbox of ours: never touched
             sandbox_id = str(info["Id"])
         else:
@@ -377,13 +378,16 @@ class DockerProvider:
     async def aclose(self) -> None:
         """Close every sandbox still open here, then the connection pool; one error names those that failed."""
         failures = []
-        for sandbox_id in list(self._boxes):
-            try:
-                await self.close(SandboxHandle(sandbox_id, self.name))
-            except SandboxError as exc:
-                failures.append(str(exc))
-        self._watchdog.reap()
-        await self._api.aclose()
+        try:
+            for sandbox_id in list(self._boxes):
+                try:
+                    await self.close(SandboxHandle(sandbox_id, self.name))
+                except SandboxError as exc:
+                    failures.append(str(exc))
+        finally:  # cancelled or not: the connection pool is released
+            self._watchdog.reap()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_TIMEOUT_S):
+                await self._api.aclose()
         if failures:
             raise SandboxError(f"DockerProvider.aclose: {len(failures)} sandboxes not removed: {'; '.join(failures)}")
 
@@ -613,22 +617,21 @@ class DockerProvider:
         if not parts:
             raise SandboxError(f"{source_path!r} is not a file in the sandbox (it names a directory)")
         target = Path(check_text(fspath(target_path, "target_path"), "target_path"))
-        path = str(mount.joinpath(*parts))
         what = f"download {source_path!r} from sandbox {handle.sandbox_id[:12]} to {target_path}"
         archive = f"/containers/{box.container}/archive"
         try:
-            for depth in range(1, len(parts)):  # the daemon follows a symlink in a parent: refuse one
-                parent = str(mount.joinpath(*parts[:depth]))
-                head = await self._api.call("HEAD", archive, what, params={"path": parent}, ok=(404,))
+            for depth in range(1, len(parts) + 1):  # the daemon follows a symlink in a parent: refuse one
+                path = str(mount.joinpath(*parts[:depth]))
+                head = await self._api.call("HEAD", archive, what, params={"path": path}, ok=(404,))
                 if head.status_code == 404:
                     raise SandboxError(
                         f"DockerProvider: {source_path!r} is not a file in sandbox {handle.sandbox_id[:12]}"
                     )
-                check_directory(head.headers.get("X-Docker-Container-Path-Stat"), source_path, parent)
-            head = await self._api.call("HEAD", archive, what, params={"path": path}, ok=(404,))
-            if head.status_code == 404:
-                raise SandboxError(f"DockerProvider: {source_path!r} is not a file in sandbox {handle.sandbox_id[:12]}")
-            check_stat(head.headers.get("X-Docker-Container-Path-Stat"), source_path, self._max_transfer)
+                header = head.headers.get("X-Docker-Container-Path-Stat")
+                if depth < len(parts):
+                    check_directory(header, source_path, path)
+                else:
+                    check_stat(header, source_path, self._max_transfer)
             async with self._api.stream("GET", archive, what, params={"path": path}) as reply:
                 await TarReader(source_path, target, self._max_transfer).read(reply.aiter_raw())
         except EngineError as exc:
@@ -677,8 +680,7 @@ class DockerProvider:
             )
         sandbox_id = body["sandbox_id"]
         info = await self._inspect(sandbox_id, f"connect to {sandbox_id[:12]}")
-        labels = ((info or {}).get("Config") or {}).get("Labels") or {}
-        box = box_of(sandbox_id, labels, None) if info is not None else None
+        box = box_of(sandbox_id, _labels(info), None) if info is not None else None
         if box is None or str((info or {}).get("Id")) != sandbox_id:
             raise SandboxNotFoundError(f"DockerProvider.connect: no sandbox container {sandbox_id[:12]} on this daemon")
         self._boxes.setdefault(sandbox_id, box)
@@ -708,6 +710,11 @@ class DockerProvider:
 
 
 _LIMIT_FIELDS = {"memory_mib": "memory_bytes", "pids": "pids", "cpu": "cpu"}
+
+
+def _labels(info: Mapping[str, Any]) -> Mapping[str, str]:
+    """A container's labels from its ``GET /containers/{id}/json``."""
+    return (info.get("Config") or {}).get("Labels") or {}
 
 
 def _restore(options: dict[str, Any]) -> DockerProvider:

@@ -16,6 +16,7 @@ from sandbox_middleware import (
     DockerProvider,
     DockerUnavailableError,
     SandboxArgumentError,
+    SandboxCreateError,
     SandboxError,
     SandboxHandle,
     SandboxImageNotFoundError,
@@ -132,6 +133,30 @@ async def test_closing_one_sandbox_from_two_providers_at_once_is_quiet(make: Cal
             tasks.start_soon(first.close, handle)
             tasks.start_soon(second.close, SandboxHandle(handle.sandbox_id, "docker"))
         assert await first.status(handle) is SandboxStatus.STOPPED
+
+
+async def test_a_start_failing_with_the_daemon_gone_is_a_create_error(
+    provider: DockerProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the start fails and so does the removal after it (the daemon died), the create still
+    raises SandboxCreateError, which a retry layer retries (the removal's DockerUnavailableError
+    replaced it)."""
+    removed: list[str] = []
+    real_remove = provider._remove
+
+    async def gone(*args: object) -> None:
+        raise DockerUnavailableError("the daemon went away")
+
+    async def remove_fails(container: str) -> None:
+        removed.append(container)
+        await real_remove(container)  # the test leaves nothing behind
+        raise DockerUnavailableError("the daemon went away")
+
+    monkeypatch.setattr(provider, "_seed", gone)
+    monkeypatch.setattr(provider, "_remove", remove_fails)
+    with pytest.raises(SandboxCreateError, match="cannot start a container"):
+        await provider.create(spec())
+    assert len(removed) == 1
 
 
 async def test_a_missing_image_is_a_typed_error_naming_it(provider: DockerProvider) -> None:
