@@ -7,14 +7,15 @@ import argparse
 import asyncio
 import contextlib
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
 import uvicorn
 
-from ..records import RecordsError, open_store
+from ..records import RecordsError, RecordStore, open_store
 from ._app import DEFAULT_MAX_REQUEST_BYTES, create_app
-from ._server import bound_url, server_config
+from ._server import bound_url, listen, serve, server_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,18 +36,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _serve(server: uvicorn.Server, host: str) -> None:
-    task = asyncio.create_task(server.serve())
+async def _serve(server: uvicorn.Server, sock: socket.socket, host: str) -> bool:
+    task = asyncio.create_task(serve(server, sock))
     while not server.started:
         if task.done():
-            await task
-            raise SystemExit(1)  # uvicorn logged why (the port taken, ...)
+            return await task  # False: uvicorn logged why (the app's lifespan failed)
         await asyncio.sleep(0.01)
     print(bound_url(server, host), flush=True)
-    await task
+    return await task
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: 0 after serving (until SIGINT), 2 for unusable options, 1 when it cannot
+    listen on ``--host``/``--port`` or does not start."""
     args = _parser().parse_args(argv)
     key = None
     if args.upstream_api_key_env:
@@ -62,19 +64,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tokens.proxy: --store: {exc}", file=sys.stderr)
             return 2
     try:
+        return _run(args, store, key)
+    finally:
+        if store is not None:
+            asyncio.run(store.close())
+
+
+def _run(args: argparse.Namespace, store: RecordStore | None, key: str | None) -> int:
+    try:
         app = create_app(args.upstream, store=store, upstream_api_key=key, responses_upstream=args.responses_upstream,
                          max_request_bytes=args.max_request_bytes, upstream_timeout=args.upstream_timeout,
                          client_timeout=args.client_timeout)  # fmt: skip
     except ValueError as exc:
         print(f"tokens.proxy: {exc}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(server_config(app, args.host, args.port))
     try:
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(_serve(server, args.host))
-    finally:
-        if store is not None:
-            asyncio.run(store.close())
+        sock = listen(args.host, args.port)
+    except OSError as exc:
+        print(
+            f"tokens.proxy: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; pick another --port "
+            "(0: any free one) or --host",
+            file=sys.stderr,
+        )
+        return 1
+    server = uvicorn.Server(server_config(app, args.host, args.port))
+    started = True
+    with contextlib.suppress(KeyboardInterrupt):
+        started = asyncio.run(_serve(server, sock, args.host))
+    if not started:
+        print("tokens.proxy: the proxy did not start (see the error above)", file=sys.stderr)
+        return 1
     return 0
 
 
