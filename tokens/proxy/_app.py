@@ -17,7 +17,7 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -395,6 +395,20 @@ class _App:
                 safely("tokens.proxy span", _end_span, span, error)
             raise error from None
 
+        closed = False
+
+        async def close(error: ProxyError | None) -> None:
+            """Once, whether the events ran or not: the upstream's stream closed, the call counted."""
+            nonlocal closed
+            if not closed:
+                closed = True
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    await response.aclose()
+                self.finished(dialect, True, started, error, span)
+
+        async def gone() -> None:  # the client went away before the first event was produced
+            await close(RequestRejectedError("the client went away before its stream started"))
+
         async def events() -> AsyncIterator[bytes]:
             error: ProxyError | None = None
             converter = _converter(dialect, body)
@@ -428,11 +442,9 @@ class _App:
                     await self.incomplete(recorded)
                 yield self.error_event(dialect, error, converter)
             finally:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    await response.aclose()
-                self.finished(dialect, True, started, error, span)
+                await close(error)
 
-        return EventStream(events(), self.client_timeout, _call_headers(coordinates))
+        return EventStream(events(), self.client_timeout, _call_headers(coordinates), closing=gone)
 
     # -- errors and telemetry ------------------------------------------------------------------
 
@@ -533,11 +545,21 @@ def _converter(dialect: Dialect, body: Mapping[str, Any]) -> ResponsesEvents | M
 
 class EventStream(Response):
     """A server-sent event stream sent as it is produced: each event written within ``send_timeout``
-    (a client that stops reading is dropped), the producer closed when the client goes away."""
+    (a client that stops reading is dropped), the producer closed when the client goes away.
+    ``closing`` is awaited last, shielded, in every case: the cleanup of a producer that never ran
+    (its ``finally`` does not run when the client is gone before the first event)."""
 
-    def __init__(self, events: AsyncIterator[bytes], send_timeout: float, headers: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        send_timeout: float,
+        headers: Mapping[str, str],
+        *,
+        closing: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.events = events
         self.send_timeout = send_timeout
+        self.closing = closing
         self.status_code = 200
         self.background = None
         fields = {**headers, "content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
@@ -585,6 +607,8 @@ class EventStream(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()  # type: ignore[attr-defined]
+                if self.closing is not None:
+                    await self.closing()
 
 
 _BATCH = 64
