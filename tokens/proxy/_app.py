@@ -72,6 +72,7 @@ _ID = re.compile(r"[A-Za-z0-9._:@-]{1,200}")
 _URL = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://\S+")
 _DECODE = msgspec.json.Decoder(dict[str, Any])
 _ENCODE = msgspec.json.Encoder()
+_JSON = {"content-type": "application/json"}
 Dialect = Literal["chat", "responses", "messages"]
 _PATHS: dict[str, Dialect] = {"chat/completions": "chat", "responses": "responses", "messages": "messages"}
 
@@ -267,17 +268,16 @@ class _App:
                 return served
         chat = body if dialect == "chat" else responses_to_chat(body, history) if dialect == "responses" else (
             messages_to_chat(body))  # fmt: skip
-        headers: dict[str, str] = {}
         recorded = self.record_coordinates(coordinates)
         if self.recorder is not None:
             await self.recorder.begin(recorded, chat)
         span_attributes = {DIALECT_ATTR: dialect, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
         if stream:
-            return await self.serve_stream(dialect, upstream, chat, body, history, coordinates, headers, started,
+            return await self.serve_stream(dialect, upstream, chat, body, history, coordinates, started,
                                            span_attributes, recorded)  # fmt: skip
         with self.span(span_attributes) as span:
             try:
-                completion = await self.post(upstream, "/chat/completions", chat, headers, dialect)
+                completion = await self.post(upstream, chat, dialect)
             except CaptureFailedError:
                 await self.incomplete(recorded)
                 raise
@@ -320,11 +320,11 @@ class _App:
         if body.get("store", True) is not False:
             self.previous.put(answer["id"], history_of(body, answer, history), coordinates.model_call_id)
 
-    async def post(self, upstream: _Upstream, path: str, body: Mapping[str, Any], headers: Mapping[str, str],
-                   dialect: Dialect) -> dict[str, Any]:  # fmt: skip
+    async def post(self, upstream: _Upstream, body: Mapping[str, Any], dialect: Dialect) -> dict[str, Any]:
+        """A chat completion, whole, from the upstream."""
         try:
-            response = await upstream.client.post(upstream.base + path, content=_ENCODE.encode(body), headers={
-                **headers, "content-type": "application/json"})  # fmt: skip
+            response = await upstream.client.post(upstream.base + "/chat/completions", content=_ENCODE.encode(body),
+                                                  headers=_JSON)  # fmt: skip
             data = await read_body(response, "answer", self.max_response_bytes)
         except (TokensError, httpx.HTTPError) as exc:
             raise self.upstream_error(exc, dialect) from None
@@ -375,13 +375,12 @@ class _App:
         return JSONResponse(answer, headers=_call_headers(coordinates))
 
     async def serve_stream(self, dialect: Dialect, upstream: _Upstream, chat: dict[str, Any], body: Mapping[str, Any],
-                           history: list[Any], coordinates: Coordinates, headers: Mapping[str, str], started: float,
-                           attributes: dict[str, Any], recorded: Any) -> Response:  # fmt: skip
+                           history: list[Any], coordinates: Coordinates, started: float, attributes: dict[str, Any],
+                           recorded: Any) -> Response:  # fmt: skip
         tracer = self.tracing.get()
         span = None if tracer is None else _start_span(tracer, dialect, attributes)
         request = upstream.client.build_request("POST", upstream.base + "/chat/completions",
-                                                content=_ENCODE.encode(chat),
-                                                headers={**headers, "content-type": "application/json"})  # fmt: skip
+                                                content=_ENCODE.encode(chat), headers=_JSON)  # fmt: skip
         try:
             with trace.use_span(span, end_on_exit=False) if span is not None else nullcontext():
                 response = await upstream.client.send(request, stream=True)

@@ -85,7 +85,6 @@ class Recorder:
 
     def __init__(self, store: Any) -> None:
         self.writer = RecordWriter(store)
-        self.store = store
 
     @staticmethod
     def coordinates(rollout_id: str | None, call: str, parent: str | None, weight: str | None) -> Coordinates | None:
@@ -119,7 +118,7 @@ class Recorder:
         """The call's capture failed: the rollout is marked incomplete (best effort; the error still goes back)."""
         if coordinates is not None:
             try:
-                await self.store.mark_incomplete(coordinates.rollout_id, coordinates.model_call_id)
+                await self.writer.sink.mark_incomplete(coordinates.rollout_id, coordinates.model_call_id)
             except Exception as exc:  # the client gets the capture error either way
                 logger.warning("rollout %r, model call %r: capture failed and the rollout could not be marked "
                                "incomplete (%s)", coordinates.rollout_id, coordinates.model_call_id,
