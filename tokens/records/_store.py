@@ -176,9 +176,9 @@ class RecordStore:
 
     async def put(self, entry: Any) -> None:
         """Store one record (``TokenRecord`` or NeMo Gym's ``TokenEntry``); durable on return."""
-        if not isinstance(entry, TokenRecord):
-            decode_record(encode_record(entry)[0])  # refuse what a reader would refuse, before storing it
         data, sha = encode_record(entry)
+        if not isinstance(entry, TokenRecord):
+            decode_record(data)  # refuse what a reader would refuse, before storing it
         rollout_id, call_id = entry.rollout_id, entry.model_call_id
         meta = (
             entry.continuation_fingerprint or None,
