@@ -66,7 +66,8 @@ class AdmissionMiddleware(ProviderMiddleware):
       flight; ``max_create_rate``: creates per second, a token bucket of ``burst`` tokens (the
       default 1 lets at most ``rate + 1`` creates into any one-second window);
       ``start_jitter_s``: each create first waits a random 0 to ``start_jitter_s`` seconds. None is
-      no limit. A waiting create holds nothing: cancelled, it takes no slot and leaks nothing.
+      no limit. A create takes a held slot, then a create slot, then a token; cancelled while it
+      waits, it gives back what it took: it takes no slot and leaks nothing.
     - ``shared``: where the limits are counted: ``"process"`` (this layer), ``"host"`` (every
       process of this host naming the same ``shared_path`` SQLite file, default one per user in
       the temp directory) or ``"ray"`` (every process of a Ray cluster, through one small named
