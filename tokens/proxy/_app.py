@@ -460,9 +460,11 @@ class _App:
             if 300 <= exc.status_code < 400:
                 return UpstreamError(f"the upstream answered with a redirect (HTTP {exc.status_code}), not followed")
             detail = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else exc.body
-            message = detail.get("message") if isinstance(detail, dict) else detail
-            status = exc.status_code if exc.status_code < 500 or exc.status_code == 503 else 502
-            return ProxyError(f"the upstream answered HTTP {exc.status_code}: {_safe(str(message))}", status=status)
+            said = detail.get("message") if isinstance(detail, dict) else detail
+            message = f"the upstream answered HTTP {exc.status_code}: {_safe(str(said))}"
+            if exc.status_code >= 500 and exc.status_code != 503:
+                return UpstreamError(message)  # a 502: the upstream failed
+            return ProxyError(message, status=exc.status_code)  # its 4xx, or 503 (overloaded), passed on
         self.count_capture_error(dialect, exc)
         if isinstance(exc, ResponseTooLargeError):
             return CaptureFailedError(f"the upstream's answer is over the proxy's max_response_bytes={exc.limit:,}")
