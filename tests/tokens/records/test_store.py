@@ -126,6 +126,9 @@ async def test_open_store_refuses_bad_urls_without_showing_passwords() -> None:
     with pytest.raises(RecordStoreError) as caught:
         open_store("redis://user:hunter2@host/0")
     assert "hunter2" not in str(caught.value)
+    for size in (0, "4", True):  # a string raised TypeError: '<=' not supported
+        with pytest.raises(ValueError, match="pool_size must be an int between 1 and 64"):
+            open_store("sqlite:///x.db", pool_size=size)  # type: ignore[arg-type]
 
 
 async def test_a_closed_client_says_so_and_a_recreated_file_gets_its_tables(tmp_path: Path) -> None:
