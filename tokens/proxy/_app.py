@@ -163,8 +163,13 @@ class _App:
         self.tracing = Tracing(tracer_provider, SCOPE)
 
     async def aclose(self) -> None:
-        for upstream in self.upstreams.values():
-            await upstream.client.aclose()
+        """Close every upstream's client, each whatever the others did, shielded and bounded."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            for upstream in self.upstreams.values():
+                try:
+                    await upstream.client.aclose()
+                except Exception as exc:  # the others still close
+                    logger.warning("tokens.proxy: closing an upstream client failed: %s", type(exc).__name__)
 
     # -- the request --------------------------------------------------------------------------
 
@@ -686,8 +691,7 @@ def create_app(
         try:
             yield
         finally:
-            with anyio.CancelScope(shield=True):
-                await proxy.aclose()
+            await proxy.aclose()
 
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
     routes = [Route("/v1/{path:path}", proxy.endpoint, methods=methods),
