@@ -154,14 +154,14 @@ class DockerProvider:
             "pids": bool(info.get("PidsLimit")),
             "cpu": bool(info.get("CpuCfsQuota")),
         }
-        self._api = EngineAPI(self._socket, version, request_timeout_s)
-        self._key = connect_key if connect_key is not None else os.urandom(32)
-        self._boxes: dict[str, Box] = {}
-        self._users: dict[str, tuple[str, tuple[int, int] | None]] = {}
         try:
             self._watchdog = WatchdogLauncher(self._socket, version)
         except PermissionError as exc:  # its lock's directory was made by someone else (_ttl.lock_path)
             raise SandboxError(f"DockerProvider: the TTL watchdog cannot lock safely: {exc}") from None
+        self._api = EngineAPI(self._socket, version, request_timeout_s)  # last: nothing can fail after it
+        self._key = connect_key if connect_key is not None else os.urandom(32)
+        self._boxes: dict[str, Box] = {}
+        self._users: dict[str, tuple[str, tuple[int, int] | None]] = {}
 
     def __repr__(self) -> str:
         return f"DockerProvider(socket={self._socket!r}, api_version={self.api_version!r})"
