@@ -78,7 +78,6 @@ class EngineAPI:
 
     def __init__(self, socket: str, version: str, timeout_s: float) -> None:
         self.socket = socket
-        self.version = version
         # An exec's output stream may be silent for as long as its command runs: no read timeout
         # there (the command's own timeout and the sandbox's TTL bound it), the others as usual.
         self._silent_read = httpx.Timeout(timeout_s, read=None)
