@@ -53,7 +53,10 @@ def negotiate(socket: str, api_version: str | None, timeout_s: float) -> tuple[s
             "(apt-get install docker.io), or pass socket= (Podman: its Docker-compatible socket)"
         ) from exc
     if reply.status_code != 200:
-        raise DockerUnavailableError(f"DockerProvider: GET /version at {socket} answered {reply.status_code}")
+        raise DockerUnavailableError(
+            f"DockerProvider: GET /version at {socket} answered {reply.status_code}, not 200: is it a Docker Engine "
+            "API socket? Pass socket= the daemon's (Podman: its Docker-compatible socket)"
+        )
     info = reply.json()
     server, oldest = str(info.get("ApiVersion", "")), str(info.get("MinAPIVersion", MIN_API_VERSION))
     if api_version is not None:

@@ -121,7 +121,10 @@ async def tar_stream(source_fd: int, size: int, parts: Sequence[str], owner: tup
     while sent < size:
         data = await anyio.to_thread.run_sync(os.read, source_fd, min(_CHUNK, size - sent))
         if not data:
-            raise SandboxError(f"the source file shrank while it was uploaded ({sent} of {size} bytes)")
+            raise SandboxError(
+                f"the source file shrank while it was uploaded ({sent} of {size} bytes); the copy in the sandbox may "
+                "be partial: upload it again once nothing writes it"
+            )
         sent += len(data)
         yield data
     yield padding(size) + END

@@ -291,7 +291,10 @@ class DockerProvider:
         except EngineError as exc:
             if exc.status == 404:
                 self._users.pop(image, None)
-                raise SandboxImageNotFoundError(f"DockerProvider: image {image!r} is not on the daemon") from exc
+                raise SandboxImageNotFoundError(
+                    f"DockerProvider: image {image!r} is not on the daemon at {self._socket} (removed since it was "
+                    "inspected?); build or load it again"
+                ) from exc
             if exc.status == 400:
                 raise SandboxArgumentError(f"DockerProvider: the daemon refused the container: {exc.message}") from exc
             raise SandboxCreateError(f"DockerProvider: cannot {what}: {exc.message}") from exc
@@ -462,7 +465,10 @@ class DockerProvider:
         except EngineError as exc:
             if exc.status == 404:
                 if box.is_expired():
-                    raise SandboxExpiredError(f"DockerProvider: sandbox {handle.sandbox_id!r} expired") from exc
+                    raise SandboxExpiredError(
+                        f"DockerProvider: sandbox {handle.sandbox_id!r} expired (its ttl_s ran out) and its container "
+                        "is removed; create a new one"
+                    ) from exc
                 raise SandboxNotFoundError(
                     f"DockerProvider: sandbox {handle.sandbox_id!r} was removed from under this provider (closed or "
                     "reaped by another process); create a new one"
@@ -580,7 +586,10 @@ class DockerProvider:
         box = self._box(handle)
         mount, parts = located(target_path, box.cwd, box.mounts, "target_path")
         if not parts:
-            raise SandboxError(f"target {target_path!r} names a directory of the sandbox, not a file")
+            raise SandboxError(
+                f"DockerProvider: target_path {target_path!r} names a directory of the sandbox, not a file: name the "
+                "file to write"
+            )
         source = check_text(fspath(source_path, "source_path"), "source_path")
         what = f"upload {source_path} to {target_path!r} in sandbox {handle.sandbox_id[:12]}"
         try:
@@ -615,7 +624,10 @@ class DockerProvider:
         box = self._box(handle)
         mount, parts = located(source_path, box.cwd, box.mounts, "source_path")
         if not parts:
-            raise SandboxError(f"{source_path!r} is not a file in the sandbox (it names a directory)")
+            raise SandboxError(
+                f"DockerProvider: source_path {source_path!r} names a directory of the sandbox, not a file: transfers "
+                "copy one regular file (archive a directory in the sandbox first)"
+            )
         target = Path(check_text(fspath(target_path, "target_path"), "target_path"))
         what = f"download {source_path!r} from sandbox {handle.sandbox_id[:12]} to {target_path}"
         archive = f"/containers/{box.container}/archive"
