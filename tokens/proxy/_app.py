@@ -535,9 +535,9 @@ def _output_text(output: Sequence[Any]) -> str:
 
 
 def _call_headers(coordinates: Coordinates) -> dict[str, str]:
-    headers = {"x-model-call-id": coordinates.model_call_id}
+    headers = {CALL_HEADER: coordinates.model_call_id}
     if coordinates.rollout_id is not None:
-        headers["x-rollout-id"] = coordinates.rollout_id
+        headers[ROLLOUT_HEADER] = coordinates.rollout_id
     return headers
 
 
