@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._bundle import TokenBundle, TokenCompletion
-from ..records import Coordinates, RecordsError, RecordWriteError, RecordWriter
+from ..records import (
+    Coordinates,
+    RecordsError,
+    RecordWriteError,
+    RecordWriter,
+    RolloutFrozenError,
+    RolloutRetiredError,
+)
 from ._chat import TOKEN_FIELDS
 from ._errors import ProxyError, RequestRejectedError
 
@@ -98,8 +105,15 @@ class Recorder:
             raise RequestRejectedError(f"n={n!r} with a rollout id: a record holds one choice; send n=1", param="n")
         try:
             await self.writer.begin(coordinates)
-        except RecordsError as exc:  # a frozen or retired rollout takes no more calls
+        except (RolloutFrozenError, RolloutRetiredError) as exc:  # a frozen or retired rollout takes no more calls
             raise ProxyError(f"rollout {coordinates.rollout_id!r} takes no more calls: {exc}", status=409) from None
+        except RecordsError as exc:  # the store itself: its details (a path, a host) go to the log only
+            logger.warning("rollout %r, model call %r: begin_call failed: %s", coordinates.rollout_id,
+                           coordinates.model_call_id, exc)  # fmt: skip
+            raise ProxyError(
+                f"the record store failed ({type(exc).__name__}); nothing was sent upstream: retry the call",
+                status=503,
+            ) from None
 
     async def write(
         self, coordinates: Coordinates | None, chat: Mapping[str, Any], completion: TokenCompletion
@@ -109,9 +123,11 @@ class Recorder:
             return
         try:
             await self.writer.write_chat(coordinates, chat, completion)
-        except RecordWriteError as exc:
+        except RecordWriteError as exc:  # its details (the store's path or host) go to the log only
+            logger.error("%s", exc)
             raise ProxyError(
-                f"the record was not stored and the rollout could not be marked incomplete: {exc}"
+                f"rollout {coordinates.rollout_id!r}, model call {coordinates.model_call_id!r}: the record was not "
+                "stored and the rollout could not be marked incomplete (the record store failed; see the proxy's log)"
             ) from None
 
     async def incomplete(self, coordinates: Coordinates | None) -> None:
