@@ -24,7 +24,9 @@ _BASE = "http://docker"  # the host part is unused over a UNIX socket
 
 
 class EngineError(SandboxError):
-    """An Engine API reply of 400 or more (internal to the provider, which raises a public class)."""
+    """An Engine API reply of 400 or more: a ``SandboxError`` naming the operation and the daemon's
+    answer. Where a reply means something of its own (no such image, a sandbox removed, a path that
+    is a symlink) the provider raises the public class that says so instead."""
 
     def __init__(self, status: int, message: str, what: str) -> None:
         super().__init__(f"{what}: the Docker daemon answered {status}: {message}")
