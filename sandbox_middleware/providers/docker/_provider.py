@@ -247,16 +247,12 @@ class DockerProvider:
 
     async def _user_of(self, image: str) -> tuple[str, tuple[int, int] | None]:
         """Who commands run as (``user="auto"``: the image's non-root USER, else uid 65534), and its
-        numeric uid and gid where known. Asking also says whether the image is there."""
-        if self._user != "auto":
-            return self._user, _numeric(self._user)
+        numeric uid and gid where known. Asking also says whether the image is there (and pulls it
+        with ``pull=True``); the answer is kept per image."""
         known = self._users.get(image)
         if known is not None:
             return known
-        try:
-            reply = await self._api.call("GET", f"/images/{image}/json", f"inspect image {image!r}", ok=(404,))
-        except DockerUnavailableError as exc:
-            raise SandboxCreateError(str(exc)) from exc
+        reply = await self._inspect_image(image)
         if reply.status_code == 404:
             if not self._pull:
                 raise SandboxImageNotFoundError(
@@ -264,11 +260,25 @@ class DockerProvider:
                     "(docker build / docker load / docker import), or pass pull=True to pull missing images"
                 )
             await self._pull_image(image)
-            return await self._user_of(image)
-        configured = str((reply.json().get("Config") or {}).get("User") or "")
-        chosen = (configured, _numeric(configured)) if configured not in _ROOT_USERS else (_NOBODY, (65534, 65534))
+            reply = await self._inspect_image(image)
+            if reply.status_code == 404:
+                raise SandboxImageNotFoundError(
+                    f"DockerProvider: pulled image {image!r}, yet the daemon at {self._socket} has no image of that "
+                    "name (another platform's, or a tag resolved differently?); name the image as the daemon lists it"
+                )
+        if self._user != "auto":
+            chosen = self._user, _numeric(self._user)
+        else:
+            configured = str((reply.json().get("Config") or {}).get("User") or "")
+            chosen = (configured, _numeric(configured)) if configured not in _ROOT_USERS else (_NOBODY, (65534, 65534))
         self._users[image] = chosen
         return chosen
+
+    async def _inspect_image(self, image: str) -> httpx.Response:
+        try:
+            return await self._api.call("GET", f"/images/{image}/json", f"inspect image {image!r}", ok=(404,))
+        except DockerUnavailableError as exc:
+            raise SandboxCreateError(str(exc)) from exc
 
     async def _pull_image(self, image: str) -> None:
         what = f"pull image {image!r}"

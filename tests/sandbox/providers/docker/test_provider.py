@@ -169,6 +169,24 @@ async def test_a_missing_image_is_a_typed_error_naming_it(provider: DockerProvid
         await provider.create(spec(image=""))
 
 
+@pytest.mark.parametrize("user", ["auto", "1000"])
+async def test_pull_is_asked_once_whatever_the_user_and_then_trusted_no_further(
+    make: Callable[..., DockerProvider], monkeypatch: pytest.MonkeyPatch, user: str
+) -> None:
+    """With user= given, pull=True never pulled (only the "auto" path asked for the image); with
+    "auto", a pull that left no image under that name asked again without end."""
+    provider = make(pull=True, user=user)
+    pulled: list[str] = []
+
+    async def pull(image: str) -> None:  # a pull that reports success and leaves no such image
+        pulled.append(image)
+
+    monkeypatch.setattr(provider, "_pull_image", pull)
+    with pytest.raises(SandboxImageNotFoundError, match="pulled image 'sandbox-middleware/nothing:here', yet"):
+        await provider.create(spec("sandbox-middleware/nothing:here"))
+    assert pulled == ["sandbox-middleware/nothing:here"]
+
+
 async def test_bad_arguments_are_typed_errors_naming_them(make: Callable[..., DockerProvider]) -> None:
     with pytest.raises(SandboxArgumentError, match="memory_mib"):
         make(memory_mib=-1)
