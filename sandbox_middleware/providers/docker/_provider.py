@@ -594,12 +594,7 @@ class DockerProvider:
 
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         box = self._box(handle)
-        mount, parts = located(target_path, box.cwd, box.mounts, "target_path")
-        if not parts:
-            raise SandboxError(
-                f"DockerProvider: target_path {target_path!r} names a directory of the sandbox, not a file: name the "
-                "file to write"
-            )
+        mount, parts = _file_in(box, target_path, "target_path")
         source = check_text(fspath(source_path, "source_path"), "source_path")
         what = f"upload {source_path} to {target_path!r} in sandbox {handle.sandbox_id[:12]}"
         try:
@@ -632,12 +627,7 @@ class DockerProvider:
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         box = self._box(handle)
-        mount, parts = located(source_path, box.cwd, box.mounts, "source_path")
-        if not parts:
-            raise SandboxError(
-                f"DockerProvider: source_path {source_path!r} names a directory of the sandbox, not a file: transfers "
-                "copy one regular file (archive a directory in the sandbox first)"
-            )
+        mount, parts = _file_in(box, source_path, "source_path")
         target = Path(check_text(fspath(target_path, "target_path"), "target_path"))
         what = f"download {source_path!r} from sandbox {handle.sandbox_id[:12]} to {target_path}"
         archive = f"/containers/{box.container}/archive"
@@ -732,6 +722,17 @@ class DockerProvider:
 
 
 _LIMIT_FIELDS = {"memory_mib": "memory_bytes", "pids": "pids", "cpu": "cpu"}
+
+
+def _file_in(box: Box, path: str, name: str) -> tuple[PurePosixPath, tuple[str, ...]]:
+    """The writable directory a transfer's sandbox ``path`` lies in, and its components: a file's."""
+    mount, parts = located(path, box.cwd, box.mounts, name)
+    if not parts:
+        raise SandboxError(
+            f"DockerProvider: {name} {path!r} names a directory of the sandbox, not a file: transfers copy one "
+            "regular file (archive a directory in the sandbox first)"
+        )
+    return mount, parts
 
 
 def _labels(info: Mapping[str, Any]) -> Mapping[str, str]:
