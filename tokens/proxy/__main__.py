@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--upstream", required=True, help="the OpenAI-compatible base URL, e.g. http://host:8000/v1")
     parser.add_argument("--store", help="where records go, e.g. sqlite:///records.db (tokens.records.open_store)")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0, help="the port (default: 0, any free one)")
+    parser.add_argument("--port", type=port, default=0, help="the port (default: 0, any free one)")
     parser.add_argument(
         "--upstream-api-key-env",
         metavar="NAME",
@@ -34,6 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--upstream-timeout", type=float, default=600.0)
     parser.add_argument("--client-timeout", type=float, default=60.0)
     return parser
+
+
+def port(text: str) -> int:
+    """A TCP port (argparse names this function in its message for what is not a number)."""
+    number = int(text)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{number} is not a TCP port (0 to 65535; 0: any free one)")
+    return number
 
 
 async def _serve(server: uvicorn.Server, sock: socket.socket, host: str) -> bool:

@@ -84,6 +84,13 @@ def test_bad_options_are_one_line_and_exit_2() -> None:
         timeout=60,
     )
     assert scheme.returncode == 2 and "must be an http(s) URL with a host" in scheme.stderr
+    port = subprocess.run(  # it was OverflowError's traceback from bind()
+        [sys.executable, "-m", "tokens.proxy", "--upstream", "http://h/v1", "--port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert port.returncode == 2 and "70000 is not a TCP port" in port.stderr and "Traceback" not in port.stderr
 
 
 def test_a_port_in_use_is_one_line_and_exit_1() -> None:
