@@ -384,8 +384,13 @@ class DockerProvider:
                 return  # gone, or not a sandbox of ours: never touched
             sandbox_id = str(info["Id"])
         else:
-            box.closed = True
-        await self._remove(sandbox_id)
+            box.closed = True  # a command running now returns error_type="closed"
+        try:
+            await self._remove(sandbox_id)
+        except BaseException:
+            if box is not None:  # not removed: status asks the daemon again, and close can be retried
+                box.closed = False
+            raise
         self._boxes.pop(sandbox_id, None)
 
     async def aclose(self) -> None:

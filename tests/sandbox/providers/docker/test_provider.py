@@ -159,6 +159,27 @@ async def test_a_start_failing_with_the_daemon_gone_is_a_create_error(
     assert len(removed) == 1
 
 
+async def test_a_failed_close_leaves_a_sandbox_that_says_it_runs(
+    provider: DockerProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close whose removal failed (the daemon went away) left the sandbox marked closed: status
+    said STOPPED of a running container, and exec refused it as closed."""
+    handle = await provider.create(spec())
+    real_remove = provider._remove
+
+    async def gone(container: str) -> None:
+        raise DockerUnavailableError("the daemon went away")
+
+    monkeypatch.setattr(provider, "_remove", gone)
+    with pytest.raises(DockerUnavailableError):
+        await provider.close(handle)
+    assert await provider.status(handle) is SandboxStatus.RUNNING
+    assert (await provider.exec(handle, "echo still")).stdout == "still\n"
+    monkeypatch.setattr(provider, "_remove", real_remove)
+    await provider.close(handle)
+    assert await provider.status(handle) is SandboxStatus.STOPPED
+
+
 async def test_a_missing_image_is_a_typed_error_naming_it(provider: DockerProvider) -> None:
     """Not a SandboxCreateError: retrying cannot help, and nothing is pulled."""
     with pytest.raises(
