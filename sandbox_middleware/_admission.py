@@ -14,7 +14,12 @@ from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
 from ._admission_ledger import BACKEND_TIMEOUT_S, Backend, HostBackend, ProcessBackend, default_host_path, owner_key
 from ._bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
 from ._core import Operation, ProviderMiddleware
-from ._errors import SandboxArgumentError, SandboxQuotaExceededError, SandboxRateLimitedError
+from ._errors import (
+    SandboxAdmissionError,
+    SandboxArgumentError,
+    SandboxQuotaExceededError,
+    SandboxRateLimitedError,
+)
 from ._protocol import SandboxHandle, SandboxProvider
 from ._quota import QuotaExhausted, RateLimited, classify
 from ._telemetry import DURATION_BUCKETS_MS, PROVIDER_ATTR, Instruments, safely
@@ -28,6 +33,7 @@ REASON_ATTR = "reason"
 THROTTLE_REASONS = ("max_held", "max_concurrent_creates", "max_create_rate", "retry_after", "rate_limited", "quota")
 """The ``reason`` values of ``gym.sandbox.admission.throttled_total``."""
 _POLL_S = 0.05  # how often a waiter looks at a shared ledger for slots other processes freed
+_CALL_TIMEOUT_S = BACKEND_TIMEOUT_S + 5  # a backstop: each backend bounds its own operations by BACKEND_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,8 @@ class AdmissionMiddleware(ProviderMiddleware):
       flight; ``max_create_rate``: creates per second, a token bucket of ``burst`` tokens (the
       default 1 lets at most ``rate + 1`` creates into any one-second window);
       ``start_jitter_s``: each create first waits a random 0 to ``start_jitter_s`` seconds. None is
-      no limit. A waiting create holds nothing: cancelled, it takes no slot and leaks nothing.
+      no limit. A create takes a held slot, then a create slot, then a token; cancelled while it
+      waits, it gives back what it took: it takes no slot and leaks nothing.
     - ``shared``: where the limits are counted: ``"process"`` (this layer), ``"host"`` (every
       process of this host naming the same ``shared_path`` SQLite file, default one per user in
       the temp directory) or ``"ray"`` (every process of a Ray cluster, through one small named
@@ -179,8 +186,15 @@ class AdmissionMiddleware(ProviderMiddleware):
 
     async def _call(self, operation: str, *args: Any) -> Any:
         """One ledger operation, shielded: once asked, its answer is always taken into account."""
-        with anyio.fail_after(BACKEND_TIMEOUT_S + 5, shield=True):
-            return await self._backend.call(operation, *args)
+        try:
+            with anyio.fail_after(_CALL_TIMEOUT_S, shield=True):
+                return await self._backend.call(operation, *args)
+        except TimeoutError:
+            raise SandboxAdmissionError(
+                f"admission: the shared limiter {self._backend!r} did not answer {operation} within "
+                f"{_CALL_TIMEOUT_S:g} s; check it (the SQLite file's lock, the Ray cluster), or use "
+                "shared: process"
+            ) from None
 
     def _lock(self, kind: str) -> anyio.Lock:
         lock = self._locks.get(kind)
@@ -289,8 +303,10 @@ class AdmissionMiddleware(ProviderMiddleware):
     async def aclose(self) -> None:
         try:
             with anyio.move_on_after(BACKEND_TIMEOUT_S, shield=True):
-                await self._backend.call("forget", self._owner)  # this process's slots are free now
-                await self._backend.aclose()
+                try:
+                    await self._backend.call("forget", self._owner)  # this process's slots are free now
+                finally:  # failed or timed out: the backend's connection is released all the same
+                    await self._backend.aclose()
         finally:
             self._held.clear()
             await self.inner.aclose()

@@ -214,6 +214,10 @@ class HostBackend:
             ) from exc
 
     async def aclose(self) -> None:
+        # In a worker thread: the lock may be held by an operation waiting on SQLite's file lock.
+        await anyio.to_thread.run_sync(self._close)
+
+    def _close(self) -> None:
         with self._lock:
             if self._connection is not None:
                 self._connection.close()

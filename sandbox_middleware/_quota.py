@@ -127,18 +127,21 @@ def _class_names(exc: BaseException) -> set[str]:
     return {cls.__name__ for cls in type(exc).__mro__}
 
 
+def _named_rate_limit(exc: BaseException, class_name: str, why: str) -> Verdict | None:
+    """A rate limit when ``exc`` is of a class named ``class_name``, with its ``retry_after`` if any."""
+    if class_name in _class_names(exc):
+        return RateLimited(retry_after_seconds(getattr(exc, "retry_after", None)), why)
+    return None
+
+
 def e2b(exc: BaseException) -> Verdict | None:
     """E2B's SDK: ``RateLimitException`` (its 429, also sent at the concurrent-sandbox limit)."""
-    if "RateLimitException" in _class_names(exc):
-        return RateLimited(retry_after_seconds(getattr(exc, "retry_after", None)), "E2B RateLimitException")
-    return None
+    return _named_rate_limit(exc, "RateLimitException", "E2B RateLimitException")
 
 
 def daytona(exc: BaseException) -> Verdict | None:
     """Daytona's SDK: ``DaytonaRateLimitError``; its organisation quotas say "Total disk quota exceeded"."""
-    if "DaytonaRateLimitError" in _class_names(exc):
-        return RateLimited(retry_after_seconds(getattr(exc, "retry_after", None)), "DaytonaRateLimitError")
-    return None
+    return _named_rate_limit(exc, "DaytonaRateLimitError", "DaytonaRateLimitError")
 
 
 def modal(exc: BaseException) -> Verdict | None:

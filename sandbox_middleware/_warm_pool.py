@@ -200,7 +200,8 @@ class WarmPoolMiddleware(ProviderMiddleware):
         self._start()
         with anyio.fail_after(timeout_s):
             while any(len(pool.ready) < self.size for pool in self._pools.values()):
-                self._refilled = anyio.Event()
+                if self._refilled is None or self._refilled.is_set():  # one event for every waiter
+                    self._refilled = anyio.Event()
                 await self._refilled.wait()
 
     # -- telemetry ------------------------------------------------------------------------------

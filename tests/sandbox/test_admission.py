@@ -22,6 +22,7 @@ from sandbox_middleware import (
     RateLimited,
     RetryBudget,
     RetryMiddleware,
+    SandboxAdmissionError,
     SandboxArgumentError,
     SandboxCreateError,
     SandboxHandle,
@@ -292,3 +293,53 @@ def test_two_processes_share_one_limit(tmp_path: Path) -> None:
     assert most_in_one_second(seen) <= 126
     both = [json.loads(out.read_text()) for out in outs]
     assert min(max(part) for part in both) > max(min(part) for part in both)  # they really ran at the same time
+
+
+class _StuckBackend:
+    """A shared ledger that never answers ``stuck`` operations and fails ``forget``."""
+
+    shared = True
+
+    def __init__(self, stuck: str) -> None:
+        self.stuck = stuck
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return "StuckBackend()"
+
+    async def call(self, operation: str, *args: Any) -> Any:
+        if operation == self.stuck:
+            await anyio.sleep_forever()
+        if operation == "forget":
+            raise SandboxAdmissionError("the ledger is gone")
+        return (0.0, None) if operation == "take" else True
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_a_ledger_that_does_not_answer_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was a bare TimeoutError out of create."""
+    monkeypatch.setattr("sandbox_middleware._admission._CALL_TIMEOUT_S", 0.2)
+    inner = FaultInjectingProvider()
+    admission = AdmissionMiddleware(inner)
+    admission._backend = _StuckBackend("take")
+    with pytest.raises(SandboxAdmissionError, match=r"StuckBackend\(\) did not answer take within 0\.2 s"):
+        await admission.create(SandboxSpec())
+    assert inner.calls["create"] == 0
+
+
+async def test_aclose_releases_the_ledger_when_forget_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing forget skipped the backend's aclose (its SQLite connection stayed open)."""
+    inner = FaultInjectingProvider()
+    closed: list[str] = []
+
+    async def inner_aclose() -> None:
+        closed.append("inner")
+
+    monkeypatch.setattr(inner, "aclose", inner_aclose)
+    admission = AdmissionMiddleware(inner)
+    backend = admission._backend = _StuckBackend("none")
+    with pytest.raises(SandboxAdmissionError, match="the ledger is gone"):
+        await admission.aclose()
+    assert backend.closed and closed == ["inner"]

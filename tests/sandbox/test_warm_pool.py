@@ -262,3 +262,16 @@ def test_a_crashed_pools_sandboxes_are_reaped_by_run(tmp_path: Path, sandbox_bas
     assert reaped.returncode == 0, reaped.stderr
     assert {line.split()[0] for line in reaped.stdout.splitlines()} == {item.handle.sandbox_id for item in listed}
     assert _listed(sandbox_base) == []
+
+
+async def test_two_callers_of_wait_ready_both_return() -> None:
+    """Each waiter made its own event and the first waiter's was replaced: it waited for ever."""
+    inner = FaultInjectingProvider(latency={"create": 0.05})
+    pool = WarmPoolMiddleware(inner, size=4, specs=[SandboxSpec()])
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tasks:
+            for _ in range(3):
+                tasks.start_soon(pool.wait_ready)
+    assert pool.ready() == 4
+    await pool.aclose()
+    assert inner.alive == set()

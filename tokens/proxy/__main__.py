@@ -7,14 +7,15 @@ import argparse
 import asyncio
 import contextlib
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
 import uvicorn
 
-from ..records import RecordsError, open_store
+from ..records import RecordsError, RecordStore, open_store
 from ._app import DEFAULT_MAX_REQUEST_BYTES, create_app
-from ._server import bound_url, server_config
+from ._server import bound_url, listen, serve, server_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--upstream", required=True, help="the OpenAI-compatible base URL, e.g. http://host:8000/v1")
     parser.add_argument("--store", help="where records go, e.g. sqlite:///records.db (tokens.records.open_store)")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0, help="the port (default: 0, any free one)")
+    parser.add_argument("--port", type=port, default=0, help="the port (default: 0, any free one)")
     parser.add_argument(
         "--upstream-api-key-env",
         metavar="NAME",
@@ -35,18 +36,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _serve(server: uvicorn.Server, host: str) -> None:
-    task = asyncio.create_task(server.serve())
+def port(text: str) -> int:
+    """A TCP port (argparse names this function in its message for what is not a number)."""
+    number = int(text)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{number} is not a TCP port (0 to 65535; 0: any free one)")
+    return number
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket, host: str) -> bool:
+    task = asyncio.create_task(serve(server, sock))
     while not server.started:
         if task.done():
-            await task
-            raise SystemExit(1)  # uvicorn logged why (the port taken, ...)
+            return await task  # False: uvicorn logged why (the app's lifespan failed)
         await asyncio.sleep(0.01)
     print(bound_url(server, host), flush=True)
-    await task
+    return await task
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: 0 after serving (until SIGINT), 2 for unusable options, 1 when it cannot
+    listen on ``--host``/``--port`` or does not start."""
     args = _parser().parse_args(argv)
     key = None
     if args.upstream_api_key_env:
@@ -62,19 +72,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tokens.proxy: --store: {exc}", file=sys.stderr)
             return 2
     try:
+        return _run(args, store, key)
+    finally:
+        if store is not None:
+            asyncio.run(store.close())
+
+
+def _run(args: argparse.Namespace, store: RecordStore | None, key: str | None) -> int:
+    try:
         app = create_app(args.upstream, store=store, upstream_api_key=key, responses_upstream=args.responses_upstream,
                          max_request_bytes=args.max_request_bytes, upstream_timeout=args.upstream_timeout,
                          client_timeout=args.client_timeout)  # fmt: skip
     except ValueError as exc:
         print(f"tokens.proxy: {exc}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(server_config(app, args.host, args.port))
     try:
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(_serve(server, args.host))
-    finally:
-        if store is not None:
-            asyncio.run(store.close())
+        sock = listen(args.host, args.port)
+    except OSError as exc:
+        print(
+            f"tokens.proxy: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; pick another --port "
+            "(0: any free one) or --host",
+            file=sys.stderr,
+        )
+        return 1
+    server = uvicorn.Server(server_config(app, args.host, args.port))
+    started = True
+    with contextlib.suppress(KeyboardInterrupt):
+        started = asyncio.run(_serve(server, sock, args.host))
+    if not started:
+        print("tokens.proxy: the proxy did not start (see the error above)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -17,7 +17,7 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -72,6 +72,7 @@ _ID = re.compile(r"[A-Za-z0-9._:@-]{1,200}")
 _URL = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://\S+")
 _DECODE = msgspec.json.Decoder(dict[str, Any])
 _ENCODE = msgspec.json.Encoder()
+_JSON = {"content-type": "application/json"}
 Dialect = Literal["chat", "responses", "messages"]
 _PATHS: dict[str, Dialect] = {"chat/completions": "chat", "responses": "responses", "messages": "messages"}
 
@@ -162,8 +163,13 @@ class _App:
         self.tracing = Tracing(tracer_provider, SCOPE)
 
     async def aclose(self) -> None:
-        for upstream in self.upstreams.values():
-            await upstream.client.aclose()
+        """Close every upstream's client, each whatever the others did, shielded and bounded."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            for upstream in self.upstreams.values():
+                try:
+                    await upstream.client.aclose()
+                except Exception as exc:  # the others still close
+                    logger.warning("tokens.proxy: closing an upstream client failed: %s", type(exc).__name__)
 
     # -- the request --------------------------------------------------------------------------
 
@@ -267,17 +273,16 @@ class _App:
                 return served
         chat = body if dialect == "chat" else responses_to_chat(body, history) if dialect == "responses" else (
             messages_to_chat(body))  # fmt: skip
-        headers: dict[str, str] = {}
         recorded = self.record_coordinates(coordinates)
         if self.recorder is not None:
             await self.recorder.begin(recorded, chat)
         span_attributes = {DIALECT_ATTR: dialect, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
         if stream:
-            return await self.serve_stream(dialect, upstream, chat, body, history, coordinates, headers, started,
+            return await self.serve_stream(dialect, upstream, chat, body, history, coordinates, started,
                                            span_attributes, recorded)  # fmt: skip
         with self.span(span_attributes) as span:
             try:
-                completion = await self.post(upstream, "/chat/completions", chat, headers, dialect)
+                completion = await self.post(upstream, chat, dialect)
             except CaptureFailedError:
                 await self.incomplete(recorded)
                 raise
@@ -320,11 +325,11 @@ class _App:
         if body.get("store", True) is not False:
             self.previous.put(answer["id"], history_of(body, answer, history), coordinates.model_call_id)
 
-    async def post(self, upstream: _Upstream, path: str, body: Mapping[str, Any], headers: Mapping[str, str],
-                   dialect: Dialect) -> dict[str, Any]:  # fmt: skip
+    async def post(self, upstream: _Upstream, body: Mapping[str, Any], dialect: Dialect) -> dict[str, Any]:
+        """A chat completion, whole, from the upstream."""
         try:
-            response = await upstream.client.post(upstream.base + path, content=_ENCODE.encode(body), headers={
-                **headers, "content-type": "application/json"})  # fmt: skip
+            response = await upstream.client.post(upstream.base + "/chat/completions", content=_ENCODE.encode(body),
+                                                  headers=_JSON)  # fmt: skip
             data = await read_body(response, "answer", self.max_response_bytes)
         except (TokensError, httpx.HTTPError) as exc:
             raise self.upstream_error(exc, dialect) from None
@@ -375,13 +380,12 @@ class _App:
         return JSONResponse(answer, headers=_call_headers(coordinates))
 
     async def serve_stream(self, dialect: Dialect, upstream: _Upstream, chat: dict[str, Any], body: Mapping[str, Any],
-                           history: list[Any], coordinates: Coordinates, headers: Mapping[str, str], started: float,
-                           attributes: dict[str, Any], recorded: Any) -> Response:  # fmt: skip
+                           history: list[Any], coordinates: Coordinates, started: float, attributes: dict[str, Any],
+                           recorded: Any) -> Response:  # fmt: skip
         tracer = self.tracing.get()
         span = None if tracer is None else _start_span(tracer, dialect, attributes)
         request = upstream.client.build_request("POST", upstream.base + "/chat/completions",
-                                                content=_ENCODE.encode(chat),
-                                                headers={**headers, "content-type": "application/json"})  # fmt: skip
+                                                content=_ENCODE.encode(chat), headers=_JSON)  # fmt: skip
         try:
             with trace.use_span(span, end_on_exit=False) if span is not None else nullcontext():
                 response = await upstream.client.send(request, stream=True)
@@ -394,6 +398,20 @@ class _App:
             if span is not None:
                 safely("tokens.proxy span", _end_span, span, error)
             raise error from None
+
+        closed = False
+
+        async def close(error: ProxyError | None) -> None:
+            """Once, whether the events ran or not: the upstream's stream closed, the call counted."""
+            nonlocal closed
+            if not closed:
+                closed = True
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    await response.aclose()
+                self.finished(dialect, True, started, error, span)
+
+        async def gone() -> None:  # the client went away before the first event was produced
+            await close(RequestRejectedError("the client went away before its stream started"))
 
         async def events() -> AsyncIterator[bytes]:
             error: ProxyError | None = None
@@ -428,11 +446,9 @@ class _App:
                     await self.incomplete(recorded)
                 yield self.error_event(dialect, error, converter)
             finally:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    await response.aclose()
-                self.finished(dialect, True, started, error, span)
+                await close(error)
 
-        return EventStream(events(), self.client_timeout, _call_headers(coordinates))
+        return EventStream(events(), self.client_timeout, _call_headers(coordinates), closing=gone)
 
     # -- errors and telemetry ------------------------------------------------------------------
 
@@ -449,9 +465,11 @@ class _App:
             if 300 <= exc.status_code < 400:
                 return UpstreamError(f"the upstream answered with a redirect (HTTP {exc.status_code}), not followed")
             detail = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else exc.body
-            message = detail.get("message") if isinstance(detail, dict) else detail
-            status = exc.status_code if exc.status_code < 500 or exc.status_code == 503 else 502
-            return ProxyError(f"the upstream answered HTTP {exc.status_code}: {_safe(str(message))}", status=status)
+            said = detail.get("message") if isinstance(detail, dict) else detail
+            message = f"the upstream answered HTTP {exc.status_code}: {_safe(str(said))}"
+            if exc.status_code >= 500 and exc.status_code != 503:
+                return UpstreamError(message)  # a 502: the upstream failed
+            return ProxyError(message, status=exc.status_code)  # its 4xx, or 503 (overloaded), passed on
         self.count_capture_error(dialect, exc)
         if isinstance(exc, ResponseTooLargeError):
             return CaptureFailedError(f"the upstream's answer is over the proxy's max_response_bytes={exc.limit:,}")
@@ -517,9 +535,9 @@ def _output_text(output: Sequence[Any]) -> str:
 
 
 def _call_headers(coordinates: Coordinates) -> dict[str, str]:
-    headers = {"x-model-call-id": coordinates.model_call_id}
+    headers = {CALL_HEADER: coordinates.model_call_id}
     if coordinates.rollout_id is not None:
-        headers["x-rollout-id"] = coordinates.rollout_id
+        headers[ROLLOUT_HEADER] = coordinates.rollout_id
     return headers
 
 
@@ -533,11 +551,21 @@ def _converter(dialect: Dialect, body: Mapping[str, Any]) -> ResponsesEvents | M
 
 class EventStream(Response):
     """A server-sent event stream sent as it is produced: each event written within ``send_timeout``
-    (a client that stops reading is dropped), the producer closed when the client goes away."""
+    (a client that stops reading is dropped), the producer closed when the client goes away.
+    ``closing`` is awaited last, shielded, in every case: the cleanup of a producer that never ran
+    (its ``finally`` does not run when the client is gone before the first event)."""
 
-    def __init__(self, events: AsyncIterator[bytes], send_timeout: float, headers: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        send_timeout: float,
+        headers: Mapping[str, str],
+        *,
+        closing: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.events = events
         self.send_timeout = send_timeout
+        self.closing = closing
         self.status_code = 200
         self.background = None
         fields = {**headers, "content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
@@ -585,6 +613,8 @@ class EventStream(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()  # type: ignore[attr-defined]
+                if self.closing is not None:
+                    await self.closing()
 
 
 _BATCH = 64
@@ -661,8 +691,7 @@ def create_app(
         try:
             yield
         finally:
-            with anyio.CancelScope(shield=True):
-                await proxy.aclose()
+            await proxy.aclose()
 
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
     routes = [Route("/v1/{path:path}", proxy.endpoint, methods=methods),

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._bundle import TokenBundle, TokenCompletion
-from ..records import Coordinates, RecordsError, RecordWriteError, RecordWriter
+from ..records import (
+    Coordinates,
+    RecordsError,
+    RecordWriteError,
+    RecordWriter,
+    RolloutFrozenError,
+    RolloutRetiredError,
+)
 from ._chat import TOKEN_FIELDS
 from ._errors import ProxyError, RequestRejectedError
 
@@ -85,7 +92,6 @@ class Recorder:
 
     def __init__(self, store: Any) -> None:
         self.writer = RecordWriter(store)
-        self.store = store
 
     @staticmethod
     def coordinates(rollout_id: str | None, call: str, parent: str | None, weight: str | None) -> Coordinates | None:
@@ -99,8 +105,15 @@ class Recorder:
             raise RequestRejectedError(f"n={n!r} with a rollout id: a record holds one choice; send n=1", param="n")
         try:
             await self.writer.begin(coordinates)
-        except RecordsError as exc:  # a frozen or retired rollout takes no more calls
+        except (RolloutFrozenError, RolloutRetiredError) as exc:  # a frozen or retired rollout takes no more calls
             raise ProxyError(f"rollout {coordinates.rollout_id!r} takes no more calls: {exc}", status=409) from None
+        except RecordsError as exc:  # the store itself: its details (a path, a host) go to the log only
+            logger.warning("rollout %r, model call %r: begin_call failed: %s", coordinates.rollout_id,
+                           coordinates.model_call_id, exc)  # fmt: skip
+            raise ProxyError(
+                f"the record store failed ({type(exc).__name__}); nothing was sent upstream: retry the call",
+                status=503,
+            ) from None
 
     async def write(
         self, coordinates: Coordinates | None, chat: Mapping[str, Any], completion: TokenCompletion
@@ -110,16 +123,18 @@ class Recorder:
             return
         try:
             await self.writer.write_chat(coordinates, chat, completion)
-        except RecordWriteError as exc:
+        except RecordWriteError as exc:  # its details (the store's path or host) go to the log only
+            logger.error("%s", exc)
             raise ProxyError(
-                f"the record was not stored and the rollout could not be marked incomplete: {exc}"
+                f"rollout {coordinates.rollout_id!r}, model call {coordinates.model_call_id!r}: the record was not "
+                "stored and the rollout could not be marked incomplete (the record store failed; see the proxy's log)"
             ) from None
 
     async def incomplete(self, coordinates: Coordinates | None) -> None:
         """The call's capture failed: the rollout is marked incomplete (best effort; the error still goes back)."""
         if coordinates is not None:
             try:
-                await self.store.mark_incomplete(coordinates.rollout_id, coordinates.model_call_id)
+                await self.writer.sink.mark_incomplete(coordinates.rollout_id, coordinates.model_call_id)
             except Exception as exc:  # the client gets the capture error either way
                 logger.warning("rollout %r, model call %r: capture failed and the rollout could not be marked "
                                "incomplete (%s)", coordinates.rollout_id, coordinates.model_call_id,

@@ -50,7 +50,9 @@ def responses_to_chat(body: Mapping[str, Any], history: Sequence[Any] = ()) -> d
     instructions = body.get("instructions")
     if isinstance(instructions, str) and instructions:
         messages.append({"role": "system", "content": instructions})
-    for index, item in enumerate([*history, *input_items(body)]):
+    for index, item in enumerate(history):
+        _add_item(messages, item, f"previous_response_id's item [{index}]")
+    for index, item in enumerate(input_items(body)):
         _add_item(messages, item, f"input[{index}]")
     chat["messages"] = messages
     for name in _PASSED:

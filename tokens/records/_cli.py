@@ -17,7 +17,7 @@ import msgspec
 
 from ._errors import RecordsError
 from ._open import open_store
-from ._reader import order_records, sample_of
+from ._reader import order_records, resolution_of, sample_of
 from ._record import record_payload, weight_spans
 from ._store import RecordStore
 
@@ -59,7 +59,7 @@ async def _run(store: RecordStore, args: argparse.Namespace) -> int:
                 print(msgspec.json.encode(record_payload(record)).decode())
                 continue
             spans = ",".join(f"{s.version}[{s.start}:{s.end})" for s in weight_spans(record)) or "-"
-            status = getattr(record.parent_resolution, "value", record.parent_resolution)
+            status = resolution_of(record)
             print(
                 f"{record.model_call_id}\tparent {record.parent_call_id or '-'} ({status}"
                 f"{': ' + record.parent_resolution_reason if record.parent_resolution_reason else ''})\t"

@@ -44,21 +44,19 @@ class RecordStoreError(RecordsError):
     """The store URL or the store itself is unusable (scheme, driver, schema)."""
 
 
-for _cls in (
-    MalformedRecordError,
-    RecordConflictError,
-    RecordSchemaError,
-    RecordStoreError,
-    RecordsError,
-    RolloutFrozenError,
-    RolloutRetiredError,
-):
-    _cls.__module__ = "tokens.records"
-
-
 class RecordWriteError(RecordsError):
     """A record could not be stored and the rollout could not be marked incomplete either: the
     call's tokens are lost without a durable trace, so the call fails rather than pretend."""
 
 
-RecordWriteError.__module__ = "tokens.records"
+for _cls in (
+    MalformedRecordError,
+    RecordConflictError,
+    RecordSchemaError,
+    RecordStoreError,
+    RecordWriteError,
+    RecordsError,
+    RolloutFrozenError,
+    RolloutRetiredError,
+):
+    _cls.__module__ = "tokens.records"

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from .._http import redact
 from ._errors import RecordStoreError
 from ._postgres import PostgresBackend
 from ._sqlite import SQLiteBackend
 from ._store import RecordStore
 
 __all__ = ["open_store"]
-
-
-def _shown(url: str) -> str:
-    """The URL without its password (for messages and ``repr``)."""
-    return re.sub(r"(//[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
 def open_store(url: str, *, pool_size: int = 4) -> RecordStore:
@@ -30,9 +25,9 @@ def open_store(url: str, *, pool_size: int = 4) -> RecordStore:
     """
     if not isinstance(url, str):
         raise TypeError(f"open_store: url must be a string such as 'sqlite:///records.db', not {type(url).__name__}")
-    shown = _shown(url)
-    if not 1 <= pool_size <= 64:
-        raise ValueError(f"open_store: pool_size must be between 1 and 64, not {pool_size}")
+    shown = redact(url)  # the URL without its password, for messages and repr
+    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or not 1 <= pool_size <= 64:
+        raise ValueError(f"open_store: pool_size must be an int between 1 and 64, not {pool_size!r}")
     scheme = urlsplit(url).scheme.lower()
     if scheme == "sqlite":
         path = url[len("sqlite:///") :] if url.lower().startswith("sqlite:///") else ""

@@ -36,6 +36,7 @@ class PostgresBackend:
         except ImportError as exc:
             raise RecordStoreError(f"{shown}: PostgreSQL needs psycopg 3; install it with {INSTALL}") from exc
         self._psycopg = psycopg
+        self.errors: tuple[type[Exception], ...] = (psycopg.Error,)
         self._url = url
         self._shown = shown
         self._schema_ready = False

@@ -115,12 +115,13 @@ def sample_of(
     notes += [
         f"model call {record.model_call_id!r}: parent unresolved ({record.parent_resolution_reason})"
         for record, _ in ordered
-        if _status(record) == UNRESOLVED
+        if resolution_of(record) == UNRESOLVED
     ]
     return RolloutSample(snapshot, [record for record, _ in ordered], trajectory, notes=notes)
 
 
-def _status(record: Any) -> str:
+def resolution_of(record: Any) -> str:
+    """A record's ``parent_resolution`` as its string (NeMo Gym's records hold an enum)."""
     status = record.parent_resolution
     return str(getattr(status, "value", status))
 

@@ -27,6 +27,7 @@ class _Cursor:
 
 class SQLiteBackend:
     name = "sqlite"
+    errors: tuple[type[Exception], ...] = (sqlite3.Error,)
 
     def __init__(self, path: Path) -> None:
         self.path = path

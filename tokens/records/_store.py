@@ -33,7 +33,13 @@ import anyio.to_thread
 
 from ._cache import TokenCache
 from ._digest import compute_digest
-from ._errors import MalformedRecordError, RecordConflictError, RolloutFrozenError, RolloutRetiredError
+from ._errors import (
+    MalformedRecordError,
+    RecordConflictError,
+    RecordStoreError,
+    RolloutFrozenError,
+    RolloutRetiredError,
+)
 from ._fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from ._pool import Pool
 from ._record import TokenRecord, check_digest, cumulative_tokens, decode_record, encode_record
@@ -57,6 +63,8 @@ class Backend(Protocol):
     """What differs between SQL engines: connecting, transactions, the rollout lock, DDL."""
 
     name: str
+    errors: tuple[type[Exception], ...]
+    """The driver's error classes (``sqlite3.Error``, ``psycopg.Error``)."""
 
     def connect(self) -> Any: ...
 
@@ -128,7 +136,10 @@ class RecordStore:
         """True: every client over the same database sees every committed record."""
         return self._process_shared
 
-    async def _run(self, work: Callable[[Cursor], T], *, write: bool = True) -> T:
+    async def _run(self, work: Callable[[Cursor], T], what: str, *, write: bool = True) -> T:
+        """``work`` in one transaction, in a worker thread; the driver's errors become ``RecordStoreError``
+        naming the store and ``what`` was done."""
+
         def run() -> T:
             connection = self._pool.acquire()
             broken = False
@@ -141,7 +152,13 @@ class RecordStore:
             finally:
                 self._pool.release(connection, broken=broken)
 
-        return await anyio.to_thread.run_sync(run)
+        try:
+            return await anyio.to_thread.run_sync(run)
+        except self._backend.errors as exc:
+            raise RecordStoreError(
+                f"{self.url}: {what} failed ({type(exc).__name__}: {exc}); check that the store is reachable and "
+                "writable (the server up, the disk not full, the file not replaced), then retry"
+            ) from exc
 
     def _lock(self, cursor: Cursor, rollout_id: str) -> _State:
         cursor.execute(
@@ -176,9 +193,9 @@ class RecordStore:
 
     async def put(self, entry: Any) -> None:
         """Store one record (``TokenRecord`` or NeMo Gym's ``TokenEntry``); durable on return."""
-        if not isinstance(entry, TokenRecord):
-            decode_record(encode_record(entry)[0])  # refuse what a reader would refuse, before storing it
         data, sha = encode_record(entry)
+        if not isinstance(entry, TokenRecord):
+            decode_record(data)  # refuse what a reader would refuse, before storing it
         rollout_id, call_id = entry.rollout_id, entry.model_call_id
         meta = (
             entry.continuation_fingerprint or None,
@@ -215,7 +232,7 @@ class RecordStore:
             self._bump(cursor, rollout_id)
             return "stored"
 
-        outcome = await self._run(work)
+        outcome = await self._run(work, f"put {rollout_id!r}/{call_id!r}")
         where = f"rollout {rollout_id!r}, model call {call_id!r}"
         if outcome == "conflict":
             raise RecordConflictError(
@@ -243,7 +260,7 @@ class RecordStore:
             self._bump(cursor, rollout_id, incomplete=True)
             self._mark(cursor, rollout_id, model_call_id, reason)
 
-        await self._run(work)
+        await self._run(work, f"mark_incomplete {rollout_id!r}")
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durably record that a call is about to be sent: without its record by ``freeze``, the
@@ -258,7 +275,7 @@ class RecordStore:
                 )
             return state
 
-        state = await self._run(work)
+        state = await self._run(work, f"begin_call {rollout_id!r}/{model_call_id!r}")
         if state.retired:
             raise RolloutRetiredError(f"rollout {rollout_id!r} was dropped; model call {model_call_id!r} not begun")
         if state.frozen:
@@ -291,7 +308,7 @@ class RecordStore:
             )
             return state, rows, bool(dangling)
 
-        state, rows, dangling = await self._run(work)
+        state, rows, dangling = await self._run(work, f"freeze {rollout_id!r}")
         if state.retired:
             raise RolloutRetiredError(f"rollout {rollout_id!r} was dropped after it was consumed; nothing to freeze")
         entries = tuple(decode_record(bytes(row[0])) for row in rows)
@@ -312,7 +329,7 @@ class RecordStore:
             )
             return True
 
-        return await self._run(work)
+        return await self._run(work, f"drop {rollout_id!r}")
 
     # -- LineageResolver -------------------------------------------------------------------------
 
@@ -331,6 +348,7 @@ class RecordStore:
                 "WHERE rollout_id = ? AND fingerprint = ? AND fingerprint_version = ?",
                 (rollout_id, fingerprint, FINGERPRINT_VERSION),
             ),
+            f"resolve {rollout_id!r}",
             write=False,
         )
         candidates = [
@@ -347,6 +365,7 @@ class RecordStore:
             lambda cursor: cursor.execute(
                 "SELECT model_call_id, 0, '', cum_len, digest FROM token_records WHERE rollout_id = ?", (rollout_id,)
             ),
+            f"resolve_prefix {rollout_id!r}",
             write=False,
         )
         if not rows:
@@ -372,7 +391,9 @@ class RecordStore:
     async def match(self, rollout_id: str, model_call_id: str) -> LineageMatch | None:
         """A recorded call as a verified parent (its cumulative tokens rebuilt through its delta
         chain and checked against its digest), or None when the rollout has no such record."""
-        chain, base = await self._run(lambda cursor: self._chain(cursor, rollout_id, model_call_id), write=False)
+        chain, base = await self._run(
+            lambda cursor: self._chain(cursor, rollout_id, model_call_id), f"match {rollout_id!r}", write=False
+        )
         if not chain:
             return None
         tokens: list[int] = list(base)
@@ -413,6 +434,7 @@ class RecordStore:
             lambda cursor: cursor.execute(
                 "SELECT payload FROM token_records WHERE rollout_id = ? ORDER BY written_at", (rollout_id,)
             ),
+            f"records {rollout_id!r}",
             write=False,
         )
         return tuple(decode_record(bytes(row[0])) for row in rows)
@@ -425,6 +447,7 @@ class RecordStore:
                 "r.version, r.frozen, r.retired, r.incomplete FROM token_rollouts r ORDER BY r.rollout_id LIMIT ?",
                 (limit,),
             ),
+            "rollouts",
             write=False,
         )
         return [RolloutSummary(str(r[0]), int(r[1]), int(r[2]), bool(r[3]), bool(r[4]), bool(r[5])) for r in rows]

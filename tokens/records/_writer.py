@@ -131,6 +131,8 @@ class RecordWriter:
     record (delta prompt when the parent is verified) and awaits ``put``. When ``put`` fails the
     rollout is marked incomplete and the response still goes back (NeMo Gym's rule: a capture
     error never fails the model call); when marking fails too, ``RecordWriteError`` is raised.
+    A parent lookup that fails (the store unreachable, a corrupt parent chain) leaves the record
+    ``unresolved`` with the reason ``lineage_lookup_failed: <error type>``.
     """
 
     def __init__(self, sink: Any, *, weight_version: str | None = None) -> None:
@@ -176,7 +178,12 @@ class RecordWriter:
         server_version: str | None,
     ) -> None:
         bundle = completion.bundle
-        status, match, reason = await self._parent(coordinates, bundle, items)
+        try:
+            status, match, reason = await self._parent(coordinates, bundle, items)
+        except Exception as exc:  # a capture error never fails the model call: the record says why
+            logger.warning("rollout %r, model call %r: the parent lookup failed (%r); recorded as unresolved",
+                           coordinates.rollout_id, coordinates.model_call_id, exc)  # fmt: skip
+            status, match, reason = UNRESOLVED, None, f"lineage_lookup_failed: {type(exc).__name__}"
         prompt = bundle.prompt_token_ids
         delta = False
         if match is not None:

@@ -16,7 +16,7 @@ import httpx
 
 from ..._errors import DockerUnavailableError, SandboxError
 
-__all__ = ["MAX_API_VERSION", "MIN_API_VERSION", "EngineAPI", "EngineError", "negotiate"]
+__all__ = ["MAX_API_VERSION", "MIN_API_VERSION", "EngineAPI", "EngineError", "message_of", "negotiate"]
 
 MIN_API_VERSION = "1.40"  # Docker 19.03: every field the provider sends (Init, Mounts' VolumeOptions, PidsLimit)
 MAX_API_VERSION = "1.43"  # the newest whose container and exec bodies the provider was written against
@@ -24,7 +24,9 @@ _BASE = "http://docker"  # the host part is unused over a UNIX socket
 
 
 class EngineError(SandboxError):
-    """An Engine API reply of 400 or more (internal to the provider, which raises a public class)."""
+    """An Engine API reply of 400 or more: a ``SandboxError`` naming the operation and the daemon's
+    answer. Where a reply means something of its own (no such image, a sandbox removed, a path that
+    is a symlink) the provider raises the public class that says so instead."""
 
     def __init__(self, status: int, message: str, what: str) -> None:
         super().__init__(f"{what}: the Docker daemon answered {status}: {message}")
@@ -53,7 +55,10 @@ def negotiate(socket: str, api_version: str | None, timeout_s: float) -> tuple[s
             "(apt-get install docker.io), or pass socket= (Podman: its Docker-compatible socket)"
         ) from exc
     if reply.status_code != 200:
-        raise DockerUnavailableError(f"DockerProvider: GET /version at {socket} answered {reply.status_code}")
+        raise DockerUnavailableError(
+            f"DockerProvider: GET /version at {socket} answered {reply.status_code}, not 200: is it a Docker Engine "
+            "API socket? Pass socket= the daemon's (Podman: its Docker-compatible socket)"
+        )
     info = reply.json()
     server, oldest = str(info.get("ApiVersion", "")), str(info.get("MinAPIVersion", MIN_API_VERSION))
     if api_version is not None:
@@ -78,7 +83,9 @@ class EngineAPI:
 
     def __init__(self, socket: str, version: str, timeout_s: float) -> None:
         self.socket = socket
-        self.version = version
+        # An exec's output stream may be silent for as long as its command runs: no read timeout
+        # there (the command's own timeout and the sandbox's TTL bound it), the others as usual.
+        self._silent_read = httpx.Timeout(timeout_s, read=None)
         self._client = httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=socket),
             base_url=f"{_BASE}/v{version}",
@@ -104,20 +111,22 @@ class EngineAPI:
         except httpx.HTTPError as exc:
             raise self.unavailable(what, exc) from exc
         if reply.status_code >= 400 and reply.status_code not in ok:
-            raise EngineError(reply.status_code, _message(reply), what)
+            raise EngineError(reply.status_code, message_of(reply), what)
         return reply
 
     @asynccontextmanager
-    async def stream(
-        self, method: str, path: str, what: str, *, params: Mapping[str, str] | None = None, body: Any = None
-    ) -> AsyncIterator[httpx.Response]:
-        """A request whose body is read as it arrives (exec output, archives), as sent: never decompressed."""
+    async def stream(self, method: str, path: str, what: str, *, params: Mapping[str, str] | None = None,
+                     body: Any = None, silent_ok: bool = False) -> AsyncIterator[httpx.Response]:  # fmt: skip
+        """A request whose body is read as it arrives (exec output, archives), as sent: never decompressed.
+        ``silent_ok``: the body may pause for any time (a command's output), no read timeout."""
         headers = {"Accept-Encoding": "identity"}
+        timeout = self._silent_read if silent_ok else httpx.USE_CLIENT_DEFAULT
         try:
-            async with self._client.stream(method, path, params=params, json=body, headers=headers) as reply:
+            async with self._client.stream(method, path, params=params, json=body, headers=headers,
+                                           timeout=timeout) as reply:  # fmt: skip
                 if reply.status_code >= 400:
                     await reply.aread()
-                    raise EngineError(reply.status_code, _message(reply), what)
+                    raise EngineError(reply.status_code, message_of(reply), what)
                 yield reply
         except httpx.HTTPError as exc:
             raise self.unavailable(what, exc) from exc
@@ -131,7 +140,8 @@ class EngineAPI:
         await self._client.aclose()
 
 
-def _message(reply: httpx.Response) -> str:
+def message_of(reply: httpx.Response) -> str:
+    """The daemon's own message of an error reply (its JSON ``message``), else the start of its body."""
     try:
         return str(json.loads(reply.content).get("message", "")).strip() or reply.reason_phrase
     except (ValueError, AttributeError):

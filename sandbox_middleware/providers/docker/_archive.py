@@ -121,7 +121,10 @@ async def tar_stream(source_fd: int, size: int, parts: Sequence[str], owner: tup
     while sent < size:
         data = await anyio.to_thread.run_sync(os.read, source_fd, min(_CHUNK, size - sent))
         if not data:
-            raise SandboxError(f"the source file shrank while it was uploaded ({sent} of {size} bytes)")
+            raise SandboxError(
+                f"the source file shrank while it was uploaded ({sent} of {size} bytes); the copy in the sandbox may "
+                "be partial: upload it again once nothing writes it"
+            )
         sent += len(data)
         yield data
     yield padding(size) + END
@@ -137,12 +140,18 @@ class TarReader:
         buffer = bytearray()
         iterator = chunks.__aiter__()
 
+        async def more() -> None:
+            try:
+                buffer.extend(await iterator.__anext__())
+            except StopAsyncIteration:
+                raise SandboxError(
+                    f"the daemon's archive of {self._path!r} ended early (the container went away?); nothing was "
+                    "copied: try again"
+                ) from None
+
         async def need(count: int) -> bytes:
             while len(buffer) < count:
-                try:
-                    buffer.extend(await iterator.__anext__())
-                except StopAsyncIteration:
-                    raise SandboxError(f"the daemon's archive of {self._path!r} ended early") from None
+                await more()
             taken = bytes(buffer[:count])
             del buffer[:count]
             return taken
@@ -165,27 +174,47 @@ class TarReader:
             raise SandboxTransferLimitError(
                 f"{self._path!r} grew past max_transfer_bytes={self._limit} before it was copied; nothing was copied"
             )
-        await anyio.to_thread.run_sync(lambda: self._target.parent.mkdir(parents=True, exist_ok=True))
-        fd = os.open(self._target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = await anyio.to_thread.run_sync(self._open_target)
         try:
             left = info.size
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SandboxError(f"download target {self._target} is not a regular file")
             while left:
                 if not buffer:
-                    try:
-                        buffer.extend(await iterator.__anext__())
-                    except StopAsyncIteration:
-                        raise SandboxError(f"the daemon's archive of {self._path!r} ended early") from None
+                    await more()
                 part = bytes(buffer[:left])
                 del buffer[: len(part)]
                 left -= len(part)
                 await anyio.to_thread.run_sync(_write_all, fd, part)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
-            self._target.unlink(missing_ok=True)
+            self._target.unlink(missing_ok=True)  # a regular file of ours (_open_target): no half-written copy
+            if isinstance(exc, OSError):
+                raise SandboxError(f"cannot write the download of {self._path!r} to {self._target}: {exc}") from exc
             raise
         os.close(fd)
+
+    def _open_target(self) -> int:
+        """The download's target, created or truncated; a target that is not a regular file (a
+        directory, a device, a FIFO) is refused before it is written or removed."""
+        try:
+            self._target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self._target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            raise SandboxError(
+                f"cannot write the download of {self._path!r} to {self._target}: {exc}; name a writable file path"
+            ) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise SandboxError(
+                f"download target {self._target} is not a regular file (a directory, device or FIFO); nothing was "
+                "written: name a file path"
+            )
+        try:
+            os.set_blocking(fd, True)
+            os.ftruncate(fd, 0)
+        except OSError as exc:
+            os.close(fd)
+            raise SandboxError(f"cannot write the download of {self._path!r} to {self._target}: {exc}") from exc
+        return fd
 
 
 def _write_all(fd: int, data: bytes) -> None:

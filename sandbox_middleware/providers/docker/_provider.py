@@ -37,7 +37,7 @@ from ..._errors import (
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
 from ..local._arguments import check_text, checked_env, checked_timeout, fspath, positive_number, sandbox_id_of
 from ..local._limits import LIMIT_BOUNDS, Limits
-from ._api import EngineAPI, EngineError, negotiate
+from ._api import EngineAPI, EngineError, message_of, negotiate
 from ._archive import END, TarReader, check_directory, check_stat, located, padding, tar_records, tar_stream
 from ._container import (
     LABEL,
@@ -154,14 +154,14 @@ class DockerProvider:
             "pids": bool(info.get("PidsLimit")),
             "cpu": bool(info.get("CpuCfsQuota")),
         }
-        self._api = EngineAPI(self._socket, version, request_timeout_s)
-        self._key = connect_key if connect_key is not None else os.urandom(32)
-        self._boxes: dict[str, Box] = {}
-        self._users: dict[str, tuple[str, tuple[int, int] | None]] = {}
         try:
             self._watchdog = WatchdogLauncher(self._socket, version)
         except PermissionError as exc:  # its lock's directory was made by someone else (_ttl.lock_path)
             raise SandboxError(f"DockerProvider: the TTL watchdog cannot lock safely: {exc}") from None
+        self._api = EngineAPI(self._socket, version, request_timeout_s)  # last: nothing can fail after it
+        self._key = connect_key if connect_key is not None else os.urandom(32)
+        self._boxes: dict[str, Box] = {}
+        self._users: dict[str, tuple[str, tuple[int, int] | None]] = {}
 
     def __repr__(self) -> str:
         return f"DockerProvider(socket={self._socket!r}, api_version={self.api_version!r})"
@@ -198,7 +198,7 @@ class DockerProvider:
             await self._seed(container, plan, files)
         except BaseException as exc:
             left = f"; container {container[:12]} was not removed (its labels let reap find it)"
-            # The daemon may have gone away meanwhile: the first error is the one to report.
+            # A removal that fails too (the daemon died) must not replace the start's error.
             with anyio.CancelScope(shield=True), anyio.move_on_after(30), contextlib.suppress(SandboxError):
                 await self._remove(container)
                 left = ""
@@ -250,16 +250,12 @@ class DockerProvider:
 
     async def _user_of(self, image: str) -> tuple[str, tuple[int, int] | None]:
         """Who commands run as (``user="auto"``: the image's non-root USER, else uid 65534), and its
-        numeric uid and gid where known. Asking also says whether the image is there."""
-        if self._user != "auto":
-            return self._user, _numeric(self._user)
+        numeric uid and gid where known. Asking also says whether the image is there (and pulls it
+        with ``pull=True``); the answer is kept per image."""
         known = self._users.get(image)
         if known is not None:
             return known
-        try:
-            reply = await self._api.call("GET", f"/images/{image}/json", f"inspect image {image!r}", ok=(404,))
-        except DockerUnavailableError as exc:
-            raise SandboxCreateError(str(exc)) from exc
+        reply = await self._inspect_image(image)
         if reply.status_code == 404:
             if not self._pull:
                 raise SandboxImageNotFoundError(
@@ -267,11 +263,25 @@ class DockerProvider:
                     "(docker build / docker load / docker import), or pass pull=True to pull missing images"
                 )
             await self._pull_image(image)
-            return await self._user_of(image)
-        configured = str((reply.json().get("Config") or {}).get("User") or "")
-        chosen = (configured, _numeric(configured)) if configured not in _ROOT_USERS else (_NOBODY, (65534, 65534))
+            reply = await self._inspect_image(image)
+            if reply.status_code == 404:
+                raise SandboxImageNotFoundError(
+                    f"DockerProvider: pulled image {image!r}, yet the daemon at {self._socket} has no image of that "
+                    "name (another platform's, or a tag resolved differently?); name the image as the daemon lists it"
+                )
+        if self._user != "auto":
+            chosen = self._user, _numeric(self._user)
+        else:
+            configured = str((reply.json().get("Config") or {}).get("User") or "")
+            chosen = (configured, _numeric(configured)) if configured not in _ROOT_USERS else (_NOBODY, (65534, 65534))
         self._users[image] = chosen
         return chosen
+
+    async def _inspect_image(self, image: str) -> httpx.Response:
+        try:
+            return await self._api.call("GET", f"/images/{image}/json", f"inspect image {image!r}", ok=(404,))
+        except DockerUnavailableError as exc:
+            raise SandboxCreateError(str(exc)) from exc
 
     async def _pull_image(self, image: str) -> None:
         what = f"pull image {image!r}"
@@ -294,7 +304,10 @@ class DockerProvider:
         except EngineError as exc:
             if exc.status == 404:
                 self._users.pop(image, None)
-                raise SandboxImageNotFoundError(f"DockerProvider: image {image!r} is not on the daemon") from exc
+                raise SandboxImageNotFoundError(
+                    f"DockerProvider: image {image!r} is not on the daemon at {self._socket} (removed since it was "
+                    "inspected?); build or load it again"
+                ) from exc
             if exc.status == 400:
                 raise SandboxArgumentError(f"DockerProvider: the daemon refused the container: {exc.message}") from exc
             raise SandboxCreateError(f"DockerProvider: cannot {what}: {exc.message}") from exc
@@ -320,8 +333,13 @@ class DockerProvider:
                                      content=b"".join(chunks) + END)  # fmt: skip
 
     async def _remove(self, container: str) -> None:
-        await self._api.call("DELETE", f"/containers/{container}", f"remove container {container[:12]}",
-                             params={"force": "true", "v": "true"}, ok=(404,))  # fmt: skip
+        """Force-remove ``container`` and its volumes; one already gone, or being removed by another
+        process (the TTL watchdog, a reaper, a second close), is done."""
+        what = f"remove container {container[:12]}"
+        reply = await self._api.call("DELETE", f"/containers/{container}", what, params={"force": "true", "v": "true"},
+                                     ok=(404, 409))  # fmt: skip
+        if reply.status_code == 409 and "already in progress" not in (message := message_of(reply)):
+            raise EngineError(409, message, what)
 
     def _box(self, handle: SandboxHandle) -> Box:
         box = self._boxes.get(sandbox_id_of(handle))
@@ -352,7 +370,7 @@ class DockerProvider:
             info = await self._inspect(sandbox_id, f"status of {sandbox_id[:12]}")
         except DockerUnavailableError:
             return SandboxStatus.UNKNOWN
-        if info is None or (info.get("Config") or {}).get("Labels", {}).get(LABEL) != "1":
+        if info is None or _labels(info).get(LABEL) != "1":
             return SandboxStatus.STOPPED
         return _STATUS.get(str((info.get("State") or {}).get("Status")), SandboxStatus.UNKNOWN)
 
@@ -365,25 +383,32 @@ class DockerProvider:
             if handle.provider_name != self.name:
                 return
             info = await self._inspect(sandbox_id, f"close {sandbox_id[:12]}")
-            labels = ((info or {}).get("Config") or {}).get("Labels") or {}
-            if info is None or labels.get(LABEL) != "1":
+            if info is None or _labels(info).get(LABEL) != "1":
                 return  # gone, or not a sandbox of ours: never touched
             sandbox_id = str(info["Id"])
         else:
-            box.closed = True
-        await self._remove(sandbox_id)
+            box.closed = True  # a command running now returns error_type="closed"
+        try:
+            await self._remove(sandbox_id)
+        except BaseException:
+            if box is not None:  # not removed: status asks the daemon again, and close can be retried
+                box.closed = False
+            raise
         self._boxes.pop(sandbox_id, None)
 
     async def aclose(self) -> None:
         """Close every sandbox still open here, then the connection pool; one error names those that failed."""
         failures = []
-        for sandbox_id in list(self._boxes):
-            try:
-                await self.close(SandboxHandle(sandbox_id, self.name))
-            except SandboxError as exc:
-                failures.append(str(exc))
-        self._watchdog.reap()
-        await self._api.aclose()
+        try:
+            for sandbox_id in list(self._boxes):
+                try:
+                    await self.close(SandboxHandle(sandbox_id, self.name))
+                except SandboxError as exc:
+                    failures.append(str(exc))
+        finally:  # cancelled or not: the connection pool is released
+            self._watchdog.reap()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_TIMEOUT_S):
+                await self._api.aclose()
         if failures:
             raise SandboxError(f"DockerProvider.aclose: {len(failures)} sandboxes not removed: {'; '.join(failures)}")
 
@@ -458,7 +483,10 @@ class DockerProvider:
         except EngineError as exc:
             if exc.status == 404:
                 if box.is_expired():
-                    raise SandboxExpiredError(f"DockerProvider: sandbox {handle.sandbox_id!r} expired") from exc
+                    raise SandboxExpiredError(
+                        f"DockerProvider: sandbox {handle.sandbox_id!r} expired (its ttl_s ran out) and its container "
+                        "is removed; create a new one"
+                    ) from exc
                 raise SandboxNotFoundError(
                     f"DockerProvider: sandbox {handle.sandbox_id!r} was removed from under this provider (closed or "
                     "reaped by another process); create a new one"
@@ -475,25 +503,29 @@ class DockerProvider:
         """Read the exec's output until it ends, or until shortly after its command has exited (a
         background child holding the streams open must not hold the call)."""
         what = f"read the output of exec {exec_id[:12]}"
+        start = {"Detach": False, "Tty": False}
         try:
             async with (
-                self._api.stream("POST", f"/exec/{exec_id}/start", what, body={"Detach": False, "Tty": False}) as reply,
+                self._api.stream("POST", f"/exec/{exec_id}/start", what, body=start, silent_ok=True) as reply,
                 anyio.create_task_group() as tasks,
             ):
+                # Neither task lets an error out: the task group would raise it as an ExceptionGroup.
 
                 async def read() -> None:
-                    async for chunk in reply.aiter_raw():
-                        demux.feed(chunk)
+                    with contextlib.suppress(httpx.HTTPError):  # the stream broke: the exit code tells
+                        async for chunk in reply.aiter_raw():
+                            demux.feed(chunk)
                     tasks.cancel_scope.cancel()
 
                 async def watch() -> None:
                     await anyio.sleep(0.25)
-                    while True:
-                        if not (await self._exec_info(exec_id)).get("Running"):
-                            break
-                        await anyio.sleep(0.1)
-                    await anyio.sleep(0.05)  # what it wrote last is in flight
-                    tasks.cancel_scope.cancel()
+                    with contextlib.suppress(SandboxError):  # the daemon is going: the read ends by itself
+                        while True:
+                            if not (await self._exec_info(exec_id)).get("Running"):
+                                break
+                            await anyio.sleep(0.1)
+                        await anyio.sleep(0.05)  # what it wrote last is in flight
+                        tasks.cancel_scope.cancel()
 
                 tasks.start_soon(read)
                 tasks.start_soon(watch)
@@ -570,9 +602,7 @@ class DockerProvider:
 
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         box = self._box(handle)
-        mount, parts = located(target_path, box.cwd, box.mounts, "target_path")
-        if not parts:
-            raise SandboxError(f"target {target_path!r} names a directory of the sandbox, not a file")
+        mount, parts = _file_in(box, target_path, "target_path")
         source = check_text(fspath(source_path, "source_path"), "source_path")
         what = f"upload {source_path} to {target_path!r} in sandbox {handle.sandbox_id[:12]}"
         try:
@@ -605,26 +635,23 @@ class DockerProvider:
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         box = self._box(handle)
-        mount, parts = located(source_path, box.cwd, box.mounts, "source_path")
-        if not parts:
-            raise SandboxError(f"{source_path!r} is not a file in the sandbox (it names a directory)")
+        mount, parts = _file_in(box, source_path, "source_path")
         target = Path(check_text(fspath(target_path, "target_path"), "target_path"))
-        path = str(mount.joinpath(*parts))
         what = f"download {source_path!r} from sandbox {handle.sandbox_id[:12]} to {target_path}"
         archive = f"/containers/{box.container}/archive"
         try:
-            for depth in range(1, len(parts)):  # the daemon follows a symlink in a parent: refuse one
-                parent = str(mount.joinpath(*parts[:depth]))
-                head = await self._api.call("HEAD", archive, what, params={"path": parent}, ok=(404,))
+            for depth in range(1, len(parts) + 1):  # the daemon follows a symlink in a parent: refuse one
+                path = str(mount.joinpath(*parts[:depth]))
+                head = await self._api.call("HEAD", archive, what, params={"path": path}, ok=(404,))
                 if head.status_code == 404:
                     raise SandboxError(
                         f"DockerProvider: {source_path!r} is not a file in sandbox {handle.sandbox_id[:12]}"
                     )
-                check_directory(head.headers.get("X-Docker-Container-Path-Stat"), source_path, parent)
-            head = await self._api.call("HEAD", archive, what, params={"path": path}, ok=(404,))
-            if head.status_code == 404:
-                raise SandboxError(f"DockerProvider: {source_path!r} is not a file in sandbox {handle.sandbox_id[:12]}")
-            check_stat(head.headers.get("X-Docker-Container-Path-Stat"), source_path, self._max_transfer)
+                header = head.headers.get("X-Docker-Container-Path-Stat")
+                if depth < len(parts):
+                    check_directory(header, source_path, path)
+                else:
+                    check_stat(header, source_path, self._max_transfer)
             async with self._api.stream("GET", archive, what, params={"path": path}) as reply:
                 await TarReader(source_path, target, self._max_transfer).read(reply.aiter_raw())
         except EngineError as exc:
@@ -673,8 +700,7 @@ class DockerProvider:
             )
         sandbox_id = body["sandbox_id"]
         info = await self._inspect(sandbox_id, f"connect to {sandbox_id[:12]}")
-        labels = ((info or {}).get("Config") or {}).get("Labels") or {}
-        box = box_of(sandbox_id, labels, None) if info is not None else None
+        box = box_of(sandbox_id, _labels(info), None) if info is not None else None
         if box is None or str((info or {}).get("Id")) != sandbox_id:
             raise SandboxNotFoundError(f"DockerProvider.connect: no sandbox container {sandbox_id[:12]} on this daemon")
         self._boxes.setdefault(sandbox_id, box)
@@ -704,6 +730,22 @@ class DockerProvider:
 
 
 _LIMIT_FIELDS = {"memory_mib": "memory_bytes", "pids": "pids", "cpu": "cpu"}
+
+
+def _file_in(box: Box, path: str, name: str) -> tuple[PurePosixPath, tuple[str, ...]]:
+    """The writable directory a transfer's sandbox ``path`` lies in, and its components: a file's."""
+    mount, parts = located(path, box.cwd, box.mounts, name)
+    if not parts:
+        raise SandboxError(
+            f"DockerProvider: {name} {path!r} names a directory of the sandbox, not a file: transfers copy one "
+            "regular file (archive a directory in the sandbox first)"
+        )
+    return mount, parts
+
+
+def _labels(info: Mapping[str, Any]) -> Mapping[str, str]:
+    """A container's labels from its ``GET /containers/{id}/json``."""
+    return (info.get("Config") or {}).get("Labels") or {}
 
 
 def _restore(options: dict[str, Any]) -> DockerProvider:

@@ -98,7 +98,7 @@ class WatchdogLauncher:
         self._started: list[subprocess.Popen[bytes]] = []
 
     def ensure(self) -> None:
-        self._started = [process for process in self._started if process.poll() is None]
+        self.reap()
         if _running(self._lock):
             return
         self._started.append(

@@ -142,6 +142,20 @@ def test_coordinates_from_the_path_and_headers(capture_proxy: CaptureProxy) -> N
     assert all("x-rollout-id" not in str(body) for _, body in capture_proxy.fake.requests)
 
 
+def test_an_upstream_5xx_is_an_upstream_error_502_and_its_503_passes_on(capture_proxy: CaptureProxy) -> None:
+    """A 500 from the upstream was a plain ProxyError (OpenAI type server_error): it is the
+    UpstreamError docs/proxy.md names (502, upstream_error); a 503 keeps its status."""
+    capture_proxy.fake.fail_next(500)
+    with pytest.raises(openai.InternalServerError) as failed:
+        openai_client(capture_proxy).chat.completions.create(model="tiny", messages=USER)  # type: ignore[arg-type]
+    assert failed.value.status_code == 502 and failed.value.type == "upstream_error"
+    assert "the upstream answered HTTP 500" in failed.value.message
+    capture_proxy.fake.fail_next(503)
+    with pytest.raises(openai.InternalServerError) as overloaded:
+        openai_client(capture_proxy).chat.completions.create(model="tiny", messages=USER)  # type: ignore[arg-type]
+    assert overloaded.value.status_code == 503
+
+
 def test_upstream_errors_in_each_dialect(capture_proxy: CaptureProxy) -> None:
     with pytest.raises(openai.BadRequestError) as chat_error:
         openai_client(capture_proxy).chat.completions.create(model="tiny", messages=USER, max_tokens=5000)  # type: ignore[arg-type]

@@ -344,3 +344,33 @@ async def test_the_app_runs_on_asyncio_and_trio(anyio_backend: str) -> None:
     assert status == 200 and data.rstrip().rsplit(b"\n\n", 1)[-1].startswith(b"event: response.completed")
     assert data.count(b"event: response.output_text.delta") > 5
     await app.state.proxy.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_client_gone_before_its_stream_starts_closes_the_upstream(
+    anyio_backend: str, telemetry: TelemetryCapture
+) -> None:
+    """The client hung up while the upstream was answering its headers: the stream's events were
+    never produced, and the upstream's stream was left open (vLLM generating for nobody) and the
+    call never counted."""
+    transport = Scripted([FIRST, chunk("a", 5), *([1.0] * 30)])
+    app = create_app("http://upstream.internal:9/v1", transport=transport, meter_provider=telemetry.meter_provider)
+    body = json.dumps({"model": "tiny", "messages": USER, "stream": True}).encode()
+    sent = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return sent.pop() if sent else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        raise OSError("the client went away")  # as an ASGI server may say it (ASGI spec 2.4)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 2)}  # fmt: skip
+    with anyio.fail_after(10):
+        await app(scope, receive, send)
+    assert transport.closed.is_set()
+    assert telemetry.histogram_count("tokens.proxy.duration_ms") == 1
+    await app.state.proxy.aclose()

@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
+
+from tokens.proxy import ProxyServer, create_app
 
 
 def test_the_command_prints_its_url_and_serves(tmp_path: Path) -> None:
@@ -81,3 +84,31 @@ def test_bad_options_are_one_line_and_exit_2() -> None:
         timeout=60,
     )
     assert scheme.returncode == 2 and "must be an http(s) URL with a host" in scheme.stderr
+    port = subprocess.run(  # it was OverflowError's traceback from bind()
+        [sys.executable, "-m", "tokens.proxy", "--upstream", "http://h/v1", "--port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert port.returncode == 2 and "70000 is not a TCP port" in port.stderr and "Traceback" not in port.stderr
+
+
+def test_a_port_in_use_is_one_line_and_exit_1() -> None:
+    """It gave uvicorn's log line and two tracebacks (SystemExit from inside its startup), exit 3."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "tokens.proxy", "--upstream", "http://127.0.0.1:9/v1", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            ProxyServer(create_app("http://127.0.0.1:9/v1"), port=port).__enter__()
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip() == (
+        f"tokens.proxy: cannot listen on 127.0.0.1:{port}: Address already in use; pick another --port "
+        "(0: any free one) or --host"
+    )

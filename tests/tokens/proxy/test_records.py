@@ -104,3 +104,18 @@ def test_a_tool_calling_rollout_resolves_its_lineage(rollout: Any, tmp_path: Pat
     assert not sample.snapshot.incomplete
     for record in records:
         assert len(record.generation_token_ids) == len(record.generation_log_probs) > 0
+
+
+def test_a_store_that_fails_before_the_call_is_a_503_naming_no_store(tmp_path: Path) -> None:
+    """begin_call failing for the store's own reasons (here: its file is not a database) is no
+    frozen rollout (409 "takes no more calls"): a 503 to retry, nothing sent upstream, and the
+    store's path stays out of the answer."""
+    (tmp_path / "records.db").write_bytes(b"not a database, " * 512)
+    store = open_store(f"sqlite:///{tmp_path / 'records.db'}")
+    with running_capture_proxy(store=store) as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url("r1"), api_key="-", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as failed:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert failed.value.status_code == 503 and "the record store failed" in failed.value.message
+        assert str(tmp_path) not in failed.value.message and proxy.fake.requests == []
+    anyio.run(store.close)

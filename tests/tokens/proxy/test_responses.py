@@ -120,6 +120,16 @@ def test_what_cannot_be_served_is_refused(body: dict[str, Any], words: str) -> N
         responses_to_chat(body)
 
 
+def test_a_refused_item_of_a_chained_request_is_named_by_its_own_index() -> None:
+    """The index counted the previous response's items first: input[0] was called input[2]."""
+    history = [
+        {"type": "message", "role": "user", "content": "a"},
+        {"type": "message", "role": "assistant", "content": "b"},
+    ]
+    with pytest.raises(RequestRejectedError, match=r"^input\[0\]: items of type 'item_reference'"):
+        responses_to_chat({"input": [{"type": "item_reference", "id": "x"}]}, history)
+
+
 def completion(message: dict[str, Any], finish: str = "stop") -> dict[str, Any]:
     return {
         "id": "chatcmpl-1",

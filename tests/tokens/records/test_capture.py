@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +206,30 @@ async def test_a_failed_put_marks_the_rollout_and_a_failed_mark_fails_the_call(c
                                                  extra_body={"rollout_id": "r"})  # fmt: skip
     with pytest.raises(TypeError, match="has no put"):
         TokenClient(BASE, sink=object())
+
+
+async def test_a_failed_parent_lookup_records_the_call_unresolved(
+    store: RecordStore, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """The store's lineage lookup raising (a locked database, a corrupt chain) is a capture error:
+    the model call still answers and its record says why it has no parent (it raised the store's
+    own sqlite3 error into the model call)."""
+
+    async def locked(*args: Any) -> Any:
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(store, "resolve", locked)
+    async with sdk(Upstream("first"), store) as client:
+        completion: Any = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "a"}],
+            extra_body={"rollout_id": "r", "model_call_id": "c"},
+        )
+    assert completion.choices[0].message.generation_token_ids
+    (record,) = await store.records("r")
+    assert record.parent_resolution == "unresolved"
+    assert record.parent_resolution_reason == "lineage_lookup_failed: OperationalError"
+    assert "the parent lookup failed" in caplog.text
 
 
 def generate_server(spans: list[Any] | None = None) -> tuple[httpx.MockTransport, list[Any]]:

@@ -126,6 +126,9 @@ async def test_open_store_refuses_bad_urls_without_showing_passwords() -> None:
     with pytest.raises(RecordStoreError) as caught:
         open_store("redis://user:hunter2@host/0")
     assert "hunter2" not in str(caught.value)
+    for size in (0, "4", True):  # a string raised TypeError: '<=' not supported
+        with pytest.raises(ValueError, match="pool_size must be an int between 1 and 64"):
+            open_store("sqlite:///x.db", pool_size=size)  # type: ignore[arg-type]
 
 
 async def test_a_closed_client_says_so_and_a_recreated_file_gets_its_tables(tmp_path: Path) -> None:
@@ -139,6 +142,19 @@ async def test_a_closed_client_says_so_and_a_recreated_file_gets_its_tables(tmp_
     (tmp_path / "r.db").unlink()
     async with open_store(url) as again:
         assert await again.rollouts() == []
+
+
+async def test_a_store_that_fails_is_a_record_store_error_naming_it(tmp_path: Path) -> None:
+    """The driver's own error (here sqlite3.DatabaseError: the file is not a database) reached the
+    caller as it was; it is a RecordStoreError naming the store and the operation."""
+    (tmp_path / "r.db").write_bytes(b"not a database, " * 512)
+    async with open_store(f"sqlite:///{tmp_path}/r.db") as store:
+        with pytest.raises(
+            RecordStoreError, match=r"r\.db: put 'r'/'c' failed \(DatabaseError: file is not a database\)"
+        ):
+            await store.put(make_record("r", "c", [1], [2]))
+        with pytest.raises(RecordStoreError, match="rollouts failed"):
+            await store.rollouts()
 
 
 async def test_a_long_chain_rebuilds_from_the_parents_already_resolved(sqlite_url: str) -> None:

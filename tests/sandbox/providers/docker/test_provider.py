@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 
@@ -15,7 +16,9 @@ from sandbox_middleware import (
     DockerProvider,
     DockerUnavailableError,
     SandboxArgumentError,
+    SandboxCreateError,
     SandboxError,
+    SandboxHandle,
     SandboxImageNotFoundError,
     SandboxLimitError,
     SandboxNotFoundError,
@@ -43,6 +46,18 @@ async def test_exec_output_exit_code_env_cwd(provider: DockerProvider) -> None:
     assert (await provider.exec(handle, "pwd", cwd="/tmp")).stdout == "/tmp\n"
     with pytest.raises(SandboxError, match=re.escape("cwd '/workspace/work/nowhere'")):
         await provider.exec(handle, "true", cwd="nowhere")
+    await provider.close(handle)
+
+
+async def test_a_command_silent_longer_than_the_request_timeout_runs_to_its_end(
+    make: Callable[..., DockerProvider],
+) -> None:
+    """request_timeout_s bounds each API request, not a command's silence: the exec stream has no
+    read timeout (an ExceptionGroup of httpx's ReadTimeout escaped after request_timeout_s)."""
+    provider = make(request_timeout_s=1)
+    handle = await provider.create(spec())
+    result = await provider.exec(handle, "sleep 2.5; echo done", timeout_s=30)
+    assert (result.stdout, result.return_code, result.error_type) == ("done\n", 0, None)
     await provider.close(handle)
 
 
@@ -107,6 +122,64 @@ async def test_status_close_and_unknown_handles(provider: DockerProvider) -> Non
         await provider.exec(handle, "true")
 
 
+async def test_closing_one_sandbox_from_two_providers_at_once_is_quiet(make: Callable[..., DockerProvider]) -> None:
+    """The second DELETE of a container being removed answers 409 "already in progress": close is
+    idempotent, so that is done, not an error (it raised EngineError: the TTL watchdog or a reaper
+    removing a sandbox while its owner closes it hit the same)."""
+    first, second = make(), make()
+    for _ in range(3):
+        handle = await first.create(spec())
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(first.close, handle)
+            tasks.start_soon(second.close, SandboxHandle(handle.sandbox_id, "docker"))
+        assert await first.status(handle) is SandboxStatus.STOPPED
+
+
+async def test_a_start_failing_with_the_daemon_gone_is_a_create_error(
+    provider: DockerProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the start fails and so does the removal after it (the daemon died), the create still
+    raises SandboxCreateError, which a retry layer retries (the removal's DockerUnavailableError
+    replaced it)."""
+    removed: list[str] = []
+    real_remove = provider._remove
+
+    async def gone(*args: object) -> None:
+        raise DockerUnavailableError("the daemon went away")
+
+    async def remove_fails(container: str) -> None:
+        removed.append(container)
+        await real_remove(container)  # the test leaves nothing behind
+        raise DockerUnavailableError("the daemon went away")
+
+    monkeypatch.setattr(provider, "_seed", gone)
+    monkeypatch.setattr(provider, "_remove", remove_fails)
+    with pytest.raises(SandboxCreateError, match="cannot start a container"):
+        await provider.create(spec())
+    assert len(removed) == 1
+
+
+async def test_a_failed_close_leaves_a_sandbox_that_says_it_runs(
+    provider: DockerProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close whose removal failed (the daemon went away) left the sandbox marked closed: status
+    said STOPPED of a running container, and exec refused it as closed."""
+    handle = await provider.create(spec())
+    real_remove = provider._remove
+
+    async def gone(container: str) -> None:
+        raise DockerUnavailableError("the daemon went away")
+
+    monkeypatch.setattr(provider, "_remove", gone)
+    with pytest.raises(DockerUnavailableError):
+        await provider.close(handle)
+    assert await provider.status(handle) is SandboxStatus.RUNNING
+    assert (await provider.exec(handle, "echo still")).stdout == "still\n"
+    monkeypatch.setattr(provider, "_remove", real_remove)
+    await provider.close(handle)
+    assert await provider.status(handle) is SandboxStatus.STOPPED
+
+
 async def test_a_missing_image_is_a_typed_error_naming_it(provider: DockerProvider) -> None:
     """Not a SandboxCreateError: retrying cannot help, and nothing is pulled."""
     with pytest.raises(
@@ -115,6 +188,24 @@ async def test_a_missing_image_is_a_typed_error_naming_it(provider: DockerProvid
         await provider.create(spec("sandbox-middleware/nothing:here"))
     with pytest.raises(SandboxArgumentError, match=re.escape("spec.image")):
         await provider.create(spec(image=""))
+
+
+@pytest.mark.parametrize("user", ["auto", "1000"])
+async def test_pull_is_asked_once_whatever_the_user_and_then_trusted_no_further(
+    make: Callable[..., DockerProvider], monkeypatch: pytest.MonkeyPatch, user: str
+) -> None:
+    """With user= given, pull=True never pulled (only the "auto" path asked for the image); with
+    "auto", a pull that left no image under that name asked again without end."""
+    provider = make(pull=True, user=user)
+    pulled: list[str] = []
+
+    async def pull(image: str) -> None:  # a pull that reports success and leaves no such image
+        pulled.append(image)
+
+    monkeypatch.setattr(provider, "_pull_image", pull)
+    with pytest.raises(SandboxImageNotFoundError, match="pulled image 'sandbox-middleware/nothing:here', yet"):
+        await provider.create(spec("sandbox-middleware/nothing:here"))
+    assert pulled == ["sandbox-middleware/nothing:here"]
 
 
 async def test_bad_arguments_are_typed_errors_naming_them(make: Callable[..., DockerProvider]) -> None:

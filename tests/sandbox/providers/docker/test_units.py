@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import random
+import re
 import stat
+import tarfile
+from collections.abc import AsyncIterator
 from pathlib import Path, PurePosixPath
 
 import pytest
 
 from sandbox_middleware import SandboxError, SandboxPathError, SandboxTransferLimitError
-from sandbox_middleware.providers.docker._archive import check_stat, located
+from sandbox_middleware.providers.docker._archive import TarReader, check_stat, located
 from sandbox_middleware.providers.docker._exec import PidReader
 from sandbox_middleware.providers.docker._streams import Demultiplexer, OutputCapture
 
@@ -127,3 +131,45 @@ def test_roots_watchdog_lock_is_in_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert lock.parent == Path("/run/sandbox_middleware")
     info = lock.parent.lstat()
     assert stat.S_ISDIR(info.st_mode) and info.st_uid == 0 and stat.S_IMODE(info.st_mode) == 0o700
+
+
+def _tar_of(name: str, data: bytes) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+async def _chunks(data: bytes, size: int = 700) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+@pytest.mark.anyio
+async def test_a_download_target_that_is_not_a_regular_file_is_refused_and_kept(tmp_path: Path) -> None:
+    """A target that is a link to a device, a directory or a FIFO is refused with a SandboxError
+    naming it; nothing there is written, truncated or removed (the link to /dev/null was deleted)."""
+    archive = _tar_of("f", b"payload" * 300)
+    device = tmp_path / "null"
+    device.symlink_to("/dev/null")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target in (device, tmp_path, fifo):
+        with pytest.raises(SandboxError, match=re.escape(str(target))):
+            await TarReader("f", target, 1 << 20).read(_chunks(archive))
+    assert device.is_symlink() and fifo.exists()
+    kept = tmp_path / "kept"
+    kept.write_bytes(b"old")
+    await TarReader("f", kept, 1 << 20).read(_chunks(archive))
+    assert kept.read_bytes() == b"payload" * 300
+
+
+@pytest.mark.anyio
+async def test_a_cut_archive_leaves_no_half_written_file(tmp_path: Path) -> None:
+    archive = _tar_of("f", b"x" * 5000)
+    target = tmp_path / "out"
+    with pytest.raises(SandboxError, match="ended early"):
+        await TarReader("f", target, 1 << 20).read(_chunks(archive[:2048]))
+    assert not target.exists()
