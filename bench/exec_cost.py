@@ -12,7 +12,9 @@ every round interleaving all of them so machine noise hits all alike:
 - ``exec``: ``true`` in a held ``isolation="bwrap"`` sandbox (RL's path: a command after idle);
 - ``raw``: ``true`` as a raw subprocess started the same way, in the same worker process
   (``anyio.open_process``, stdin ``/dev/null``, stdout and stderr pipes, a session of its own);
-- ``cycle``: create + exec of ``true`` + close of a sandbox;
+- ``cycle``: create + exec of ``true`` + close of a sandbox (after: the create takes the spare made
+  ahead; ``cycle-cold``, after only: the same on a provider with ``prestart=False``, a create that
+  finds no spare);
 - ``none``: ``true`` in a held ``isolation="none"`` sandbox;
 - ``pre-containment``: the bwrap command line of the provider before the containment work (the host's
   root read-only, every capability kept, output to files), the reference of issue 23's bound.
@@ -53,6 +55,10 @@ async def _serve(base: Path) -> None:
     assert bwrap is not None
     hardened = LocalProvider(isolation="bwrap", base_dir=base / "bwrap")
     plain = LocalProvider(isolation="none", base_dir=base / "none")
+    try:  # a checkout that has spare sandboxes: one without, to show what a create costs that finds none
+        cold: Any = LocalProvider(isolation="bwrap", base_dir=base / "cold", prestart=False)
+    except TypeError:
+        cold = hardened
     spec = SandboxSpec(resources={"memory_mib": _MEMORY_MIB})  # two workers' sandboxes fit any budget
     try:
         held, held_plain = await hardened.create(spec), await plain.create(spec)
@@ -60,10 +66,10 @@ async def _serve(base: Path) -> None:
         old_box.mkdir(parents=True)
         control.mkdir()
 
-        async def cycle() -> None:
-            handle = await hardened.create(spec)
-            await hardened.exec(handle, "true")
-            await hardened.close(handle)
+        async def cycle(provider: Any = hardened) -> None:
+            handle = await provider.create(spec)
+            await provider.exec(handle, "true")
+            await provider.close(handle)
 
         async def raw() -> None:
             process = await anyio.open_process(
@@ -77,6 +83,7 @@ async def _serve(base: Path) -> None:
             "exec": lambda: hardened.exec(held, "true"),
             "none": lambda: plain.exec(held_plain, "true"),
             "cycle": cycle,
+            "cycle-cold": lambda: cycle(cold),
             "raw": raw,
             "pre-containment": lambda: _pre_containment(bwrap, old_box, control),
         }
@@ -91,6 +98,7 @@ async def _serve(base: Path) -> None:
     finally:
         await hardened.aclose()
         await plain.aclose()
+        await cold.aclose()
 
 
 async def _pre_containment(bwrap: str, root: Path, control: Path) -> None:
@@ -167,7 +175,7 @@ def main(rounds: int, baseline: str) -> None:
         before, after = _Worker("before", tree, base / "before"), _Worker("after", None, base / "after")
         plan: list[tuple[_Worker, str]] = [
             (before, "exec"), (after, "exec"), (after, "raw"), (before, "cycle"), (after, "cycle"),
-            (after, "none"), (after, "pre-containment"),
+            (after, "cycle-cold"), (after, "none"), (after, "pre-containment"),
         ]  # fmt: skip
         timings: dict[tuple[str, str], list[float]] = {(w.label, op): [] for w, op in plan}
         try:
@@ -189,6 +197,7 @@ def main(rounds: int, baseline: str) -> None:
         ("pre-containment bwrap command line", ("after", "pre-containment")),
         ("create + exec + close, bwrap, before", ("before", "cycle")),
         ("create + exec + close, bwrap, after", ("after", "cycle")),
+        ("same, after, no spare (prestart=False)", ("after", "cycle-cold")),
     ]
     for label, key in rows:
         print(f"  {label:<44} {medians[key]:8.2f} ms")
@@ -198,6 +207,7 @@ def main(rounds: int, baseline: str) -> None:
           f"{medians[('after', 'exec')] / raw:5.2f}x   (goal: after <= 3x)")  # fmt: skip
     print(f"  cycle before / after:          {medians[('before', 'cycle')] / medians[('after', 'cycle')]:5.2f}x"
           "   (goal: >= 2x)")  # fmt: skip
+    print(f"  cycle before / after, no spare: {medians[('before', 'cycle')] / medians[('after', 'cycle-cold')]:5.2f}x")
     print(f"  exec after / pre-containment:  {medians[('after', 'exec')] / medians[('after', 'pre-containment')]:5.2f}x"
           "   (issue 23: within 2x)")  # fmt: skip
 
