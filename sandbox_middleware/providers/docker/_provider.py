@@ -133,6 +133,13 @@ class DockerProvider:
         self.BOUNDS.check(locals())
         self._socket = check_text(fspath(socket, "socket"), "socket")
         self._network = check_text(network, "network")
+        if self._network == "host" or self._network.startswith("container:"):
+            raise SandboxArgumentError(
+                f"DockerProvider: network={network!r} shares a network namespace (the host's, or another "
+                "container's) with the code the sandboxes run, which could then reach every service on its "
+                "loopback (the trainer's, vLLM's, Ray's); use 'bridge' or a network of your own (see "
+                "docs/docker-provider.md)"
+            )
         self._user = check_text(user, "user")
         if api_version is not None:
             check_text(api_version, "api_version")

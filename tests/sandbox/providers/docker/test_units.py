@@ -173,3 +173,11 @@ async def test_a_cut_archive_leaves_no_half_written_file(tmp_path: Path) -> None
     with pytest.raises(SandboxError, match="ended early"):
         await TarReader("f", target, 1 << 20).read(_chunks(archive[:2048]))
     assert not target.exists()
+
+
+@pytest.mark.parametrize("network", ["host", "container:abc123"])
+def test_a_shared_network_namespace_is_refused_before_the_daemon_is_asked(network: str) -> None:
+    from sandbox_middleware import DockerProvider, SandboxArgumentError
+
+    with pytest.raises(SandboxArgumentError, match=f"network='{network}' shares a network namespace"):
+        DockerProvider(socket="/nonexistent/docker.sock", network=network)
