@@ -83,6 +83,6 @@ def sandbox_base() -> Iterator[Path]:
     base = Path(tempfile.mkdtemp(prefix="sandbox-middleware-test-"))
     base.chmod(0o711)
     yield base / "boxes"
-    if (base / "boxes").exists() and any((base / "boxes").iterdir()):
+    if (base / "boxes").is_dir() and any((base / "boxes").iterdir()):
         gc.collect()  # a provider the test dropped without aclose removes its spare (its finalizer)
     shutil.rmtree(base, ignore_errors=True)
