@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sandbox_middleware.providers.local._records import RECORD, SPARE_RECORD
+
 LEFT_BEHIND = ("local-", "sandbox-middleware-")
 
 
@@ -38,9 +40,17 @@ def mounts_below(directory: Path) -> list[str]:
     return [point for point in points if point.startswith(prefix)]
 
 
-def sandbox_dirs(base: Path) -> list[Path]:
-    """The sandbox directories in a LocalProvider's ``base``, not counting live providers' spares
-    (a directory with a spare record and no sandbox record: made ahead, never handed out)."""
+def spare_dirs(base: Path) -> list[Path]:
+    """The spares in a LocalProvider's ``base``: directories with a spare record and no sandbox record
+    (made ahead by a live provider, never handed out)."""
     if not base.exists():
         return []
-    return [path for path in base.iterdir() if (path / "meta.json").exists() or not (path / "spare.json").exists()]
+    return [path for path in base.iterdir() if (path / SPARE_RECORD).exists() and not (path / RECORD).exists()]
+
+
+def sandbox_dirs(base: Path) -> list[Path]:
+    """The sandbox directories in a LocalProvider's ``base``, not counting live providers' spares."""
+    if not base.exists():
+        return []
+    spares = spare_dirs(base)
+    return [path for path in base.iterdir() if path not in spares]

@@ -323,7 +323,10 @@ class CgroupBackend:
                         continue
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         signal.pidfd_send_signal(pidfds[-1], signal.SIGKILL)
-                _wait_exits(pidfds, _KILL_ROUND_S)
+                if pidfds:
+                    _wait_exits(pidfds, _KILL_ROUND_S)
+                else:  # none could be waited for (gone already, or by pid): a short pause before the next reading
+                    time.sleep(0.0005)
             finally:
                 for pidfd in pidfds:
                     os.close(pidfd)
@@ -401,7 +404,7 @@ def _pid_max() -> int:
 
 
 def _wait_exits(pidfds: list[int], timeout_s: float) -> None:
-    """Wait until every process of ``pidfds`` has exited, or ``timeout_s`` passed (then sleep out the rest)."""
+    """Wait until every process of ``pidfds`` has exited, or until ``timeout_s`` passed."""
     deadline = time.monotonic() + timeout_s
     poller = select.poll()
     for pidfd in pidfds:
@@ -415,8 +418,6 @@ def _wait_exits(pidfds: list[int], timeout_s: float) -> None:
         for pidfd, _mask in events:
             poller.unregister(pidfd)
         left -= len(events)
-    if not pidfds:  # none could be waited for: a short pause before the next reading
-        time.sleep(min(timeout_s, 0.0005))
 
 
 def _read_procs(group: Path) -> list[str]:

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar, Literal
@@ -199,7 +199,7 @@ class LocalProvider:
         self._python: str | None = None
         self._starting = threading.Lock()  # one starter per sandbox adopted from another process
         self._sweep_spares()
-        self._spares: Spares | None = None
+        self._spares: Spares[Shape] | None = None
         if self._bwrap is not None and prestart:  # removed with this provider, if not at aclose (or at exit)
             self._spares = Spares(weakref.WeakMethod(self._make_spare), partial(discard, self._base))
             weakref.finalize(self, self._spares.close)
@@ -530,9 +530,8 @@ class LocalProvider:
                 raise SandboxCreateError(f"LocalProvider: cannot create a sandbox: {exc}{suffix}") from exc
             raise
 
-    def _make_spare(self, shape: Hashable) -> Box:
+    def _make_spare(self, shape: Shape) -> Box:
         """A spare of ``shape`` (in the maker thread): a new sandbox, its record naming this process."""
-        assert isinstance(shape, tuple)
         box = self._prepare(shape)
         try:
             write_private(box.outer, SPARE_RECORD, json.dumps(Owner.current().metadata()).encode())
@@ -901,10 +900,10 @@ class LocalProvider:
 
 
 def discard(base: Path, box: Box) -> None:
-    """Remove a sandbox nothing holds (a spare, or a scratch one); what is left behind is logged."""
+    """Remove a sandbox nothing holds (a spare, or the probe's scratch one); what is left behind is logged."""
     leftovers = teardown(box, base)
     if leftovers:
-        logger.warning("LocalProvider: a spare sandbox left %s behind; remove them by hand", ", ".join(leftovers))
+        logger.warning("LocalProvider: an unused sandbox left %s behind; remove them by hand", ", ".join(leftovers))
 
 
 def _restore(options: dict[str, Any]) -> LocalProvider:

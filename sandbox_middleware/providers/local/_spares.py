@@ -19,6 +19,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 from ._records import Box
 
@@ -34,33 +35,33 @@ _MAKER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix
 # them for CPU (on 2 cores it doubled an exec and a close right after the create).
 _REFILL_AFTER_S = 0.2
 _MAKE_TIMEOUT_S = 60.0  # a spare's make is bounded by its starter's start (30 s) and a removal
+Shape = TypeVar("Shape", bound=Hashable)  # what makes sandboxes interchangeable (the provider says)
 
 
-class Spares:
+class Spares(Generic[Shape]):
     """One provider's spare: ``make`` is a weak reference to the provider's method that builds a
     sandbox of a shape (blocking), so the provider can be collected and its finalizer call ``close``;
     ``discard(box)`` removes one. Both are called in the maker thread, ``discard`` also in ``close``'s."""
 
-    def __init__(self, make: weakref.WeakMethod[Callable[[Hashable], Box]], discard: Callable[[Box], None]) -> None:
+    def __init__(self, make: weakref.WeakMethod[Callable[[Shape], Box]], discard: Callable[[Box], None]) -> None:
         self._make = make
         self._discard = discard
         self._lock = threading.Condition()
-        self._ready: tuple[Hashable, Box] | None = None
+        self._ready: tuple[Shape, Box] | None = None
         self._making = False
-        self._closed = False
-        self._closing = threading.Event()  # set by close: a refill waiting to start gives up
+        self._closed = threading.Event()  # set by close: no spare is kept any more, a refill waiting gives up
         self._filler = 0  # the maker thread's ident, once it made one
 
-    def offer(self, shape: Hashable, box: Box) -> None:
+    def offer(self, shape: Shape, box: Box) -> None:
         """Keep ``box`` as the spare of ``shape``; it is removed instead once closed or when one is kept."""
         with self._lock:
-            keep = not self._closed and self._ready is None
+            keep = not self._closed.is_set() and self._ready is None
             if keep:
                 self._ready = (shape, box)
         if not keep:
             self._discard(box)
 
-    def take(self, shape: Hashable) -> Box | None:
+    def take(self, shape: Shape) -> Box | None:
         """The spare, if it has ``shape`` and its starter lives (else None: one of another shape is removed)."""
         with self._lock:
             ready, self._ready = self._ready, None
@@ -71,10 +72,10 @@ class Spares:
         self._submit(self._discard, ready[1])
         return None
 
-    def refill(self, shape: Hashable) -> None:
+    def refill(self, shape: Shape) -> None:
         """After a create of ``shape`` succeeded: make a spare of that shape, unless one is kept or being made."""
         with self._lock:
-            if self._closed or self._making or self._ready is not None:
+            if self._closed.is_set() or self._making or self._ready is not None:
                 return
             self._making = True
         if not self._submit(self._fill, shape):
@@ -91,10 +92,10 @@ class Spares:
             return False
         return True
 
-    def _fill(self, shape: Hashable) -> None:
+    def _fill(self, shape: Shape) -> None:
         self._filler = threading.get_ident()
         try:
-            make = None if self._closing.wait(_REFILL_AFTER_S) else self._make()
+            make = None if self._closed.wait(_REFILL_AFTER_S) else self._make()
             if make is None:  # closed meanwhile, or the provider is gone
                 return
             box = make(shape)
@@ -107,9 +108,8 @@ class Spares:
 
     def close(self) -> None:
         """Make no more spares and remove the one kept, after the one being made, if any (blocking)."""
-        self._closing.set()
+        self._closed.set()
         with self._lock:
-            self._closed = True
             if threading.get_ident() != self._filler:  # in the maker thread, the spare made is removed by offer
                 self._lock.wait_for(lambda: not self._making, timeout=_MAKE_TIMEOUT_S)
             ready, self._ready = self._ready, None

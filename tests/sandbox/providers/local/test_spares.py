@@ -14,14 +14,9 @@ import pytest
 
 from sandbox_middleware import LocalProvider, SandboxSpec
 from sandbox_middleware.providers.local._cgroups import CgroupBackend
-from tests.leftovers import sandbox_dirs
+from tests.leftovers import sandbox_dirs, spare_dirs
 
 pytestmark = pytest.mark.anyio
-
-
-def spares(base: Path) -> list[Path]:
-    """The spare directories in ``base`` (a spare record, no sandbox record)."""
-    return [path for path in base.iterdir() if (path / "spare.json").exists() and not (path / "meta.json").exists()]
 
 
 def cgroups_of(sandbox_id: str) -> list[Path]:
@@ -32,7 +27,7 @@ def cgroups_of(sandbox_id: str) -> list[Path]:
 async def one_spare(base: Path) -> Path:
     """The single spare of ``base``, waited for: a spare is made in the background after a create."""
     with anyio.fail_after(60):
-        while len(found := spares(base)) != 1:
+        while len(found := spare_dirs(base)) != 1:
             await anyio.sleep(0.01)
     return found[0]
 
@@ -100,7 +95,7 @@ async def test_aclose_removes_the_spare_and_prestart_false_makes_none(sandbox_ba
     plain = LocalProvider(isolation="bwrap", base_dir=sandbox_base, prestart=False)
     handle = await plain.create(SandboxSpec())
     await anyio.sleep(0.2)
-    assert spares(sandbox_base) == []
+    assert spare_dirs(sandbox_base) == []
     await plain.close(handle)
     await plain.aclose()
 
@@ -145,7 +140,7 @@ async def test_a_spare_is_removed_at_exit_and_a_killed_process_spare_by_the_next
     assert not orphan.exists() and cgroups_of(orphan.name[:18]) == []
     mine = await one_spare(sandbox_base)
     LocalProvider(isolation="bwrap", base_dir=sandbox_base, prestart=False)  # sweeps too; not this live one
-    assert spares(sandbox_base) == [mine]
+    assert spare_dirs(sandbox_base) == [mine]
     await alive.aclose()
     assert list(sandbox_base.iterdir()) == []
 
