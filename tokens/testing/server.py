@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__, epilog=SCRIPT_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=_port, default=8000, help="the port (default: 8000, vLLM's; 0: any free one)")
+    parser.add_argument("--port", type=int, default=8000, help="the port (default: 8000, vLLM's; 0: any free one)")
     parser.add_argument("--script", metavar="FILE", help="a JSON script of replies and settings (below)")
     parser.add_argument("--model", help="the model name /v1/models lists (default: the script's, else tiny)")
     parser.add_argument("--max-model-len", type=int, metavar="N", help="the context length, in tokens (default 2048)")
@@ -68,14 +68,6 @@ def _parser() -> argparse.ArgumentParser:
     for option, (metavar, text) in kinds.items():
         replies.add_argument(option, dest="replies", action=_Reply, default=[], metavar=metavar, help=text)
     return parser
-
-
-def _port(text: str) -> int:
-    """A TCP port (argparse names this function in its message for what is not a number)."""
-    number = int(text)
-    if not 0 <= number <= 65535:
-        raise argparse.ArgumentTypeError(f"{number} is not a TCP port (0 to 65535; 0: any free one)")
-    return number
 
 
 def _script(args: argparse.Namespace) -> Script:
@@ -125,7 +117,10 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve until SIGINT or SIGTERM (exit 0); 2 for an unusable option or script, 1 when it cannot
     listen on ``--host``/``--port``."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port: {args.port} is not a TCP port (0 to 65535; 0: any free one)")
     try:
         script = _script(args)
     except ScriptError as exc:

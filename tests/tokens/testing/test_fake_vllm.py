@@ -13,7 +13,7 @@ import stamina
 
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
-from tests.token_samples import FIXTURES, keys, sample
+from tests.token_samples import FIXTURES, RECORDED_EXCHANGES, keys, recorded_request, sample
 from tokens import ContextLengthExceededError, ServerResponseError, TokenCaptureTransport, TokenClient
 from tokens.testing import FAKE_VLLM_URL, FakeTokenizer, FakeVLLM
 
@@ -27,20 +27,11 @@ def ask(fake: FakeVLLM, path: str, body: Any) -> httpx.Response:
     return fake(httpx.Request("POST", FAKE_VLLM_URL + path, json=body))
 
 
-@pytest.mark.parametrize(
-    ("name", "path"),
-    [("chat_inline_ids", "/v1/chat/completions"), ("chat_logprobs_only", "/v1/chat/completions"),
-     ("chat_n2_inline_ids", "/v1/chat/completions"), ("chat_top_logprobs_null", "/v1/chat/completions"),
-     ("completions_token_in", "/v1/completions"), ("tokenize_chat", "/tokenize"), ("detokenize", "/detokenize"),
-     ("error_context_length", "/v1/chat/completions"), ("error_max_tokens", "/v1/chat/completions")],
-)  # fmt: skip
+@pytest.mark.parametrize(("name", "path"), RECORDED_EXCHANGES)
 @pytest.mark.anyio(False)
 def test_field_sets_equal_the_recorded_answers(name: str, path: str) -> None:
     """For each recorded request, the fake's answer has exactly the real answer's fields, at every level."""
-    real, request = sample(f"{name}.response"), sample(f"{name}.request")
-    for key in ("tokens", "prompt"):  # recorded ids, moved into the fake's vocabulary
-        if isinstance(request.get(key), list):
-            request[key] = [t % FakeTokenizer.VOCAB_SIZE for t in request[key]]
+    real, request = sample(f"{name}.response"), recorded_request(name, FakeTokenizer.VOCAB_SIZE)
     fake = FakeVLLM(max_model_len=2048)(httpx.Request("POST", FAKE_VLLM_URL + path, json=request))
     assert fake.status_code == (400 if name.startswith("error") else 200)
     assert keys(fake.json()) == keys(real)

@@ -141,5 +141,5 @@ def test_an_unusable_option_is_one_line_and_exit_2(arguments: list[str], message
 
 def test_a_malformed_option_is_argparse_usage_and_exit_2() -> None:
     done = run("--port", "70000")
-    assert done.returncode == 2 and "70000 is not a TCP port (0 to 65535; 0: any free one)" in done.stderr
+    assert done.returncode == 2 and "--port: 70000 is not a TCP port (0 to 65535; 0: any free one)" in done.stderr
     assert "Traceback" not in done.stderr

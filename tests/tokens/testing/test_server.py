@@ -14,7 +14,7 @@ import openai
 import pytest
 import stamina
 
-from tests.token_samples import FIXTURES, keys, sample
+from tests.token_samples import FIXTURES, RECORDED_EXCHANGES, keys, recorded_request, sample
 from tokens import ContextLengthExceededError, TokenCaptureTransport, TokenClient
 from tokens.testing import FakeTokenizer, FakeVLLM, FakeVLLMServer
 
@@ -35,19 +35,10 @@ def served() -> Iterator[FakeVLLMServer]:
         yield server
 
 
-@pytest.mark.parametrize(
-    ("name", "path"),
-    [("chat_inline_ids", "/v1/chat/completions"), ("chat_logprobs_only", "/v1/chat/completions"),
-     ("chat_n2_inline_ids", "/v1/chat/completions"), ("chat_top_logprobs_null", "/v1/chat/completions"),
-     ("completions_token_in", "/v1/completions"), ("tokenize_chat", "/tokenize"), ("detokenize", "/detokenize"),
-     ("error_context_length", "/v1/chat/completions"), ("error_max_tokens", "/v1/chat/completions")],
-)  # fmt: skip
+@pytest.mark.parametrize(("name", "path"), RECORDED_EXCHANGES)
 @pytest.mark.anyio(False)
 def test_served_bodies_have_the_recorded_field_sets(served: FakeVLLMServer, name: str, path: str) -> None:
-    real, request = sample(f"{name}.response"), sample(f"{name}.request")
-    for key in ("tokens", "prompt"):  # recorded ids, moved into the fake's vocabulary
-        if isinstance(request.get(key), list):
-            request[key] = [t % FakeTokenizer.VOCAB_SIZE for t in request[key]]
+    real, request = sample(f"{name}.response"), recorded_request(name, FakeTokenizer.VOCAB_SIZE)
     answer = httpx.post(served.url + path, json=request)
     assert answer.status_code == (400 if name.startswith("error") else 200)
     assert answer.headers["content-type"] == "application/json"
