@@ -16,14 +16,18 @@ ROOT = Path(__file__).parents[1]
 START_TIMEOUT_S = 60.0
 
 
+def environment() -> dict[str, str]:
+    """This process's environment with this checkout first on the path of a Python it starts."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 @contextmanager
 def served(arguments: Sequence[str], *, cwd: Path | None = None) -> Iterator[str]:
     """``python ARGUMENTS`` started with this checkout first on the path; yields the URL it prints.
-    Stopped with SIGTERM on leaving (it must exit 0 within the timeout; its stderr is in the error)."""
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    Stopped with SIGINT (Ctrl-C) on leaving (it must exit 0 within the timeout; its stderr is in the error)."""
     with tempfile.TemporaryFile() as stderr:
         process = subprocess.Popen([sys.executable, *arguments], stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                   cwd=cwd, env=environment)  # fmt: skip
+                                   cwd=cwd, env=environment())  # fmt: skip
         try:
             assert process.stdout is not None
             url = process.stdout.readline().strip()  # blocks until it listens, or exits
@@ -35,7 +39,7 @@ def served(arguments: Sequence[str], *, cwd: Path | None = None) -> Iterator[str
             yield url
         finally:
             if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+                process.send_signal(signal.SIGINT)
             try:
                 code = process.wait(START_TIMEOUT_S)
             except subprocess.TimeoutExpired:
