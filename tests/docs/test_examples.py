@@ -297,6 +297,17 @@ def test_the_examples_are_found() -> None:
     assert sum("def test_" in block.code for block in EXAMPLES) >= 3
 
 
+def test_every_example_that_needs_vllm_is_pasted_against_the_served_fake() -> None:
+    """A script example that talks to vLLM (or to the proxy) sits on a page that says to paste it into
+    ``python -m asyncio``, so it runs as pasted against ``python -m tokens.testing.server``."""
+    pages = {block.page.name for block in EXAMPLES if block.page in PASTED_PAGES}
+    assert {"README.md", "token-capture.md", "records.md", "proxy.md"} <= pages
+    servers = (*VLLM_URLS, PROXY_URL)
+    elsewhere = [block.where for block in EXAMPLES if block.not_run is None and not is_test_module(block)
+                 and block.page not in PASTED_PAGES and any(url in block.code for url in servers)]  # fmt: skip
+    assert not elsewhere, f"examples that need vLLM on pages that do not say to paste them: {elsewhere}"
+
+
 def test_not_run_blocks_are_rare() -> None:
     not_run = [f"{block.where} ({block.not_run})" for block in EXAMPLES if block.not_run is not None]
     assert all(block.not_run for block in EXAMPLES if block.not_run is not None), "a not-run marker needs a reason"
