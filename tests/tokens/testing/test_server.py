@@ -115,19 +115,29 @@ async def test_the_openai_sdk_over_loopback_whole_streamed_and_a_tool_call(serve
 
 
 async def test_the_capture_proxy_in_front_of_the_served_fake(served: FakeVLLMServer) -> None:
-    """The proxy's --upstream pointed at the served fake: the Responses API through the openai SDK."""
+    """The proxy's upstream is the served fake: the Responses API and a streamed chat through the openai
+    SDK, and Anthropic Messages as plain HTTP (no anthropic SDK), each with the fake's ids."""
     pytest.importorskip("starlette", reason="the proxy extra: pip install -e '.[proxy]'")
     from tokens.proxy import ProxyServer, create_app
 
-    served.fake.reply("It is noon.")
+    served.fake.reply("It is noon.", "Streamed.", "Hello.")
     with ProxyServer(create_app(served.base_url)) as proxy:
         async with openai.AsyncOpenAI(base_url=proxy.base_url("rollout-1"), api_key="-", max_retries=0) as sdk:
             response = await sdk.responses.create(model="tiny", input="Time?", max_output_tokens=64)
+            stream = await sdk.chat.completions.create(model="tiny", messages=MESSAGES, stream=True)  # type: ignore[arg-type]
+            chunks = [chunk async for chunk in stream]
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            hi = {"model": "tiny", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}]}
+            message = await http.post("/v1/messages", json=hi)
     tokens = response.output[-1].model_extra or {}
     assert response.output_text == "It is noon."
     assert FakeTokenizer().decode(tokens["generation_token_ids"]) == "It is noon.<|im_end|>"
+    [bundle] = [b for chunk in chunks for b in (chunk.model_extra or {}).get("token_bundles") or []]
+    assert FakeTokenizer().decode(bundle["generation_token_ids"]) == "Streamed.<|im_end|>"
+    assert message.status_code == 200 and message.json()["content"] == [{"type": "text", "text": "Hello."}]
+    assert FakeTokenizer().decode(message.json()["generation_token_ids"]) == "Hello.<|im_end|>"
     # vLLM's own /v1/responses first: the fake has none (a 404), so the proxy converts to chat completions
-    assert [path for path, _ in served.fake.requests] == ["/v1/responses", "/v1/chat/completions"]
+    assert [path for path, _ in served.fake.requests] == ["/v1/responses", *["/v1/chat/completions"] * 3]
 
 
 @pytest.mark.anyio(False)
