@@ -68,6 +68,20 @@ def test_ctrl_c_and_sigterm_stop_it_with_exit_0(stop: signal.Signals) -> None:
     assert (process.returncode, out, err) == (0, "", "")
 
 
+def test_log_prints_one_line_per_request() -> None:
+    process = subprocess.Popen([sys.executable, *PROGRAM, "--port", "0", "--log"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert process.stdout is not None
+    url = process.stdout.readline().strip()
+    httpx.post(url + "/chat/completions", json=CHAT)
+    httpx.get(url + "/nothing")
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=30)
+    lines = err.splitlines()
+    assert process.returncode == 0 and len(lines) == 2, err
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in lines[0] and '"GET /v1/nothing HTTP/1.1" 404' in lines[1]
+
+
 def test_help_is_clean() -> None:
     done = run("--help")
     assert done.returncode == 0 and done.stderr == ""

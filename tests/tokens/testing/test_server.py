@@ -179,3 +179,15 @@ def test_leaving_the_block_closes_open_connections_and_threads() -> None:
     streaming.close()
     with pytest.raises(RuntimeError, match="not running"):
         _ = server.url
+
+
+@pytest.mark.anyio(False)
+def test_an_ipv6_loopback_address_is_served() -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    with FakeVLLMServer(host="::1") as server:
+        assert server.url.startswith("http://[::1]:")
+        assert httpx.get(server.base_url + "/models").json()["data"][0]["id"] == "tiny"
