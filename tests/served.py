@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -28,28 +29,27 @@ def served(arguments: Sequence[str], *, cwd: Path | None = None) -> Iterator[str
     with tempfile.TemporaryFile() as stderr:
         process = subprocess.Popen([sys.executable, *arguments], stdout=subprocess.PIPE, stderr=stderr, text=True,
                                    cwd=cwd, env=environment())  # fmt: skip
+        assert process.stdout is not None
         try:
-            assert process.stdout is not None
-            url = process.stdout.readline().strip()  # blocks until it listens, or exits
+            with selectors.DefaultSelector() as selector:  # the URL line, or its exit, within the timeout
+                selector.register(process.stdout, selectors.EVENT_READ)
+                ready = selector.select(START_TIMEOUT_S)
+            url = process.stdout.readline().strip() if ready else ""
             if not url.startswith("http://"):
-                process.wait(START_TIMEOUT_S)
+                process.kill()
+                process.wait()
                 stderr.seek(0)
                 raise AssertionError(f"{' '.join(arguments)} did not start (exit {process.returncode}): "
                                      f"{stderr.read().decode(errors='replace')}")  # fmt: skip
             yield url
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-            try:
-                code = process.wait(START_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-                raise
-            finally:
-                if process.stdout is not None:
-                    process.stdout.close()
+            process.send_signal(signal.SIGINT)
+            code = process.wait(START_TIMEOUT_S)
             stderr.seek(0)
             assert code == 0, (
                 f"{' '.join(arguments)} exited {code} when stopped: {stderr.read().decode(errors='replace')}"
             )
+        finally:
+            if process.poll() is None:  # the block raised, or the process did not stop in time
+                process.kill()
+                process.wait()
+            process.stdout.close()
