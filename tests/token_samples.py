@@ -31,3 +31,21 @@ def keys(value: Any) -> Any:
     if isinstance(value, list) and value and isinstance(value[0], dict):
         return [keys(value[0])]
     return None
+
+
+RECORDED_EXCHANGES = [
+    ("chat_inline_ids", "/v1/chat/completions"), ("chat_logprobs_only", "/v1/chat/completions"),
+    ("chat_n2_inline_ids", "/v1/chat/completions"), ("chat_top_logprobs_null", "/v1/chat/completions"),
+    ("completions_token_in", "/v1/completions"), ("tokenize_chat", "/tokenize"), ("detokenize", "/detokenize"),
+    ("error_context_length", "/v1/chat/completions"), ("error_max_tokens", "/v1/chat/completions"),
+]  # fmt: skip
+"""The recorded requests a fake vLLM must answer with the recorded answers' field sets, and their paths."""
+
+
+def recorded_request(name: str, vocabulary: int) -> Any:
+    """A recorded request whose token ids are moved into a fake's ``vocabulary`` (ids 0 to vocabulary - 1)."""
+    request = sample(f"{name}.request")
+    for key in ("tokens", "prompt"):
+        if isinstance(request.get(key), list):
+            request[key] = [t % vocabulary for t in request[key]]
+    return request

@@ -10,8 +10,18 @@ in a temporary working directory of its own, and a test fails when its example r
   ``capture_proxy``),
   async ones under anyio (asyncio);
 - any other block is a script and may use top-level ``await`` (as in ``python -m asyncio`` or a
-  notebook). It runs with a ``FakeVLLM`` (``tokens.testing``) answering ``http://localhost:8000``
-  and ``FAKE_VLLM_URL`` through respx; any other request made through httpx fails.
+  notebook). On a page that says to paste its examples into ``python -m asyncio`` (README.md and the
+  token pages), a script is pasted there as a user does it: its text, verbatim, on the stdin of a
+  ``python -m asyncio`` process (which reads it as the REPL reads a paste: a block ends at a blank
+  line), followed by the Enter a user presses last; it fails when that prints anything but the
+  REPL's banner on stderr (a traceback, a ``SyntaxError``) or does not reach its end. Its vLLM is
+  ``python -m tokens.testing.server``, started by this test as a process on a free port (one per
+  module), and its capture proxy ``python -m tokens.proxy`` started with the command of
+  docs/proxy.md in front of it: the URLs the pages give, ``http://localhost:8000`` (vLLM's port) and
+  ``http://127.0.0.1:9000`` (the proxy's), are replaced by theirs, the one change made to the text.
+  A script on any other page runs in this process with a ``FakeVLLM`` (``tokens.testing``)
+  answering ``http://localhost:8000`` and ``FAKE_VLLM_URL`` through respx; any other request made
+  through httpx fails.
 
 An HTML comment on the line before a block's opening fence (blank lines between are allowed) changes
 that; it is invisible on a rendered page and plain to anyone editing one:
@@ -27,7 +37,8 @@ skipped, saying to ``apt-get install bubblewrap``; with ``REQUIRE_BWRAP=1`` (CI)
 One that constructs a ``DockerProvider`` needs a Docker daemon (the test images are built when
 missing): it is skipped in one line where none answers; with ``REQUIRE_DOCKER=1`` that is a failure.
 
-A traceback from an example names the Markdown page and the line of the failing statement.
+A traceback from an example run in this process names the Markdown page and the line of the
+failing statement; a pasted one's failure names the page and line of the block, with the REPL's output.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import ast
 import functools
 import inspect
 import re
+import shlex
 import subprocess
 import sys
 import types
@@ -54,11 +66,15 @@ from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests.bwrap import bwrap_problem, unavailable
 from tests.sandbox.providers.docker._support import require_docker
+from tests.served import environment, served
 from tokens.testing import FAKE_VLLM_URL, FakeVLLM
 
 ROOT = Path(__file__).parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SCRIPT_SERVERS = ("http://localhost:8000", FAKE_VLLM_URL)  # where a script example may find vLLM
+VLLM_URLS = ("http://localhost:8000", "http://127.0.0.1:8000")  # vLLM's, in a pasted example
+PROXY_URL = "http://127.0.0.1:9000"  # the capture proxy's, in a pasted example
+PASTE_TIMEOUT_S = 180
 MAX_NOT_RUN = 4
 
 FENCE = re.compile(r"^```(\S*)\s*$")
@@ -115,6 +131,8 @@ def blocks_of(page: Path) -> list[Block]:
 
 BLOCKS = [block for page in PAGES for block in blocks_of(page)]
 EXAMPLES = [block for block in BLOCKS if block.lang == "python"]
+PASTED_PAGES = {page for page in PAGES if "`python -m asyncio`" in page.read_text()}
+"""The pages that tell the reader to paste their examples into ``python -m asyncio``."""
 
 
 @contextmanager
@@ -194,8 +212,59 @@ def run_test_module(block: Block, module: types.ModuleType) -> None:
                 test(**arguments)
 
 
+def is_test_module(block: Block) -> bool:
+    return re.search(r"^\s*(async\s+)?def test_", block.code, flags=re.M) is not None
+
+
+def proxy_command() -> list[str]:
+    """docs/proxy.md's command that starts the proxy in front of a fake vLLM (after its own start)."""
+    [first] = [block for block in BLOCKS if block.page.name == "proxy.md" and block.lang == "bash"][:1]
+    lines = [line.partition("#")[0].strip() for line in first.code.splitlines()]
+    assert "python -m tokens.testing.server &" in lines, "docs/proxy.md starts the fake vLLM before the proxy"
+    [command] = [shlex.split(line) for line in lines if line.startswith("python -m tokens.proxy ")]
+    return command
+
+
+@pytest.fixture(scope="module")
+def served_vllm() -> Iterator[str]:
+    """``python -m tokens.testing.server`` on a free port, as a process: its root URL."""
+    with served(["-m", "tokens.testing.server", "--port", "0"]) as url:
+        yield url.removesuffix("/v1")
+
+
+@pytest.fixture(scope="module")
+def served_proxy(served_vllm: str) -> Iterator[str]:
+    """docs/proxy.md's ``python -m tokens.proxy ...`` in front of the served fake, on a free port: its root URL."""
+    pytest.importorskip("starlette", reason="the capture proxy needs its extra: pip install -e '.[proxy]'")
+    command = proxy_command()
+    assert command[:3] == ["python", "-m", "tokens.proxy"] and "--port" in command, command
+    upstream, port = command.index("--upstream") + 1, command.index("--port") + 1
+    assert command[upstream] == VLLM_URLS[1] + "/v1" and command[port] == PROXY_URL.rpartition(":")[2], command
+    command[upstream], command[port] = served_vllm + "/v1", "0"
+    with served(command[1:]) as url:
+        yield url
+
+
+def paste(block: Block, cwd: Path, urls: dict[str, str]) -> None:
+    """The block pasted into ``python -m asyncio`` (then Enter, then a line that says it got to the end)."""
+    code = block.code
+    for written, actual in urls.items():
+        code = code.replace(written, actual)
+    end = f"end of {block.where}"
+    done = subprocess.run([sys.executable, "-m", "asyncio"], input=f"{code}\nprint({end!r})\n", capture_output=True,
+                          text=True, timeout=PASTE_TIMEOUT_S, cwd=cwd, env=environment())  # fmt: skip
+    banner = ("asyncio REPL ", 'Use "await" directly', 'Type "help"', ">>> import asyncio", "exiting asyncio REPL")
+    printed = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith(banner)]
+    assert done.returncode == 0 and not printed and end in done.stdout, (
+        f"{block.where}: pasted into python -m asyncio, it printed on stderr:\n{done.stderr}\nand on stdout:\n"
+        f"{done.stdout}"
+    )
+
+
 @pytest.mark.parametrize("block", EXAMPLES, ids=[block.where for block in EXAMPLES])
-def test_example_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_example_runs(
+    block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
     if block.not_run is not None:
         pytest.skip(f"{block.where} not run: {block.not_run}")
     if "LocalProvider(" in block.code:
@@ -205,9 +274,16 @@ def test_example_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     for other in BLOCKS:
         if other.page == block.page and other.file is not None:
             (tmp_path / other.file).write_text(other.code)
+    if block.page in PASTED_PAGES and not is_test_module(block):
+        vllm = request.getfixturevalue("served_vllm")
+        urls = dict.fromkeys(VLLM_URLS, vllm)
+        if PROXY_URL in block.code:
+            urls[PROXY_URL] = request.getfixturevalue("served_proxy")
+        paste(block, tmp_path, urls)
+        return
     monkeypatch.chdir(tmp_path)
     with example_module(block, EXAMPLES.index(block)) as module:
-        if re.search(r"^\s*(async\s+)?def test_", block.code, flags=re.M):
+        if is_test_module(block):
             run_test_module(block, module)
         else:
             run_script(block, module)
@@ -219,6 +295,17 @@ def test_the_examples_are_found() -> None:
     assert len(pages) >= 10, f"examples on only {sorted(pages)}"
     assert len(EXAMPLES) >= 25
     assert sum("def test_" in block.code for block in EXAMPLES) >= 3
+
+
+def test_every_example_that_needs_vllm_is_pasted_against_the_served_fake() -> None:
+    """A script example that talks to vLLM (or to the proxy) sits on a page that says to paste it into
+    ``python -m asyncio``, so it runs as pasted against ``python -m tokens.testing.server``."""
+    pages = {block.page.name for block in EXAMPLES if block.page in PASTED_PAGES}
+    assert {"README.md", "token-capture.md", "records.md", "proxy.md"} <= pages
+    servers = (*VLLM_URLS, PROXY_URL)
+    elsewhere = [block.where for block in EXAMPLES if block.not_run is None and not is_test_module(block)
+                 and block.page not in PASTED_PAGES and any(url in block.code for url in servers)]  # fmt: skip
+    assert not elsewhere, f"examples that need vLLM on pages that do not say to paste them: {elsewhere}"
 
 
 def test_not_run_blocks_are_rare() -> None:

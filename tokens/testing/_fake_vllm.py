@@ -15,6 +15,7 @@ import json
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, ClassVar
 
 import httpx
@@ -64,10 +65,24 @@ class FakeTokenizer:
         return ids
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Fault:
     status: int
     retry_after: float | None
+    message: str = "The server is busy; retry later"
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """A scripted generation given as ids (and optionally their log probabilities)."""
+
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+
+
+ERROR_TYPES: Mapping[int, str] = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
+                                  500: "InternalServerError", 503: "ServiceUnavailableError"}  # fmt: skip
+"""vLLM's error ``type`` by status (any other status: the HTTP reason phrase, as one word, + ``Error``)."""
 
 
 @dataclass
@@ -76,8 +91,10 @@ class FakeVLLM:
     ``httpx.MockTransport(fake)``.
 
     ``replies`` are scripted answer texts, used in order (then the default: a deterministic text
-    from the prompt, the seed and the choice index). ``fail_next(status, retry_after)`` makes the
-    next requests answer 429 or 503. ``requests`` keeps every request body received, by path.
+    from the prompt, the seed and the choice index); ``reply_tool_call``, ``reply_tokens`` and
+    ``reply_error`` script the other kinds of answer in the same queue. ``fail_next(status,
+    retry_after)`` makes the very next requests answer 429 or 503, ahead of the queue. ``requests``
+    keeps every request body received, by path.
     """
 
     model: str = "tiny"
@@ -85,7 +102,7 @@ class FakeVLLM:
     replies: Sequence[str] = ()
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     requests: list[tuple[str, Any]] = field(default_factory=list)
-    _script: deque[str] = field(default_factory=deque, repr=False)
+    _script: deque[str | _Tokens | _Fault] = field(default_factory=deque, repr=False)
     _faults: deque[_Fault] = field(default_factory=deque, repr=False)
     _ids: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
@@ -102,6 +119,23 @@ class FakeVLLM:
         finish reason ``tool_calls``). Not compared with a recording (none has a tool call)."""
         self._script.append(TOOL_CALL.format(json.dumps({"name": name, "arguments": dict(arguments)})))
 
+    def reply_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
+        """Script the next generation as these ids (of ``FakeTokenizer``'s vocabulary), sent as given (no
+        end-of-turn token added) with these log probabilities (else the fake's own)."""
+        ids = tuple(token_ids)
+        if not all(type(t) is int and 0 <= t < FakeTokenizer.VOCAB_SIZE for t in ids):
+            raise ValueError(f"token ids must be ints from 0 to {FakeTokenizer.VOCAB_SIZE - 1} (the fake's vocabulary)")
+        if logprobs is not None and len(logprobs) != len(ids):
+            raise ValueError(f"{len(logprobs)} log probabilities for {len(ids)} token ids: give one per id")
+        self._script.append(_Tokens(ids, None if logprobs is None else tuple(float(lp) for lp in logprobs)))
+
+    def reply_error(self, status: int, message: str | None = None, *, retry_after: float | None = None) -> None:
+        """Script the chat or completions request whose turn it is (after the replies scripted before)
+        to be answered with HTTP ``status`` (400 to 599) in vLLM's error body."""
+        if not 400 <= status <= 599:
+            raise ValueError(f"an error status is from 400 to 599, not {status}")
+        self._script.append(_Fault(status, retry_after, message or _reason(status)))
+
     def fail_next(self, status: int = 503, *, retry_after: float | None = 1.0, times: int = 1) -> None:
         """The next ``times`` requests get ``status`` (429 or 503) with ``Retry-After``."""
         self._faults.extend(_Fault(status, retry_after) for _ in range(times))
@@ -115,9 +149,7 @@ class FakeVLLM:
         self.requests.append((path, body))
         if self._faults:
             fault = self._faults.popleft()
-            headers = {} if fault.retry_after is None else {"retry-after": f"{fault.retry_after:g}"}
-            kind = "RateLimitError" if fault.status == 429 else "ServiceUnavailableError"
-            return _error(fault.status, "The server is busy; retry later", kind, headers=headers)
+            return _fault(fault)
         if request.method == "GET" and path.endswith("/v1/models"):
             model = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm"}
             return httpx.Response(200, json={"object": "list", "data": [model]})
@@ -128,6 +160,10 @@ class FakeVLLM:
             return httpx.Response(404, json={"detail": "Not Found"})
         if not isinstance(body, dict):
             return _error(400, "The request body must be a JSON object", "BadRequestError")
+        scripted = self._script[0] if self._script else None
+        if isinstance(scripted, _Fault) and path.startswith("/v1/"):  # a scripted error: a generation's turn
+            self._script.popleft()
+            return _fault(scripted)
         return handler(body)
 
     # -- endpoints --------------------------------------------------------------------------
@@ -242,16 +278,22 @@ class FakeVLLM:
         seed = body.get("seed") or 0
         out = []
         for index in range(n):
-            if self._script:
-                text = self._script.popleft()
-            else:
+            scripted = self._script[0] if self._script else None
+            if isinstance(scripted, _Fault | None):  # an error answers a request of its own
                 digest = hashlib.sha256(f"{prompt}|{seed}|{index}".encode()).hexdigest()
-                text = " ".join(digest[i : i + 4] for i in range(0, 16, 4))
-            ids = [*self.tokenizer.encode(text), FakeTokenizer.IM_END]
+                scripted = " ".join(digest[i : i + 4] for i in range(0, 16, 4))
+            else:
+                self._script.popleft()
+            given = None
+            if isinstance(scripted, _Tokens):
+                ids, given = list(scripted.ids), scripted.logprobs
+            else:
+                ids = [*self.tokenizer.encode(scripted), FakeTokenizer.IM_END]
             reason = "stop" if len(ids) <= max_tokens else "length"
             ids = ids[:max_tokens]
-            lps = [-((token * 7919 + position * 104729 + index) % 997) / 100.0 - 0.01 for position, token in
-                   enumerate(ids)]  # fmt: skip
+            lps = list(given[: len(ids)]) if given is not None else [
+                -((token * 7919 + position * 104729 + index) % 997) / 100.0 - 0.01
+                for position, token in enumerate(ids)]  # fmt: skip
             out.append((ids, lps, reason))
         return out
 
@@ -327,6 +369,19 @@ def _usage(prompt: int, completion: int, *, details: bool = True) -> dict[str, A
     if details:
         usage.update(prompt_tokens_details=None, completion_tokens_details=None)
     return usage
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return f"HTTP {status}"
+
+
+def _fault(fault: _Fault) -> httpx.Response:
+    headers = {} if fault.retry_after is None else {"retry-after": f"{fault.retry_after:g}"}
+    kind = ERROR_TYPES.get(fault.status) or _reason(fault.status).title().replace(" ", "").replace("-", "") + "Error"
+    return _error(fault.status, fault.message, kind, headers=headers)
 
 
 def _error(status: int, message: str, kind: str, *, param: str | None = None,

@@ -13,7 +13,7 @@ import stamina
 
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
-from tests.token_samples import FIXTURES, keys, sample
+from tests.token_samples import FIXTURES, RECORDED_EXCHANGES, keys, recorded_request, sample
 from tokens import ContextLengthExceededError, ServerResponseError, TokenCaptureTransport, TokenClient
 from tokens.testing import FAKE_VLLM_URL, FakeTokenizer, FakeVLLM
 
@@ -27,20 +27,11 @@ def ask(fake: FakeVLLM, path: str, body: Any) -> httpx.Response:
     return fake(httpx.Request("POST", FAKE_VLLM_URL + path, json=body))
 
 
-@pytest.mark.parametrize(
-    ("name", "path"),
-    [("chat_inline_ids", "/v1/chat/completions"), ("chat_logprobs_only", "/v1/chat/completions"),
-     ("chat_n2_inline_ids", "/v1/chat/completions"), ("chat_top_logprobs_null", "/v1/chat/completions"),
-     ("completions_token_in", "/v1/completions"), ("tokenize_chat", "/tokenize"), ("detokenize", "/detokenize"),
-     ("error_context_length", "/v1/chat/completions"), ("error_max_tokens", "/v1/chat/completions")],
-)  # fmt: skip
+@pytest.mark.parametrize(("name", "path"), RECORDED_EXCHANGES)
 @pytest.mark.anyio(False)
 def test_field_sets_equal_the_recorded_answers(name: str, path: str) -> None:
     """For each recorded request, the fake's answer has exactly the real answer's fields, at every level."""
-    real, request = sample(f"{name}.response"), sample(f"{name}.request")
-    for key in ("tokens", "prompt"):  # recorded ids, moved into the fake's vocabulary
-        if isinstance(request.get(key), list):
-            request[key] = [t % FakeTokenizer.VOCAB_SIZE for t in request[key]]
+    real, request = sample(f"{name}.response"), recorded_request(name, FakeTokenizer.VOCAB_SIZE)
     fake = FakeVLLM(max_model_len=2048)(httpx.Request("POST", FAKE_VLLM_URL + path, json=request))
     assert fake.status_code == (400 if name.startswith("error") else 200)
     assert keys(fake.json()) == keys(real)
@@ -137,3 +128,38 @@ async def test_scripted_tool_call_through_the_sdk(fake_vllm: FakeVLLM) -> None:
     text = FakeTokenizer().decode((choice.message.model_extra or {})["generation_token_ids"])
     assert text.startswith("<tool_call>\n") and text.endswith("</tool_call><|im_end|>")
     assert "tools: " in FakeTokenizer().decode((choice.message.model_extra or {})["prompt_token_ids"])
+
+
+@pytest.mark.anyio(False)
+def test_scripted_tokens_and_errors_are_answered_in_order() -> None:
+    """reply_tokens sends the ids and log probabilities as given; reply_error answers the generation
+    request whose turn it is (a /tokenize in between does not use it); then the fake's own texts."""
+    fake = FakeVLLM()
+    fake.reply("first")
+    fake.reply_error(503, "busy", retry_after=2)
+    fake.reply_tokens([75, 107, FakeTokenizer.IM_END], [-0.5, -0.25, -0.01])
+    fake.reply_error(400)
+    body = {"model": "tiny", "messages": MESSAGES, "logprobs": True, "return_token_ids": True}
+    first = ask(fake, "/v1/chat/completions", body)
+    assert first.json()["choices"][0]["message"]["content"] == "first"
+    assert ask(fake, "/tokenize", {"model": "tiny", "messages": MESSAGES}).status_code == 200
+    busy = ask(fake, "/v1/chat/completions", body)
+    assert (busy.status_code, busy.headers["retry-after"]) == (503, "2")
+    assert busy.json()["error"] == {"message": "busy", "type": "ServiceUnavailableError", "param": None, "code": 503}
+    [choice] = ask(fake, "/v1/chat/completions", body).json()["choices"]
+    assert choice["token_ids"] == [75, 107, FakeTokenizer.IM_END] and choice["message"]["content"] == "Hh"
+    assert [entry["logprob"] for entry in choice["logprobs"]["content"]] == [-0.5, -0.25, -0.01]
+    refused = ask(fake, "/v1/completions", {"model": "tiny", "prompt": "x"})
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == "Bad Request"
+    assert ask(fake, "/v1/completions", {"model": "tiny", "prompt": "x"}).status_code == 200  # the fake's own
+    cut = FakeVLLM()
+    cut.reply_tokens([75, 76, 77, 78], [-1.0, -2.0, -3.0, -4.0])
+    [choice] = ask(cut, "/v1/chat/completions", {**body, "max_tokens": 2}).json()["choices"]
+    assert choice["finish_reason"] == "length" and choice["token_ids"] == [75, 76]
+    assert [entry["logprob"] for entry in choice["logprobs"]["content"]] == [-1.0, -2.0]
+    with pytest.raises(ValueError, match="from 0 to 258"):
+        fake.reply_tokens([259])
+    with pytest.raises(ValueError, match="2 log probabilities for 1 token ids"):
+        fake.reply_tokens([5], [-1.0, -2.0])
+    with pytest.raises(ValueError, match="from 400 to 599, not 302"):
+        fake.reply_error(302)
