@@ -18,9 +18,10 @@ from opentelemetry.trace import Span, TracerProvider
 from _shared_telemetry import ERROR_TYPE_ATTR, Instruments, Tracing, error_type, guarded_span, safely
 
 from ._bundle import TokenBundle, TokenCompletion
-from ._chain import DEFAULT_CHAIN, ChainEntry, Exchange, TokenizeFn, build_chain, check_choice_count
+from ._chain import DEFAULT_CHAIN, ChainEntry, build_chain, check_choice_count
 from ._decode import DecodedResponse, decode_tokenize
 from ._errors import ConflictingTokenMetadataError, UnsupportedRequestError
+from ._exchange import Exchange, TokenizeFn
 from ._telemetry import SCOPE, SOURCE_ATTR, TokenInstruments
 from ._typed import decode_typed
 

@@ -20,8 +20,8 @@ import msgspec
 
 from ._bundle import TokenCompletion
 from ._capture import Capture
-from ._chain import TokenizeFn
 from ._errors import MalformedResponseError, PartialTokenMetadataError
+from ._exchange import TokenizeFn
 from ._http import read_body
 
 __all__ = ["CapturedStream", "StreamAccumulator", "TokenStream", "bundle_fields", "capture_stream"]

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from ._bundle import TokenBundle, TokenCompletion, WeightVersionSpan
-from ._chain import check_choice_count, check_usage, describe_difference
+from ._chain import check_choice_count, check_usage
 from ._decode import DecodedResponse, decode_response, token_ids_of
 from ._errors import (
     ConflictingTokenMetadataError,
@@ -22,6 +22,7 @@ from ._errors import (
     MalformedTokenMetadataError,
     MissingTokenMetadataError,
 )
+from ._exchange import describe_difference
 
 __all__ = ["extract_generate", "extract_token_in", "prepare_generate", "prepare_token_in"]
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._bundle import TokenBundle, TokenCompletion
-from ._chain import first_difference
 from ._errors import TokensError
+from ._exchange import first_difference
+from .records._order import order_records
 
 __all__ = ["Drift", "DriftPolicy", "Segment", "Trajectory", "TrajectoryDriftError"]
 
@@ -133,8 +134,6 @@ class Trajectory:
         """The trajectory of a frozen rollout (``tokens.records``: a ``TokenCaptureSnapshot``, or any
         iterable of records): its records in chain order, delta prompts rebuilt and checked against
         their digests, added as turns. ``options`` are the constructor's (``policy=`` ...)."""
-        from .records._reader import order_records  # records build on this module
-
         trajectory = cls(**options)
         for _, bundle in order_records(getattr(snapshot, "entries", snapshot)):
             trajectory.add(bundle)

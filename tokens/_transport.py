@@ -12,7 +12,8 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
 from ._capture import Capture, server_root
-from ._chain import ChainEntry, TokenizeFn
+from ._chain import ChainEntry
+from ._exchange import TokenizeFn
 from ._http import ACCEPT_ENCODING, DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body
 from ._stream import capture_stream
 from .records._writer import RecordWriter, refuse_unrecordable, take_coordinates

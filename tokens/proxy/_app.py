@@ -36,8 +36,9 @@ from starlette.types import Receive, Scope, Send
 
 from _shared_telemetry import ERROR_TYPE_ATTR, Instruments, Tracing, error_type, guarded_span, safely
 
-from .._chain import DEFAULT_CHAIN, ChainEntry, Exchange, build_chain
+from .._chain import DEFAULT_CHAIN, ChainEntry, build_chain
 from .._errors import ResponseTooLargeError, ServerResponseError, TokensError
+from .._exchange import Exchange
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body, strip_credentials
 from .._transport import TokenCaptureTransport
 from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_request

@@ -21,7 +21,8 @@ from ._errors import (
 )
 from ._fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from ._open import open_store
-from ._reader import RolloutSample, order_records, read_rollout
+from ._order import order_records
+from ._reader import RolloutSample, read_rollout
 from ._record import (
     SCHEMA_VERSION,
     TokenRecord,
