@@ -10,6 +10,7 @@ event inside one), and never names the upstream.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -42,6 +43,9 @@ from .._exchange import Exchange
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body, strip_credentials
 from .._transport import TokenCaptureTransport
 from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_request
+from ..records import CoordinateError, Coordinates, Custody
+from ..records._coordinates import check_id, check_weight_version
+from ..records._writer import UNRECORDED
 from ._chat import chunks_of, sse
 from ._errors import (
     CaptureFailedError,
@@ -69,7 +73,6 @@ SCOPE = "tokens.proxy"
 logger = logging.getLogger("tokens.proxy")
 ROLLOUT_HEADER, CALL_HEADER, PARENT_HEADER, WEIGHT_HEADER = ("x-rollout-id", "x-model-call-id", "x-parent-call-id",
                                                              "x-weight-version")  # fmt: skip
-_ID = re.compile(r"[A-Za-z0-9._:@-]{1,200}")
 _URL = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://\S+")
 _DECODE = msgspec.json.Decoder(dict[str, Any])
 _ENCODE = msgspec.json.Encoder()
@@ -79,23 +82,22 @@ _PATHS: dict[str, Dialect] = {"chat/completions": "chat", "responses": "response
 
 
 @dataclass(frozen=True)
-class Coordinates:
-    """Where a call belongs: its rollout, its own id, its parent's id and the policy's weight version."""
+class _Call:
+    """One request's call: its id (always answered in ``X-Model-Call-Id``) and, with a rollout id,
+    where it is recorded."""
 
-    rollout_id: str | None
     model_call_id: str
-    parent_call_id: str | None = None
-    weight_version: str | None = None
+    coordinates: Coordinates | None
 
 
 def _coordinate(value: str | None, where: str) -> str | None:
+    """A header's (or the URL's) id, None when absent; ``RequestRejectedError`` naming ``where`` when not an id."""
     if value is None or value == "":
         return None
-    if _ID.fullmatch(value) is None:
-        raise RequestRejectedError(
-            f"{where}: {value[:40]!r} is not an id (1 to 200 of A-Z a-z 0-9 . _ : @ -)", param=where
-        )
-    return value
+    try:
+        return check_id(value, where)
+    except CoordinateError as exc:
+        raise RequestRejectedError(str(exc), param=where) from None
 
 
 def _safe(text: str) -> str:
@@ -189,8 +191,8 @@ class _App:
         try:
             body = await self.read_json(request)
             stream = bool(body.get("stream"))
-            coordinates = self.coordinates(request, rollout, body)
-            response = await self.serve(dialect, body, coordinates, started)
+            call = self.call(request, rollout)
+            response = await self.serve(dialect, body, call, started)
         except ProxyError as exc:
             self.finished(dialect, stream, started, exc)
             return self.error_response(dialect, exc)
@@ -228,16 +230,23 @@ class _App:
     def _too_large(self, detail: str) -> str:
         return f"the request body is over the proxy's max_request_bytes={self.max_request_bytes:,} ({detail})"
 
-    def coordinates(self, request: Request, rollout: str | None, body: Mapping[str, Any]) -> Coordinates:
+    def call(self, request: Request, rollout: str | None) -> _Call:
         headers = request.headers
         rollout_id = _coordinate(rollout, "the URL's rollout id") or _coordinate(headers.get(ROLLOUT_HEADER),
                                                                                   "X-Rollout-Id")  # fmt: skip
-        call = _coordinate(headers.get(CALL_HEADER), "X-Model-Call-Id") or f"call_{secrets.token_hex(12)}"
+        call_id = _coordinate(headers.get(CALL_HEADER), "X-Model-Call-Id") or f"call_{secrets.token_hex(12)}"
         parent = _coordinate(headers.get(PARENT_HEADER), "X-Parent-Call-Id")
         weight = headers.get(WEIGHT_HEADER) or None
-        if weight is not None and len(weight) > 200:
-            raise RequestRejectedError("X-Weight-Version: at most 200 characters", param="X-Weight-Version")
-        return Coordinates(rollout_id, call, parent, weight)
+        if weight is not None:
+            try:
+                check_weight_version(weight, "X-Weight-Version")
+            except CoordinateError as exc:
+                raise RequestRejectedError(str(exc), param="X-Weight-Version") from None
+        coordinates = None if rollout_id is None else Coordinates(rollout_id, call_id, parent, weight)
+        return _Call(call_id, coordinates)
+
+    def custody(self, call: _Call, chat: Mapping[str, Any]) -> Custody:
+        return UNRECORDED if self.recorder is None else self.recorder.custody(call.coordinates, chat)
 
     def upstream(self, body: Mapping[str, Any]) -> _Upstream:
         model = body.get("model")
@@ -259,50 +268,34 @@ class _App:
 
     # -- serving ------------------------------------------------------------------------------
 
-    async def serve(self, dialect: Dialect, body: dict[str, Any], coordinates: Coordinates, started: float) -> Response:
+    async def serve(self, dialect: Dialect, body: dict[str, Any], call: _Call, started: float) -> Response:
         stream = bool(body.get("stream"))
         upstream = self.upstream(body)
         history: list[Any] = []
         if dialect == "responses" and isinstance(body.get("previous_response_id"), str):
             history, parent = self.previous.get(body["previous_response_id"])
-            if coordinates.parent_call_id is None:
-                coordinates = Coordinates(coordinates.rollout_id, coordinates.model_call_id, parent,
-                                          coordinates.weight_version)  # fmt: skip
+            if call.coordinates is not None and call.coordinates.parent_call_id is None:
+                call = _Call(call.model_call_id, dataclasses.replace(call.coordinates, parent_call_id=parent))
         if dialect == "responses" and self.via_responses(upstream, body):
-            served = await self.serve_responses(upstream, body, history, coordinates, started)
+            served = await self.serve_responses(upstream, body, history, call, started)
             if served is not None:
                 return served
         chat = body if dialect == "chat" else responses_to_chat(body, history) if dialect == "responses" else (
             messages_to_chat(body))  # fmt: skip
-        recorded = self.record_coordinates(coordinates)
-        if self.recorder is not None:
-            await self.recorder.begin(recorded, chat)
+        custody = self.custody(call, chat)
         span_attributes = {DIALECT_ATTR: dialect, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
         if stream:
-            return await self.serve_stream(dialect, upstream, chat, body, history, coordinates, started,
-                                           span_attributes, recorded)  # fmt: skip
-        with self.span(span_attributes) as span:
-            try:
+            await custody.begin()
+            return await self.serve_stream(dialect, upstream, chat, body, history, call, started,
+                                           span_attributes, custody)  # fmt: skip
+        async with custody:
+            with self.span(span_attributes) as span:
                 completion = await self.post(upstream, chat, dialect)
-            except CaptureFailedError:
-                await self.incomplete(recorded)
-                raise
-            if self.recorder is not None and recorded is not None:
-                message = completion["choices"][0]["message"]
-                await self.recorder.write(recorded, chat, completion_of(completion, message))
-            answer = self.answer(dialect, completion, body, history, coordinates)
-            self.finished(dialect, False, started, None, span)
-        return JSONResponse(answer, headers=_call_headers(coordinates))
-
-    def record_coordinates(self, coordinates: Coordinates) -> Any:
-        if self.recorder is None:
-            return None
-        return self.recorder.coordinates(coordinates.rollout_id, coordinates.model_call_id, coordinates.parent_call_id,
-                                         coordinates.weight_version)  # fmt: skip
-
-    async def incomplete(self, recorded: Any) -> None:
-        if self.recorder is not None:
-            await self.recorder.incomplete(recorded)
+                if custody.recorded:
+                    await custody.write_chat(chat, completion_of(completion, completion["choices"][0]["message"]))
+                answer = self.answer(dialect, completion, body, history, call)
+                self.finished(dialect, False, started, None, span)
+        return JSONResponse(answer, headers=_call_headers(call))
 
     def via_responses(self, upstream: _Upstream, body: Mapping[str, Any]) -> bool:
         """Whether to ask vLLM's own ``/v1/responses`` (it has no log probabilities for tool calls)."""
@@ -311,20 +304,19 @@ class _App:
         return self.responses_upstream == "responses" or not (body.get("tools") or body.get("stream"))
 
     def answer(self, dialect: Dialect, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any],
-               coordinates: Coordinates) -> dict[str, Any]:  # fmt: skip
+               call: _Call) -> dict[str, Any]:  # fmt: skip
         if dialect == "chat":
             return completion
         if dialect == "messages":
             return chat_to_messages(completion)
         response_id = f"resp_{secrets.token_hex(12)}"
         answer = chat_to_responses(completion, body, response_id)
-        self.remember(body, answer, history, coordinates)
+        self.remember(body, answer, history, call)
         return answer
 
-    def remember(self, body: Mapping[str, Any], answer: Mapping[str, Any], history: list[Any],
-                 coordinates: Coordinates) -> None:  # fmt: skip
+    def remember(self, body: Mapping[str, Any], answer: Mapping[str, Any], history: list[Any], call: _Call) -> None:
         if body.get("store", True) is not False:
-            self.previous.put(answer["id"], history_of(body, answer, history), coordinates.model_call_id)
+            self.previous.put(answer["id"], history_of(body, answer, history), call.model_call_id)
 
     async def post(self, upstream: _Upstream, body: Mapping[str, Any], dialect: Dialect) -> dict[str, Any]:
         """A chat completion, whole, from the upstream."""
@@ -337,52 +329,47 @@ class _App:
         return _DECODE.decode(data)
 
     async def serve_responses(self, upstream: _Upstream, body: Mapping[str, Any], history: list[Any],
-                              coordinates: Coordinates, started: float) -> Response | None:  # fmt: skip
+                              call: _Call, started: float) -> Response | None:  # fmt: skip
         """A Responses request through vLLM's ``/v1/responses``; None when the upstream does not serve it."""
         sent = prepare_responses_request({key: value for key, value in body.items() if key != "previous_response_id"})
         sent["input"] = [*history, *sent["input"]] if isinstance(sent.get("input"), list) else (
             [*history, {"type": "message", "role": "user", "content": sent.get("input", "")}])  # fmt: skip
         attributes = {DIALECT_ATTR: "responses", STREAM_ATTR: False, UPSTREAM_ATTR: "responses"}
-        recorded = self.record_coordinates(coordinates)
-        chat = responses_to_chat(body, history) if recorded is not None else {}
-        if self.recorder is not None:
-            await self.recorder.begin(recorded, chat)
-        with self.span(attributes) as span:
-            try:
-                response = await upstream.client.post(upstream.base + "/responses", json=sent)
-                if response.status_code in (404, 405) and self.responses_upstream == "auto":
-                    await response.aclose()
-                    upstream.serves_responses = False  # remembered: chat completions from now on
-                    return None
-                data = await read_body(response, "answer", self.max_response_bytes)
-                decoded = decode_responses(data)
-                bundle = await self.chain(Exchange(sent, decoded))
-            except (TokensError, httpx.HTTPError) as exc:
-                error = self.upstream_error(exc, "responses")
-                if isinstance(error, CaptureFailedError):
-                    await self.incomplete(recorded)
-                raise error from None
-            upstream.serves_responses = True
-            answer = decoded.answer
-            answer.pop("choices", None)
-            output = answer["output"]
-            if not output:
-                output.append({"id": f"msg_{answer.get('id', '')}", "type": "message", "role": "assistant",
-                               "status": "completed", "content": []})  # fmt: skip
-            output[-1].update(zip(TOKEN_FIELDS, (bundle.prompt_token_ids, bundle.generation_token_ids,
-                                                 bundle.generation_log_probs), strict=True))  # fmt: skip
-            answer["previous_response_id"] = body.get("previous_response_id")
-            if self.recorder is not None and recorded is not None:
-                message = {"role": "assistant", "content": _output_text(output)}
-                as_chat = {"id": answer.get("id"), "model": answer.get("model"), "choices": [{"message": message}]}
-                await self.recorder.write(recorded, chat, completion_of(as_chat, output[-1]))
-            self.remember(body, answer, history, coordinates)
-            self.finished("responses", False, started, None, span)
-        return JSONResponse(answer, headers=_call_headers(coordinates))
+        chat = responses_to_chat(body, history) if self.recorder is not None and call.coordinates is not None else {}
+        async with self.custody(call, chat) as custody:
+            with self.span(attributes) as span:
+                try:
+                    response = await upstream.client.post(upstream.base + "/responses", json=sent)
+                    if response.status_code in (404, 405) and self.responses_upstream == "auto":
+                        await response.aclose()
+                        upstream.serves_responses = False  # remembered: chat completions from now on
+                        return None
+                    data = await read_body(response, "answer", self.max_response_bytes)
+                    decoded = decode_responses(data)
+                    bundle = await self.chain(Exchange(sent, decoded))
+                except (TokensError, httpx.HTTPError) as exc:
+                    raise self.upstream_error(exc, "responses") from None
+                upstream.serves_responses = True
+                answer = decoded.answer
+                answer.pop("choices", None)
+                output = answer["output"]
+                if not output:
+                    output.append({"id": f"msg_{answer.get('id', '')}", "type": "message", "role": "assistant",
+                                   "status": "completed", "content": []})  # fmt: skip
+                output[-1].update(zip(TOKEN_FIELDS, (bundle.prompt_token_ids, bundle.generation_token_ids,
+                                                     bundle.generation_log_probs), strict=True))  # fmt: skip
+                answer["previous_response_id"] = body.get("previous_response_id")
+                if custody.recorded:
+                    message = {"role": "assistant", "content": _output_text(output)}
+                    as_chat = {"id": answer.get("id"), "model": answer.get("model"), "choices": [{"message": message}]}
+                    await custody.write_chat(chat, completion_of(as_chat, output[-1]))
+                self.remember(body, answer, history, call)
+                self.finished("responses", False, started, None, span)
+        return JSONResponse(answer, headers=_call_headers(call))
 
     async def serve_stream(self, dialect: Dialect, upstream: _Upstream, chat: dict[str, Any], body: Mapping[str, Any],
-                           history: list[Any], coordinates: Coordinates, started: float, attributes: dict[str, Any],
-                           recorded: Any) -> Response:  # fmt: skip
+                           history: list[Any], call: _Call, started: float, attributes: dict[str, Any],
+                           custody: Custody) -> Response:  # fmt: skip
         tracer = self.tracing.get()
         span = None if tracer is None else _start_span(tracer, dialect, attributes)
         request = upstream.client.build_request("POST", upstream.base + "/chat/completions",
@@ -394,8 +381,7 @@ class _App:
                 await read_body(response, "answer", self.max_response_bytes)  # raises the typed error
         except (TokensError, httpx.HTTPError) as exc:
             error = self.upstream_error(exc, dialect)
-            if isinstance(error, CaptureFailedError):
-                await self.incomplete(recorded)
+            await custody.end(error)
             if span is not None:
                 safely("tokens.proxy span", _end_span, span, error)
             raise error from None
@@ -417,7 +403,7 @@ class _App:
         async def events() -> AsyncIterator[bytes]:
             error: ProxyError | None = None
             converter = _converter(dialect, body)
-            gathered = StreamRecord() if recorded is not None else None
+            gathered = StreamRecord() if custody.recorded else None
             try:
                 if isinstance(converter, ResponsesEvents):
                     for event in converter.start():
@@ -429,8 +415,8 @@ class _App:
                     for chunk in chunks_of(event):
                         if chunk is None:
                             continue
-                        if gathered is not None and gathered.feed(chunk) and self.recorder is not None:
-                            await self.recorder.write(recorded, chat, gathered.completion())  # before the end goes out
+                        if gathered is not None and gathered.feed(chunk):
+                            await custody.write_chat(chat, gathered.completion())  # before the end goes out
                         if converter is not None:
                             for out in converter.feed(chunk):
                                 yield out
@@ -440,16 +426,18 @@ class _App:
                     for out in converter.finish():
                         yield out
                     if isinstance(converter, ResponsesEvents) and converter.completed is not None:
-                        self.remember(body, converter.completed, history, coordinates)
+                        self.remember(body, converter.completed, history, call)
             except (TokensError, httpx.HTTPError, ProxyError) as exc:
                 error = self.upstream_error(exc, dialect)
-                if isinstance(error, CaptureFailedError):
-                    await self.incomplete(recorded)
+                await custody.end(error)
                 yield self.error_event(dialect, error, converter)
+            except anyio.get_cancelled_exc_class() as exc:  # cancelled before its record: the rollout has a hole
+                await custody.end(exc)
+                raise
             finally:
                 await close(error)
 
-        return EventStream(events(), self.client_timeout, _call_headers(coordinates), closing=gone)
+        return EventStream(events(), self.client_timeout, _call_headers(call), closing=gone)
 
     # -- errors and telemetry ------------------------------------------------------------------
 
@@ -535,10 +523,10 @@ def _output_text(output: Sequence[Any]) -> str:
     return "".join(str(part.get("text", "")) for part in parts if part.get("type") == "output_text")
 
 
-def _call_headers(coordinates: Coordinates) -> dict[str, str]:
-    headers = {CALL_HEADER: coordinates.model_call_id}
-    if coordinates.rollout_id is not None:
-        headers[ROLLOUT_HEADER] = coordinates.rollout_id
+def _call_headers(call: _Call) -> dict[str, str]:
+    headers = {CALL_HEADER: call.model_call_id}
+    if call.coordinates is not None:
+        headers[ROLLOUT_HEADER] = call.coordinates.rollout_id
     return headers
 
 

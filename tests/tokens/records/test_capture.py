@@ -10,12 +10,15 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import openai
 import pytest
 
 from tokens import (
     MalformedTokenMetadataError,
+    ServerResponseError,
+    TokenCaptureError,
     TokenCaptureTransport,
     TokenClient,
     Trajectory,
@@ -23,6 +26,8 @@ from tokens import (
     WeightVersionSpan,
 )
 from tokens.records import (
+    CoordinateError,
+    Coordinates,
     RecordStore,
     RecordWriteError,
     RolloutFrozenError,
@@ -168,6 +173,66 @@ async def test_refusals_before_anything_is_sent(store: RecordStore) -> None:
         assert upstream.seen == []
         await create(model="tiny", messages=messages)  # no rollout id: captured, not recorded
     assert [r.rollout_id for r in await store.rollouts()] == ["frozen"]
+
+
+@pytest.mark.parametrize("value", ["a b", "r/../x", "x" * 201, "", "é"])
+async def test_one_id_rule_for_every_front_end(store: RecordStore, value: str) -> None:
+    """An id that could not travel in a header or a URL is refused by the client and the transport
+    alike (``CoordinateError``, naming the field), before anything is sent."""
+    upstream = Upstream()
+    messages: Any = [{"role": "user", "content": "a"}]
+    async with TokenClient(BASE, http_client=httpx.AsyncClient(transport=httpx.MockTransport(upstream)),
+                           sink=store) as client:  # fmt: skip
+        with pytest.raises(CoordinateError, match=r"model_call_id: .* is not an id") as raised:
+            await client.chat_completion(model="tiny", messages=messages, rollout_id="r", model_call_id=value)
+        assert raised.value.where == "model_call_id"
+    async with sdk(upstream, store) as sdk_client:
+        with pytest.raises(UnsupportedRequestError, match=r"rollout_id: .* is not an id"):
+            await sdk_client.chat.completions.create(model="tiny", messages=messages, extra_body={"rollout_id": value})
+    assert upstream.seen == []
+    with pytest.raises(CoordinateError, match="parent_call_id"):
+        Coordinates("r", "c", value)
+
+
+class BrokenUpstream:
+    """The fake vLLM with its answers' token ids dropped (a capture failure), or never answering."""
+
+    def __init__(self, *, hang: bool = False) -> None:
+        self.fake = FakeVLLM()
+        self.hang = hang
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if self.hang:
+            await anyio.sleep_forever()
+        answer = json.loads(self.fake(request).content)
+        answer["choices"][0]["token_ids"] = None
+        answer["choices"][0]["logprobs"] = None
+        return httpx.Response(200, json=answer)
+
+
+async def test_a_capture_failure_or_a_cancellation_marks_the_call_and_an_http_error_does_not(
+    store: RecordStore,
+) -> None:
+    """The call's custody: a capture failure, or a cancellation before the record, marks the rollout
+    incomplete; the server's own HTTP error leaves the call begun, for a retry to complete."""
+    messages: Any = [{"role": "user", "content": "a"}]
+
+    def client(handler: Any) -> TokenClient:
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        return TokenClient(BASE, http_client=http, sink=store, retry=None, request_prompt_and_generation_token_ids=True)
+
+    async with client(BrokenUpstream()) as broken:
+        with pytest.raises(TokenCaptureError):
+            await broken.chat_completion(model="tiny", messages=messages, rollout_id="failed", model_call_id="c")
+    async with client(BrokenUpstream(hang=True)) as hanging:
+        with anyio.move_on_after(0.2):
+            await hanging.chat_completion(model="tiny", messages=messages, rollout_id="cancelled", model_call_id="c")
+    async with client(lambda request: httpx.Response(500, json={"error": "busy"})) as failing:
+        with pytest.raises(ServerResponseError):
+            await failing.chat_completion(model="tiny", messages=messages, rollout_id="http", model_call_id="c")
+    states = {summary.rollout_id: summary for summary in await store.rollouts()}
+    assert states["failed"].incomplete and states["cancelled"].incomplete
+    assert not states["http"].incomplete
 
 
 class FailingSink:
