@@ -49,6 +49,7 @@ NEMO_GYM_PYTHON = Path(
 SIZES = [(1_024, 256), (8_192, 2_048), (32_768, 8_192), (131_072, 32_768)]
 GOALS = {(1_024, 256): 0.75}  # capture / NeMo Gym; 0.6 at every other size
 CLIENT_SIZE, CLIENT_GOAL = (1_024, 256), 0.75  # section 1b: TokenClient's own cost / NeMo Gym's path
+CLIENT_ROUNDS = 300  # section 1b: rounds of 10 calls each (the goal's margin is smaller than 15 long rounds' noise)
 REPEATS = 7
 ROUNDS = 15  # section 1: rounds of the interleaved timings (best of them is kept)
 
@@ -93,6 +94,16 @@ async def best_ms_async(
         await fn()
         best = min(best, clock() - started)
     return best * 1000
+
+
+async def interleaved(runs: list[Callable[[], Awaitable[Any]]], calls: int, rounds: int) -> list[float]:
+    """CPU milliseconds per call of each run (``calls`` calls each), the best of ``rounds`` rounds in which
+    the runs take turns."""
+    best = [float("inf")] * len(runs)
+    for _ in range(rounds):
+        for index, run in enumerate(runs):
+            best[index] = min(best[index], await best_ms_async(run, 1, time.process_time) / calls)
+    return best
 
 
 async def plain_and_captured(
@@ -235,11 +246,7 @@ async def capture_table() -> int:
             for _ in range(calls):
                 nemo(data)
 
-        timed = [ours, before] if nemo is None else [peer, ours, before]
-        best = [float("inf")] * len(timed)
-        for _ in range(ROUNDS):
-            for index, run in enumerate(timed):
-                best[index] = min(best[index], await best_ms_async(run, 1, time.process_time) / calls)
+        best = await interleaved([ours, before] if nemo is None else [peer, ours, before], calls, ROUNDS)
         if nemo is None:
             ours_ms, before_ms = best
             print(f"{prompt_len:>8} {generation_len:>9} {len(data) / 1e6:>6.2f} {'absent':>9} {ours_ms:>8.3f} "
@@ -271,7 +278,7 @@ async def client_cost_table(nemo: Callable[[bytes], Any] | None) -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=data, headers={"content-type": "application/json"})
 
-    calls = 100
+    calls = 10  # short samples, many rounds: the best of each is a slice no other job on the machine disturbed
     bare_http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     client_http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     client = TokenClient("http://bench.test/v1", http_client=client_http, request_prompt_and_generation_token_ids=True)
@@ -291,11 +298,7 @@ async def client_cost_table(nemo: Callable[[bytes], Any] | None) -> None:
             for _ in range(calls):
                 nemo(data)
 
-        timed = [bare, ours] if nemo is None else [bare, ours, peer]
-        best = [float("inf")] * len(timed)
-        for _ in range(ROUNDS):
-            for index, run in enumerate(timed):
-                best[index] = min(best[index], await best_ms_async(run, 1, time.process_time) / calls)
+        best = await interleaved([bare, ours] if nemo is None else [bare, ours, peer], calls, CLIENT_ROUNDS)
     bare_ms, client_ms = best[:2]
     own_ms = client_ms - bare_ms
     print(

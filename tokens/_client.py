@@ -126,9 +126,14 @@ class TokenClient:
         self.tokenize_url = server_root(base_url) + "/tokenize"
         self.request_prompt_and_generation_token_ids = request_prompt_and_generation_token_ids
         self.retry = retry
-        self._headers = {"Content-Type": "application/json", "Accept-Encoding": ACCEPT_ENCODING}
+        headers = {"Content-Type": "application/json", "Accept-Encoding": ACCEPT_ENCODING}
         if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
+            headers["Authorization"] = f"Bearer {api_key}"
+        # Built once, not per call: the headers normalized, the completion URL parsed (when it parses;
+        # one that does not fails at its call, as httpx fails it).
+        self._headers = httpx.Headers(headers)
+        self._stream_headers = httpx.Headers({**headers, "Accept-Encoding": "identity"})
+        self._chat_url = _parsed(self.base_url + "/chat/completions")
         self._owns_client = http_client is None
         # No timeout given: ours for a client we make, the injected client's own for one passed in.
         self._http = http_client if http_client is not None else httpx.AsyncClient(timeout=timeout or DEFAULT_TIMEOUT)
@@ -158,7 +163,7 @@ class TokenClient:
         if self._owns_client:
             await self._http.aclose()
 
-    async def _post(self, url: str, body: Mapping[str, Any], what: str) -> bytes:
+    async def _post(self, url: httpx.URL | str, body: Mapping[str, Any], what: str) -> bytes:
         """POST ``body``; the raw response bytes on 2xx, a typed error otherwise, retried per policy."""
         request = self._http.build_request(
             "POST", url, content=msgspec.json.encode(body), headers=self._headers, timeout=self._timeout
@@ -201,7 +206,7 @@ class TokenClient:
         """Post a chat completion; the response with each choice's bundle on its message."""
         coordinates, _, body = self._transport.coordinates(_NO_HEADERS, body)
         request = self._capture.prepare(body)
-        fetch = partial(self._post, self.base_url + "/chat/completions", request, "chat completion")
+        fetch = partial(self._post, self._chat_url, request, "chat completion")
         completion = await self._transport.complete(body, request, coordinates, fetch, self.tokenize)
         assert completion is not None  # _post raises on every answer it does not return
         return completion
@@ -239,8 +244,8 @@ class TokenClient:
         as they arrive, then read ``stream.completion`` for the bundles. Not retried."""
         request = self._capture.prepare({**body, "stream": True}, streaming=True)
         sent = self._http.build_request(
-            "POST", self.base_url + "/chat/completions", content=msgspec.json.encode(request),
-            headers={**self._headers, "Accept-Encoding": "identity"}, timeout=self._timeout,
+            "POST", self._chat_url, content=msgspec.json.encode(request), headers=self._stream_headers,
+            timeout=self._timeout,
         )  # fmt: skip
         response = await self._pool.handle_async_request(sent)
         try:
@@ -252,6 +257,13 @@ class TokenClient:
     async def extract(self, request: Mapping[str, Any], data: bytes | str) -> TokenCompletion:
         """Run a response body through the extraction chain (``/tokenize`` as its fallback)."""
         return await self._capture.extract(request, data, self.tokenize)
+
+
+def _parsed(url: str) -> httpx.URL | str:
+    try:
+        return httpx.URL(url)
+    except httpx.InvalidURL:
+        return url
 
 
 def _retryable(policy: RetryPolicy) -> Any:

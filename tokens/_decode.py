@@ -25,7 +25,7 @@ MAX_TOKEN_ID = 2**31 - 1
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 
 
-class _LogprobEntry(msgspec.Struct):
+class _LogprobEntry(msgspec.Struct, gc=False):
     token: str
     logprob: float
 
