@@ -6,7 +6,8 @@ serves it; ``ProxyServer`` serves it on a loopback port in a background thread (
 ``proxy`` extra (``pip install 'llm-sandbox-middleware[proxy]'``). See docs/proxy.md.
 """
 
-from ._app import DEFAULT_MAX_REQUEST_BYTES, Coordinates, EventStream, create_app
+from ..records import Coordinates
+from ._app import DEFAULT_MAX_REQUEST_BYTES, EventStream, create_app
 from ._errors import (
     CaptureFailedError,
     ClientTimeoutError,

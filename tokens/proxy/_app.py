@@ -17,7 +17,6 @@ import re
 import secrets
 import socket
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
@@ -46,7 +45,8 @@ from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_
 from ..records import CoordinateError, Coordinates, Custody
 from ..records._coordinates import check_id, check_weight_version
 from ..records._writer import UNRECORDED
-from ._chat import chunks_of, sse
+from ._chat import chunks_of
+from ._dialects import CHAT, Dialect, dialects
 from ._errors import (
     CaptureFailedError,
     ClientTimeoutError,
@@ -55,16 +55,12 @@ from ._errors import (
     RequestTooLargeError,
     UpstreamError,
     UpstreamTimeoutError,
-    anthropic_error_body,
-    openai_error_body,
 )
-from ._messages import MessagesEvents, chat_to_messages, messages_to_chat
 from ._records import Recorder, StreamRecord, completion_of
-from ._responses import ResponsesEvents, chat_to_responses, history_of, responses_to_chat
 from ._sink import TokenSink
 from ._telemetry import DIALECT_ATTR, OUTCOME_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyInstruments
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "Coordinates", "create_app"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "EventStream", "create_app"]
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 """32 MiB: a 128K-token conversation as JSON is a few MiB; room for images as data URLs."""
@@ -77,8 +73,6 @@ _URL = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://\S+")
 _DECODE = msgspec.json.Decoder(dict[str, Any])
 _ENCODE = msgspec.json.Encoder()
 _JSON = {"content-type": "application/json"}
-Dialect = Literal["chat", "responses", "messages"]
-_PATHS: dict[str, Dialect] = {"chat/completions": "chat", "responses": "responses", "messages": "messages"}
 
 
 @dataclass(frozen=True)
@@ -103,31 +97,6 @@ def _coordinate(value: str | None, where: str) -> str | None:
 def _safe(text: str) -> str:
     """An upstream's message without any URL in it, at most 2,000 characters."""
     return _URL.sub("<url>", text)[:2000]
-
-
-class _Previous:
-    """The last ``size`` Responses answers served, by id: the items a ``previous_response_id`` stands for."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._items: OrderedDict[str, tuple[list[Any], str]] = OrderedDict()
-
-    def get(self, response_id: str) -> tuple[list[Any], str]:
-        found = self._items.get(response_id)
-        if found is None:
-            raise RequestRejectedError(
-                f"previous_response_id: {response_id[:80]!r} is not one of the last {self.size} responses this proxy "
-                "served (they are kept in memory only); send the whole conversation as input instead",
-                param="previous_response_id", status=404,
-            )  # fmt: skip
-        self._items.move_to_end(response_id)
-        return found
-
-    def put(self, response_id: str, items: list[Any], call_id: str) -> None:
-        if self.size:
-            self._items[response_id] = (items, call_id)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
 
 
 class _Upstream:
@@ -160,7 +129,7 @@ class _App:
         self.max_response_bytes = max_response_bytes
         self.client_timeout = client_timeout
         self.responses_upstream = responses_upstream
-        self.previous = _Previous(previous)
+        self.dialects = dialects(previous)
         self.chain = build_chain(DEFAULT_CHAIN if middleware is None else middleware)
         self.instruments = Instruments(ProxyInstruments.create, meter_provider, SCOPE)
         self.tracing = Tracing(tracer_provider, SCOPE)
@@ -179,13 +148,13 @@ class _App:
     async def endpoint(self, request: Request) -> Response:
         path = request.path_params["path"]
         rollout = request.path_params.get("rollout")
-        dialect = _PATHS.get(path)
+        dialect = self.dialects.get(path)
         if request.method == "GET" and path == "models":
             return await self.models()
         if dialect is None or request.method != "POST":
             error = ProxyError(f"{request.method} /v1/{path[:80]} is not served: POST /v1/chat/completions, "
                                "/v1/responses or /v1/messages (or GET /v1/models)", status=404)  # fmt: skip
-            return self.error_response("chat", error)
+            return self.error_response(CHAT, error)
         started = time.perf_counter()
         stream = False
         try:
@@ -197,7 +166,8 @@ class _App:
             self.finished(dialect, stream, started, exc)
             return self.error_response(dialect, exc)
         except Exception as exc:  # a defect of ours: logged, and still an answer the client's SDK parses
-            logger.error("tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect, exc_info=exc)
+            logger.error("tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name,
+                         exc_info=exc)  # fmt: skip
             failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
             self.finished(dialect, stream, started, failure)
             return self.error_response(dialect, failure)
@@ -263,7 +233,7 @@ class _App:
             response = await upstream.client.get(upstream.base + "/models")
             data = await read_body(response, "models", 2**20)
         except (TokensError, httpx.HTTPError) as exc:
-            return self.error_response("chat", self.upstream_error(exc))
+            return self.error_response(CHAT, self.upstream_error(exc))
         return Response(data, media_type="application/json")
 
     # -- serving ------------------------------------------------------------------------------
@@ -271,19 +241,16 @@ class _App:
     async def serve(self, dialect: Dialect, body: dict[str, Any], call: _Call, started: float) -> Response:
         stream = bool(body.get("stream"))
         upstream = self.upstream(body)
-        history: list[Any] = []
-        if dialect == "responses" and isinstance(body.get("previous_response_id"), str):
-            history, parent = self.previous.get(body["previous_response_id"])
-            if call.coordinates is not None and call.coordinates.parent_call_id is None:
-                call = _Call(call.model_call_id, dataclasses.replace(call.coordinates, parent_call_id=parent))
-        if dialect == "responses" and self.via_responses(upstream, body):
-            served = await self.serve_responses(upstream, body, history, call, started)
+        history, parent = dialect.history(body)
+        if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
+            call = _Call(call.model_call_id, dataclasses.replace(call.coordinates, parent_call_id=parent))
+        if dialect.native and self.via_responses(upstream, body):
+            served = await self.serve_responses(dialect, upstream, body, history, call, started)
             if served is not None:
                 return served
-        chat = body if dialect == "chat" else responses_to_chat(body, history) if dialect == "responses" else (
-            messages_to_chat(body))  # fmt: skip
+        chat = dialect.to_chat(body, history)
         custody = self.custody(call, chat)
-        span_attributes = {DIALECT_ATTR: dialect, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
+        span_attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
         if stream:
             await custody.begin()
             return await self.serve_stream(dialect, upstream, chat, body, history, call, started,
@@ -293,7 +260,7 @@ class _App:
                 completion = await self.post(upstream, chat, dialect)
                 if custody.recorded:
                     await custody.write_chat(chat, completion_of(completion, completion["choices"][0]["message"]))
-                answer = self.answer(dialect, completion, body, history, call)
+                answer = dialect.answer(completion, body, history, call.model_call_id)
                 self.finished(dialect, False, started, None, span)
         return JSONResponse(answer, headers=_call_headers(call))
 
@@ -302,21 +269,6 @@ class _App:
         if self.responses_upstream == "chat" or upstream.serves_responses is False:
             return False
         return self.responses_upstream == "responses" or not (body.get("tools") or body.get("stream"))
-
-    def answer(self, dialect: Dialect, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any],
-               call: _Call) -> dict[str, Any]:  # fmt: skip
-        if dialect == "chat":
-            return completion
-        if dialect == "messages":
-            return chat_to_messages(completion)
-        response_id = f"resp_{secrets.token_hex(12)}"
-        answer = chat_to_responses(completion, body, response_id)
-        self.remember(body, answer, history, call)
-        return answer
-
-    def remember(self, body: Mapping[str, Any], answer: Mapping[str, Any], history: list[Any], call: _Call) -> None:
-        if body.get("store", True) is not False:
-            self.previous.put(answer["id"], history_of(body, answer, history), call.model_call_id)
 
     async def post(self, upstream: _Upstream, body: Mapping[str, Any], dialect: Dialect) -> dict[str, Any]:
         """A chat completion, whole, from the upstream."""
@@ -328,14 +280,14 @@ class _App:
             raise self.upstream_error(exc, dialect) from None
         return _DECODE.decode(data)
 
-    async def serve_responses(self, upstream: _Upstream, body: Mapping[str, Any], history: list[Any],
+    async def serve_responses(self, dialect: Dialect, upstream: _Upstream, body: dict[str, Any], history: list[Any],
                               call: _Call, started: float) -> Response | None:  # fmt: skip
         """A Responses request through vLLM's ``/v1/responses``; None when the upstream does not serve it."""
         sent = prepare_responses_request({key: value for key, value in body.items() if key != "previous_response_id"})
         sent["input"] = [*history, *sent["input"]] if isinstance(sent.get("input"), list) else (
             [*history, {"type": "message", "role": "user", "content": sent.get("input", "")}])  # fmt: skip
-        attributes = {DIALECT_ATTR: "responses", STREAM_ATTR: False, UPSTREAM_ATTR: "responses"}
-        chat = responses_to_chat(body, history) if self.recorder is not None and call.coordinates is not None else {}
+        attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: False, UPSTREAM_ATTR: "responses"}
+        chat = dialect.to_chat(body, history) if self.recorder is not None and call.coordinates is not None else {}
         async with self.custody(call, chat) as custody:
             with self.span(attributes) as span:
                 try:
@@ -348,7 +300,7 @@ class _App:
                     decoded = decode_responses(data)
                     bundle = await self.chain(Exchange(sent, decoded))
                 except (TokensError, httpx.HTTPError) as exc:
-                    raise self.upstream_error(exc, "responses") from None
+                    raise self.upstream_error(exc, dialect) from None
                 upstream.serves_responses = True
                 answer = decoded.answer
                 answer.pop("choices", None)
@@ -363,15 +315,15 @@ class _App:
                     message = {"role": "assistant", "content": _output_text(output)}
                     as_chat = {"id": answer.get("id"), "model": answer.get("model"), "choices": [{"message": message}]}
                     await custody.write_chat(chat, completion_of(as_chat, output[-1]))
-                self.remember(body, answer, history, call)
-                self.finished("responses", False, started, None, span)
+                dialect.remember(body, answer, history, call.model_call_id)
+                self.finished(dialect, False, started, None, span)
         return JSONResponse(answer, headers=_call_headers(call))
 
     async def serve_stream(self, dialect: Dialect, upstream: _Upstream, chat: dict[str, Any], body: Mapping[str, Any],
                            history: list[Any], call: _Call, started: float, attributes: dict[str, Any],
                            custody: Custody) -> Response:  # fmt: skip
         tracer = self.tracing.get()
-        span = None if tracer is None else _start_span(tracer, dialect, attributes)
+        span = None if tracer is None else _start_span(tracer, dialect.name, attributes)
         request = upstream.client.build_request("POST", upstream.base + "/chat/completions",
                                                 content=_ENCODE.encode(chat), headers=_JSON)  # fmt: skip
         try:
@@ -402,10 +354,10 @@ class _App:
 
         async def events() -> AsyncIterator[bytes]:
             error: ProxyError | None = None
-            converter = _converter(dialect, body)
+            converter = dialect.events(body)
             gathered = StreamRecord() if custody.recorded else None
             try:
-                if isinstance(converter, ResponsesEvents):
+                if converter is not None:
                     for event in converter.start():
                         yield event
                 async for event in response.aiter_raw():
@@ -425,12 +377,11 @@ class _App:
                 if converter is not None:
                     for out in converter.finish():
                         yield out
-                    if isinstance(converter, ResponsesEvents) and converter.completed is not None:
-                        self.remember(body, converter.completed, history, call)
+                    dialect.ended(converter, body, history, call.model_call_id)
             except (TokensError, httpx.HTTPError, ProxyError) as exc:
                 error = self.upstream_error(exc, dialect)
                 await custody.end(error)
-                yield self.error_event(dialect, error, converter)
+                yield dialect.error_event(error, converter)
             except anyio.get_cancelled_exc_class() as exc:  # cancelled before its record: the rollout has a hole
                 await custody.end(exc)
                 raise
@@ -467,21 +418,14 @@ class _App:
     def count_capture_error(self, dialect: Dialect | None, exc: BaseException) -> None:
         instruments = self.instruments.get()
         if instruments is not None:
-            attributes = {DIALECT_ATTR: dialect or "unknown", ERROR_TYPE_ATTR: error_type(exc)}
+            attributes = {
+                DIALECT_ATTR: "unknown" if dialect is None else dialect.name,
+                ERROR_TYPE_ATTR: error_type(exc),
+            }
             safely("tokens.proxy.capture_error_total", instruments.capture_errors.add, 1, attributes)
 
     def error_response(self, dialect: Dialect, error: ProxyError) -> Response:
-        body = anthropic_error_body(error) if dialect == "messages" else openai_error_body(error)
-        return JSONResponse(body, status_code=error.status)
-
-    def error_event(self, dialect: Dialect, error: ProxyError, converter: Any) -> bytes:
-        if dialect == "messages":
-            return sse(anthropic_error_body(error), "error")
-        if dialect == "responses":
-            sequence = converter._sequence if isinstance(converter, ResponsesEvents) else 0
-            return sse({"type": "error", "code": error.openai_type, "message": str(error), "param": error.param,
-                        "sequence_number": sequence}, "error")  # fmt: skip
-        return sse(openai_error_body(error))
+        return JSONResponse(dialect.error_body(error), status_code=error.status)
 
     def span(self, attributes: dict[str, Any]) -> AbstractContextManager[Span | None]:
         tracer = self.tracing.get()
@@ -495,7 +439,7 @@ class _App:
         instruments = self.instruments.get()
         if instruments is not None:
             elapsed = (time.perf_counter() - started) * 1000.0
-            attributes = {DIALECT_ATTR: dialect, STREAM_ATTR: stream, OUTCOME_ATTR: outcome}
+            attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, OUTCOME_ATTR: outcome}
             safely("tokens.proxy.duration_ms", instruments.duration_ms.record, elapsed, attributes)
         if span is not None and stream:
             safely("tokens.proxy span", _end_span, span, error)
@@ -528,14 +472,6 @@ def _call_headers(call: _Call) -> dict[str, str]:
     if call.coordinates is not None:
         headers[ROLLOUT_HEADER] = call.coordinates.rollout_id
     return headers
-
-
-def _converter(dialect: Dialect, body: Mapping[str, Any]) -> ResponsesEvents | MessagesEvents | None:
-    if dialect == "responses":
-        return ResponsesEvents(body, f"resp_{secrets.token_hex(12)}")
-    if dialect == "messages":
-        return MessagesEvents()
-    return None
 
 
 class EventStream(Response):

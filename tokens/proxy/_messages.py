@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._chat import TOKEN_FIELDS, function_tool, required_string, sse, text_parts
-from ._errors import RequestRejectedError, UpstreamError
+from ._errors import ProxyError, RequestRejectedError, UpstreamError, anthropic_error_body
 
 __all__ = ["MessagesEvents", "chat_to_messages", "messages_to_chat"]
 
@@ -171,6 +171,12 @@ class MessagesEvents:
     _finish: Any = None
     _usage: Any = None
     _bundles: Any = None
+
+    def start(self) -> list[bytes]:
+        return []  # ``message_start`` waits for the first chunk (it carries the answer's id and model)
+
+    def error(self, error: ProxyError) -> bytes:
+        return sse(anthropic_error_body(error), "error")
 
     def feed(self, chunk: Mapping[str, Any]) -> list[bytes]:
         out: list[bytes] = []

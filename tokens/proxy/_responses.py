@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._chat import TOKEN_FIELDS, function_tool, required_string, sse, strip_token_fields, text_parts
-from ._errors import RequestRejectedError
+from ._errors import ProxyError, RequestRejectedError
 
 __all__ = ["ResponsesEvents", "chat_to_responses", "input_items", "responses_to_chat"]
 
@@ -215,6 +215,12 @@ class _Item:
     pieces: list[str] = field(default_factory=list)
 
 
+def error_event(error: ProxyError, sequence: int) -> bytes:
+    """A Responses stream's ``error`` event (``sequence``: its ``sequence_number``)."""
+    return sse({"type": "error", "code": error.openai_type, "message": str(error), "param": error.param,
+                "sequence_number": sequence}, "error")  # fmt: skip
+
+
 @dataclass
 class ResponsesEvents:
     """The Responses stream for a captured chat completion stream: ``start()``, then ``feed(chunk)``
@@ -238,6 +244,10 @@ class ResponsesEvents:
         event = sse({"type": kind, "sequence_number": self._sequence, **data}, kind)
         self._sequence += 1
         return event
+
+    def error(self, error: ProxyError) -> bytes:
+        """The stream's ``error`` event, numbered after the events sent so far."""
+        return error_event(error, self._sequence)
 
     def _snapshot(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
         return _response(self.request, self.response_id, self.created, self.model, status, output, self._usage,
