@@ -56,8 +56,9 @@ def _lengths_match(ids: list[int], log_probs: list[float], ids_field: str, log_p
         )
 
 
-def _three_field_source(response: DecodedResponse, fields: tuple[str, str, str], source: str, hint: str,
-                        index: int) -> Candidate | None:  # fmt: skip
+def _three_field_source(
+    response: DecodedResponse, fields: tuple[str, str, str], source: str, hint: str, index: int
+) -> Candidate | None:
     """Three held fields (prompt ids, generation ids, log probabilities), or None if none is there."""
     present = [name for name in fields if response.present(name)]
     if not present:
@@ -96,8 +97,9 @@ def extract_vllm_inline(response: DecodedResponse, index: int = 0) -> Candidate 
     generation = response.token_ids(f"{choice}.token_ids") if has_generation else None
     routed = _routed_experts(response, index)
     if not (has_prompt and has_generation):
-        there, absent = ("prompt_token_ids", f"{choice}.token_ids") if has_prompt else (f"{choice}.token_ids",
-                                                                                      "prompt_token_ids")  # fmt: skip
+        there, absent = (
+            ("prompt_token_ids", f"{choice}.token_ids") if has_prompt else (f"{choice}.token_ids", "prompt_token_ids")
+        )
         problem: TokenCaptureError = PartialTokenMetadataError(
             f"the response has vLLM inline {there} but no {absent}; vLLM sends both with return_token_ids=true"
         )
@@ -143,10 +145,12 @@ def extract_dynamo(response: DecodedResponse, index: int = 0) -> Candidate | Non
     if index:
         return None
     return _three_field_source(
-        response, _DYNAMO_FIELDS, "dynamo",
+        response,
+        _DYNAMO_FIELDS,
+        "dynamo",
         "Dynamo's engine_data must have all three (is the backend old, or were log probabilities not requested?)",
         index,
-    )  # fmt: skip
+    )
 
 
 _DYNAMO_FIELDS = (
@@ -179,8 +183,14 @@ def extract_sglang(response: DecodedResponse, index: int = 0) -> Candidate | Non
     return Candidate("sglang", prompt, generation, log_probs, None, routed)
 
 
-_TOKENIZE_FIELDS = ("model", "messages", "tools", "chat_template_kwargs", "mm_processor_kwargs",
-                    "required_prefix_token_ids")  # fmt: skip
+_TOKENIZE_FIELDS = (
+    "model",
+    "messages",
+    "tools",
+    "chat_template_kwargs",
+    "mm_processor_kwargs",
+    "required_prefix_token_ids",
+)
 
 
 def tokenize_body(request: Mapping[str, Any]) -> dict[str, Any]:

@@ -155,8 +155,9 @@ class TokenClient:
     async def __aenter__(self) -> TokenClient:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:  # fmt: skip
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -211,8 +212,9 @@ class TokenClient:
         assert completion is not None  # _post raises on every answer it does not return
         return completion
 
-    async def _token_in(self, url: str, what: str, request: dict[str, Any], coordinates: Coordinates | None,
-                        extract: Any) -> TokenCompletion:  # fmt: skip
+    async def _token_in(
+        self, url: str, what: str, request: dict[str, Any], coordinates: Coordinates | None, extract: Any
+    ) -> TokenCompletion:
         async with custody(self._transport.records, coordinates) as call:
             completion: TokenCompletion = extract(request, await self._post(url, request, what))
             await call.write_token_in(completion)
@@ -244,13 +246,17 @@ class TokenClient:
         as they arrive, then read ``stream.completion`` for the bundles. Not retried."""
         request = self._capture.prepare({**body, "stream": True}, streaming=True)
         sent = self._http.build_request(
-            "POST", self._chat_url, content=msgspec.json.encode(request), headers=self._stream_headers,
+            "POST",
+            self._chat_url,
+            content=msgspec.json.encode(request),
+            headers=self._stream_headers,
             timeout=self._timeout,
-        )  # fmt: skip
+        )
         response = await self._pool.handle_async_request(sent)
         try:
-            yield TokenStream(await capture_stream(response, request, self._capture, self.tokenize,
-                                                   self.max_response_bytes))  # fmt: skip
+            yield TokenStream(
+                await capture_stream(response, request, self._capture, self.tokenize, self.max_response_bytes)
+            )
         finally:
             await response.aclose()
 

@@ -245,9 +245,10 @@ def decode_response(data: bytes | str) -> DecodedResponse:
         message = (
             {}
             if message_raw is None
-            else _split(_object(message_raw, prefix + "message", MalformedResponseError), _MESSAGE_RAW,
-                        prefix + "message.", raw)
-        )  # fmt: skip
+            else _split(
+                _object(message_raw, prefix + "message", MalformedResponseError), _MESSAGE_RAW, prefix + "message.", raw
+            )
+        )
         choice["message"] = message
         decoded_choices.append(choice)
         messages.append(message)

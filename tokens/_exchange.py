@@ -39,9 +39,12 @@ class Candidate:
         assert self.prompt_token_ids is not None and self.generation_token_ids is not None
         assert self.generation_log_probs is not None
         return TokenBundle(
-            self.prompt_token_ids, self.generation_token_ids, self.generation_log_probs, self.source,
+            self.prompt_token_ids,
+            self.generation_token_ids,
+            self.generation_log_probs,
+            self.source,
             self.routed_experts,
-        )  # fmt: skip
+        )
 
 
 @dataclass

@@ -199,6 +199,11 @@ class Trajectory:
         want, got = expected[start : index + self.window], actual[start : index + self.window]
         decode = self.decode
         return Drift(
-            turn, index, start, want, got,
-            decode(want) if decode is not None else None, decode(got) if decode is not None else None,
-        )  # fmt: skip
+            turn,
+            index,
+            start,
+            want,
+            got,
+            decode(want) if decode is not None else None,
+            decode(got) if decode is not None else None,
+        )

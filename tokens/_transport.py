@@ -117,8 +117,9 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
                 return None  # the client raises (and retries) HTTP errors as it always does
             return await read_body(response, "chat completion", self.max_response_bytes)
 
-        completion = await self.complete(body, sent, coordinates, fetch, tokenize,
-                                         lambda: answer[0].headers.get("x-weight-version"))  # fmt: skip
+        completion = await self.complete(
+            body, sent, coordinates, fetch, tokenize, lambda: answer[0].headers.get("x-weight-version")
+        )
         response = answer[0]
         if completion is None:
             return response

@@ -169,8 +169,9 @@ def extract_vllm_responses(response: DecodedResponse, index: int = 0) -> Candida
     log_probs = _output_log_probs(response.answer)
     problem: TokenCaptureError | None = None
     if prompt is None or generation is None:
-        there, absent = ("input_messages", "output_messages") if generation is None else ("output_messages",
-                                                                                        "input_messages")  # fmt: skip
+        there, absent = (
+            ("input_messages", "output_messages") if generation is None else ("output_messages", "input_messages")
+        )
         problem = PartialTokenMetadataError(
             f"the Responses answer has {there} but no {absent}; vLLM sends both with enable_response_messages=true"
         )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
 import secrets
 import socket
 import time
@@ -37,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 from _shared_telemetry import ERROR_TYPE_ATTR, Instruments, Tracing, error_type, guarded_span, safely
 
 from .._chain import DEFAULT_CHAIN, ChainEntry, build_chain
-from .._errors import ResponseTooLargeError, ServerResponseError, TokensError
+from .._errors import TokensError
 from .._exchange import Exchange
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body, strip_credentials
 from .._transport import TokenCaptureTransport
@@ -53,8 +52,7 @@ from ._errors import (
     ProxyError,
     RequestRejectedError,
     RequestTooLargeError,
-    UpstreamError,
-    UpstreamTimeoutError,
+    upstream_error,
 )
 from ._records import Recorder, StreamRecord, completion_of
 from ._sink import TokenSink
@@ -67,9 +65,12 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 
 SCOPE = "tokens.proxy"
 logger = logging.getLogger("tokens.proxy")
-ROLLOUT_HEADER, CALL_HEADER, PARENT_HEADER, WEIGHT_HEADER = ("x-rollout-id", "x-model-call-id", "x-parent-call-id",
-                                                             "x-weight-version")  # fmt: skip
-_URL = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://\S+")
+ROLLOUT_HEADER, CALL_HEADER, PARENT_HEADER, WEIGHT_HEADER = (
+    "x-rollout-id",
+    "x-model-call-id",
+    "x-parent-call-id",
+    "x-weight-version",
+)
 _DECODE = msgspec.json.Decoder(dict[str, Any])
 _ENCODE = msgspec.json.Encoder()
 _JSON = {"content-type": "application/json"}
@@ -94,35 +95,53 @@ def _coordinate(value: str | None, where: str) -> str | None:
         raise RequestRejectedError(str(exc), param=where) from None
 
 
-def _safe(text: str) -> str:
-    """An upstream's message without any URL in it, at most 2,000 characters."""
-    return _URL.sub("<url>", text)[:2000]
-
-
 class _Upstream:
     """One upstream: its base URL (credentials stripped), its capturing client, what it serves."""
 
-    def __init__(self, url: str, api_key: str | None, transport: httpx.AsyncBaseTransport | None, *,
-                 middleware: Sequence[ChainEntry] | None, max_response_bytes: int, timeout: httpx.Timeout,
-                 meter_provider: MeterProvider | None, tracer_provider: TracerProvider | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None,
+        transport: httpx.AsyncBaseTransport | None,
+        *,
+        middleware: Sequence[ChainEntry] | None,
+        max_response_bytes: int,
+        timeout: httpx.Timeout,
+        meter_provider: MeterProvider | None,
+        tracer_provider: TracerProvider | None,
+    ) -> None:
         base, auth = strip_credentials(url.rstrip("/"))
         self.base = base
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         if transport is None:  # no Nagle delay between a request's headers and its body, nor between events
             transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         capture = TokenCaptureTransport(
-            transport, request_prompt_and_generation_token_ids=True, middleware=middleware,
-            max_response_bytes=max_response_bytes, meter_provider=meter_provider, tracer_provider=tracer_provider,
-        )  # fmt: skip
+            transport,
+            request_prompt_and_generation_token_ids=True,
+            middleware=middleware,
+            max_response_bytes=max_response_bytes,
+            meter_provider=meter_provider,
+            tracer_provider=tracer_provider,
+        )
         self.client = httpx.AsyncClient(transport=capture, auth=auth, headers=headers, timeout=timeout)
         self.serves_responses: bool | None = None  # unknown until asked
 
 
 class _App:
-    def __init__(self, upstreams: Mapping[str | None, _Upstream], *, store: TokenSink | None, max_request_bytes: int,
-                 max_response_bytes: int, client_timeout: float, responses_upstream: str, previous: int,
-                 middleware: Sequence[ChainEntry] | None, meter_provider: MeterProvider | None,
-                 tracer_provider: TracerProvider | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        upstreams: Mapping[str | None, _Upstream],
+        *,
+        store: TokenSink | None,
+        max_request_bytes: int,
+        max_response_bytes: int,
+        client_timeout: float,
+        responses_upstream: str,
+        previous: int,
+        middleware: Sequence[ChainEntry] | None,
+        meter_provider: MeterProvider | None,
+        tracer_provider: TracerProvider | None,
+    ) -> None:
         self.upstreams = upstreams
         self.recorder = None if store is None else Recorder(store)
         self.max_request_bytes = max_request_bytes
@@ -152,8 +171,11 @@ class _App:
         if request.method == "GET" and path == "models":
             return await self.models()
         if dialect is None or request.method != "POST":
-            error = ProxyError(f"{request.method} /v1/{path[:80]} is not served: POST /v1/chat/completions, "
-                               "/v1/responses or /v1/messages (or GET /v1/models)", status=404)  # fmt: skip
+            error = ProxyError(
+                f"{request.method} /v1/{path[:80]} is not served: POST /v1/chat/completions, "
+                "/v1/responses or /v1/messages (or GET /v1/models)",
+                status=404,
+            )
             return self.error_response(CHAT, error)
         started = time.perf_counter()
         stream = False
@@ -166,8 +188,9 @@ class _App:
             self.finished(dialect, stream, started, exc)
             return self.error_response(dialect, exc)
         except Exception as exc:  # a defect of ours: logged, and still an answer the client's SDK parses
-            logger.error("tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name,
-                         exc_info=exc)  # fmt: skip
+            logger.error(
+                "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
+            )
             failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
             self.finished(dialect, stream, started, failure)
             return self.error_response(dialect, failure)
@@ -202,8 +225,9 @@ class _App:
 
     def call(self, request: Request, rollout: str | None) -> _Call:
         headers = request.headers
-        rollout_id = _coordinate(rollout, "the URL's rollout id") or _coordinate(headers.get(ROLLOUT_HEADER),
-                                                                                  "X-Rollout-Id")  # fmt: skip
+        rollout_id = _coordinate(rollout, "the URL's rollout id") or _coordinate(
+            headers.get(ROLLOUT_HEADER), "X-Rollout-Id"
+        )
         call_id = _coordinate(headers.get(CALL_HEADER), "X-Model-Call-Id") or f"call_{secrets.token_hex(12)}"
         parent = _coordinate(headers.get(PARENT_HEADER), "X-Parent-Call-Id")
         weight = headers.get(WEIGHT_HEADER) or None
@@ -223,8 +247,9 @@ class _App:
         found = self.upstreams.get(model if isinstance(model, str) else None) or self.upstreams.get(None)
         if found is None:
             served = ", ".join(sorted(str(name) for name in self.upstreams))
-            raise ProxyError(f"model {str(model)[:80]!r} is not served here (models: {served})", param="model",
-                             status=404)  # fmt: skip
+            raise ProxyError(
+                f"model {str(model)[:80]!r} is not served here (models: {served})", param="model", status=404
+            )
         return found
 
     async def models(self) -> Response:
@@ -253,8 +278,9 @@ class _App:
         span_attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
         if stream:
             await custody.begin()
-            return await self.serve_stream(dialect, upstream, chat, body, history, call, started,
-                                           span_attributes, custody)  # fmt: skip
+            return await self.serve_stream(
+                dialect, upstream, chat, body, history, call, started, span_attributes, custody
+            )
         async with custody:
             with self.span(span_attributes) as span:
                 completion = await self.post(upstream, chat, dialect)
@@ -273,19 +299,30 @@ class _App:
     async def post(self, upstream: _Upstream, body: Mapping[str, Any], dialect: Dialect) -> dict[str, Any]:
         """A chat completion, whole, from the upstream."""
         try:
-            response = await upstream.client.post(upstream.base + "/chat/completions", content=_ENCODE.encode(body),
-                                                  headers=_JSON)  # fmt: skip
+            response = await upstream.client.post(
+                upstream.base + "/chat/completions", content=_ENCODE.encode(body), headers=_JSON
+            )
             data = await read_body(response, "answer", self.max_response_bytes)
         except (TokensError, httpx.HTTPError) as exc:
             raise self.upstream_error(exc, dialect) from None
         return _DECODE.decode(data)
 
-    async def serve_responses(self, dialect: Dialect, upstream: _Upstream, body: dict[str, Any], history: list[Any],
-                              call: _Call, started: float) -> Response | None:  # fmt: skip
+    async def serve_responses(
+        self,
+        dialect: Dialect,
+        upstream: _Upstream,
+        body: dict[str, Any],
+        history: list[Any],
+        call: _Call,
+        started: float,
+    ) -> Response | None:
         """A Responses request through vLLM's ``/v1/responses``; None when the upstream does not serve it."""
         sent = prepare_responses_request({key: value for key, value in body.items() if key != "previous_response_id"})
-        sent["input"] = [*history, *sent["input"]] if isinstance(sent.get("input"), list) else (
-            [*history, {"type": "message", "role": "user", "content": sent.get("input", "")}])  # fmt: skip
+        sent["input"] = (
+            [*history, *sent["input"]]
+            if isinstance(sent.get("input"), list)
+            else ([*history, {"type": "message", "role": "user", "content": sent.get("input", "")}])
+        )
         attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: False, UPSTREAM_ATTR: "responses"}
         chat = dialect.to_chat(body, history) if self.recorder is not None and call.coordinates is not None else {}
         async with self.custody(call, chat) as custody:
@@ -306,10 +343,22 @@ class _App:
                 answer.pop("choices", None)
                 output = answer["output"]
                 if not output:
-                    output.append({"id": f"msg_{answer.get('id', '')}", "type": "message", "role": "assistant",
-                                   "status": "completed", "content": []})  # fmt: skip
-                output[-1].update(zip(TOKEN_FIELDS, (bundle.prompt_token_ids, bundle.generation_token_ids,
-                                                     bundle.generation_log_probs), strict=True))  # fmt: skip
+                    output.append(
+                        {
+                            "id": f"msg_{answer.get('id', '')}",
+                            "type": "message",
+                            "role": "assistant",
+                            "status": "completed",
+                            "content": [],
+                        }
+                    )
+                output[-1].update(
+                    zip(
+                        TOKEN_FIELDS,
+                        (bundle.prompt_token_ids, bundle.generation_token_ids, bundle.generation_log_probs),
+                        strict=True,
+                    )
+                )
                 answer["previous_response_id"] = body.get("previous_response_id")
                 if custody.recorded:
                     message = {"role": "assistant", "content": _output_text(output)}
@@ -319,13 +368,23 @@ class _App:
                 self.finished(dialect, False, started, None, span)
         return JSONResponse(answer, headers=_call_headers(call))
 
-    async def serve_stream(self, dialect: Dialect, upstream: _Upstream, chat: dict[str, Any], body: Mapping[str, Any],
-                           history: list[Any], call: _Call, started: float, attributes: dict[str, Any],
-                           custody: Custody) -> Response:  # fmt: skip
+    async def serve_stream(
+        self,
+        dialect: Dialect,
+        upstream: _Upstream,
+        chat: dict[str, Any],
+        body: Mapping[str, Any],
+        history: list[Any],
+        call: _Call,
+        started: float,
+        attributes: dict[str, Any],
+        custody: Custody,
+    ) -> Response:
         tracer = self.tracing.get()
         span = None if tracer is None else _start_span(tracer, dialect.name, attributes)
-        request = upstream.client.build_request("POST", upstream.base + "/chat/completions",
-                                                content=_ENCODE.encode(chat), headers=_JSON)  # fmt: skip
+        request = upstream.client.build_request(
+            "POST", upstream.base + "/chat/completions", content=_ENCODE.encode(chat), headers=_JSON
+        )
         try:
             with trace.use_span(span, end_on_exit=False) if span is not None else nullcontext():
                 response = await upstream.client.send(request, stream=True)
@@ -393,27 +452,11 @@ class _App:
     # -- errors and telemetry ------------------------------------------------------------------
 
     def upstream_error(self, exc: BaseException, dialect: Dialect | None = None) -> ProxyError:
-        """The client's view of an upstream failure: typed, with the upstream's status where it has one,
-        never its URL."""
-        if isinstance(exc, ProxyError):
-            return exc
-        if isinstance(exc, httpx.TimeoutException):
-            return UpstreamTimeoutError(f"the upstream did not answer in time ({type(exc).__name__})")
-        if isinstance(exc, httpx.HTTPError):
-            return UpstreamError(f"the connection to the upstream failed ({type(exc).__name__})")
-        if isinstance(exc, ServerResponseError):
-            if 300 <= exc.status_code < 400:
-                return UpstreamError(f"the upstream answered with a redirect (HTTP {exc.status_code}), not followed")
-            detail = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else exc.body
-            said = detail.get("message") if isinstance(detail, dict) else detail
-            message = f"the upstream answered HTTP {exc.status_code}: {_safe(str(said))}"
-            if exc.status_code >= 500 and exc.status_code != 503:
-                return UpstreamError(message)  # a 502: the upstream failed
-            return ProxyError(message, status=exc.status_code)  # its 4xx, or 503 (overloaded), passed on
-        self.count_capture_error(dialect, exc)
-        if isinstance(exc, ResponseTooLargeError):
-            return CaptureFailedError(f"the upstream's answer is over the proxy's max_response_bytes={exc.limit:,}")
-        return CaptureFailedError(f"token capture failed ({type(exc).__name__}): {_safe(str(exc))}")
+        """The client's view of an upstream failure (``upstream_error``); a capture failure is counted."""
+        error = upstream_error(exc)
+        if error is not exc and isinstance(error, CaptureFailedError):
+            self.count_capture_error(dialect, exc)
+        return error
 
     def count_capture_error(self, dialect: Dialect | None, exc: BaseException) -> None:
         instruments = self.instruments.get()
@@ -433,8 +476,9 @@ class _App:
             return nullcontext()
         return guarded_span(tracer, f"tokens.proxy {attributes[DIALECT_ATTR]}", attributes)
 
-    def finished(self, dialect: Dialect, stream: bool, started: float, error: ProxyError | None,
-                 span: Span | None = None) -> None:  # fmt: skip
+    def finished(
+        self, dialect: Dialect, stream: bool, started: float, error: ProxyError | None, span: Span | None = None
+    ) -> None:
         outcome = "ok" if error is None else type(error).__name__
         instruments = self.instruments.get()
         if instruments is not None:
@@ -493,8 +537,12 @@ class EventStream(Response):
         self.closing = closing
         self.status_code = 200
         self.background = None
-        fields = {**headers, "content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
-                  "x-accel-buffering": "no"}  # fmt: skip
+        fields = {
+            **headers,
+            "content-type": "text/event-stream; charset=utf-8",
+            "cache-control": "no-cache",
+            "x-accel-buffering": "no",
+        }
         self.raw_headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in fields.items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -585,8 +633,11 @@ def create_app(
     for name, value in (("max_request_bytes", max_request_bytes), ("previous_responses", previous_responses + 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"create_app: {name} must be a positive int, not {value!r}")
-    for name, seconds in (("upstream_timeout", upstream_timeout), ("connect_timeout", connect_timeout),
-                          ("client_timeout", client_timeout)):  # fmt: skip
+    for name, seconds in (
+        ("upstream_timeout", upstream_timeout),
+        ("connect_timeout", connect_timeout),
+        ("client_timeout", client_timeout),
+    ):
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < float("inf"):
             raise ValueError(f"create_app: {name} must be a positive number of seconds, not {seconds!r}")
     if responses_upstream not in ("auto", "responses", "chat"):
@@ -601,10 +652,18 @@ def create_app(
             raise ValueError(f"create_app: {where} must be an http(s) URL with a host, e.g. http://host:8000/v1")
     timeout = httpx.Timeout(upstream_timeout, connect=connect_timeout)
     upstreams = {
-        model: _Upstream(url, upstream_api_key, transport, middleware=middleware, max_response_bytes=max_response_bytes,
-                         timeout=timeout, meter_provider=meter_provider, tracer_provider=tracer_provider)
+        model: _Upstream(
+            url,
+            upstream_api_key,
+            transport,
+            middleware=middleware,
+            max_response_bytes=max_response_bytes,
+            timeout=timeout,
+            meter_provider=meter_provider,
+            tracer_provider=tracer_provider,
+        )
         for model, url in urls.items()
-    }  # fmt: skip
+    }
     if not upstreams:
         raise ValueError("create_app: upstream_url names no upstream")
     proxy = _App(upstreams, store=store, max_request_bytes=max_request_bytes, max_response_bytes=max_response_bytes,
@@ -619,8 +678,10 @@ def create_app(
             await proxy.aclose()
 
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
-    routes = [Route("/v1/{path:path}", proxy.endpoint, methods=methods),
-              Route("/r/{rollout}/v1/{path:path}", proxy.endpoint, methods=methods)]  # fmt: skip
+    routes = [
+        Route("/v1/{path:path}", proxy.endpoint, methods=methods),
+        Route("/r/{rollout}/v1/{path:path}", proxy.endpoint, methods=methods),
+    ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.proxy = proxy
     return app

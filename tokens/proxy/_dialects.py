@@ -47,8 +47,9 @@ class Dialect:
     def to_chat(self, body: dict[str, Any], history: list[Any]) -> dict[str, Any]:
         return body
 
-    def answer(self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any],
-               call_id: str) -> dict[str, Any]:  # fmt: skip
+    def answer(
+        self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any], call_id: str
+    ) -> dict[str, Any]:
         return completion
 
     def remember(self, body: Mapping[str, Any], answer: Mapping[str, Any], history: list[Any], call_id: str) -> None:
@@ -75,8 +76,9 @@ class _Messages(Dialect):
     def to_chat(self, body: dict[str, Any], history: list[Any]) -> dict[str, Any]:
         return messages_to_chat(body)
 
-    def answer(self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any],
-               call_id: str) -> dict[str, Any]:  # fmt: skip
+    def answer(
+        self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any], call_id: str
+    ) -> dict[str, Any]:
         return chat_to_messages(completion)
 
     def events(self, body: Mapping[str, Any]) -> Events:
@@ -102,8 +104,9 @@ class _Previous:
             raise RequestRejectedError(
                 f"previous_response_id: {response_id[:80]!r} is not one of the last {self.size} responses this proxy "
                 "served (they are kept in memory only); send the whole conversation as input instead",
-                param="previous_response_id", status=404,
-            )  # fmt: skip
+                param="previous_response_id",
+                status=404,
+            )
         self._items.move_to_end(response_id)
         return found
 
@@ -133,8 +136,9 @@ class _Responses(Dialect):
     def to_chat(self, body: dict[str, Any], history: list[Any]) -> dict[str, Any]:
         return responses_to_chat(body, history)
 
-    def answer(self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any],
-               call_id: str) -> dict[str, Any]:  # fmt: skip
+    def answer(
+        self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any], call_id: str
+    ) -> dict[str, Any]:
         answer = chat_to_responses(completion, body, f"resp_{secrets.token_hex(12)}")
         self.remember(body, answer, history, call_id)
         return answer

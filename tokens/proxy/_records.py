@@ -112,8 +112,12 @@ class _ProxyCustody(Custody):
         except (RolloutFrozenError, RolloutRetiredError) as exc:  # a frozen or retired rollout takes no more calls
             raise ProxyError(f"rollout {coordinates.rollout_id!r} takes no more calls: {exc}", status=409) from None
         except RecordsError as exc:  # the store itself: its details (a path, a host) go to the log only
-            logger.warning("rollout %r, model call %r: begin_call failed: %s", coordinates.rollout_id,
-                           coordinates.model_call_id, exc)  # fmt: skip
+            logger.warning(
+                "rollout %r, model call %r: begin_call failed: %s",
+                coordinates.rollout_id,
+                coordinates.model_call_id,
+                exc,
+            )
             raise ProxyError(
                 f"the record store failed ({type(exc).__name__}); nothing was sent upstream: retry the call",
                 status=503,

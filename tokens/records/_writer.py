@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -114,13 +113,20 @@ class RecordWriter:
                 await self.sink.mark_incomplete(coordinates.rollout_id, coordinates.model_call_id)
                 marked = True
             except Exception as exc:  # the caller gets the capture error either way
-                logger.warning("rollout %r, model call %r: capture failed and the rollout could not be marked "
-                               "incomplete (%s)", coordinates.rollout_id, coordinates.model_call_id,
-                               type(exc).__name__)  # fmt: skip
+                logger.warning(
+                    "rollout %r, model call %r: capture failed and the rollout could not be marked incomplete (%s)",
+                    coordinates.rollout_id,
+                    coordinates.model_call_id,
+                    type(exc).__name__,
+                )
                 return
         if not marked:
-            logger.warning("rollout %r, model call %r: capture failed and marking the rollout incomplete took over "
-                           "%g s", coordinates.rollout_id, coordinates.model_call_id, MARK_TIMEOUT_S)  # fmt: skip
+            logger.warning(
+                "rollout %r, model call %r: capture failed and marking the rollout incomplete took over %g s",
+                coordinates.rollout_id,
+                coordinates.model_call_id,
+                MARK_TIMEOUT_S,
+            )
 
     async def write_token_in(self, coordinates: Coordinates, completion: TokenCompletion) -> None:
         """Record a token-in call (``/v1/completions``, ``/inference/v1/generate``): the parent is
@@ -139,8 +145,12 @@ class RecordWriter:
         try:
             status, match, reason = await self._parent(coordinates, bundle, items)
         except Exception as exc:  # a capture error never fails the model call: the record says why
-            logger.warning("rollout %r, model call %r: the parent lookup failed (%r); recorded as unresolved",
-                           coordinates.rollout_id, coordinates.model_call_id, exc)  # fmt: skip
+            logger.warning(
+                "rollout %r, model call %r: the parent lookup failed (%r); recorded as unresolved",
+                coordinates.rollout_id,
+                coordinates.model_call_id,
+                exc,
+            )
             status, match, reason = UNRESOLVED, None, f"lineage_lookup_failed: {type(exc).__name__}"
         prompt = bundle.prompt_token_ids
         delta = False
@@ -277,8 +287,7 @@ class Custody:
         await self.begin()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:  # fmt: skip
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         await self.end(exc)
 
 
