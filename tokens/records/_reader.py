@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._trajectory import DriftPolicy, Segment, Trajectory
 from ._order import order_records
 from ._record import UNRESOLVED, TokenRecord
+from ._trajectory import DriftPolicy, Segment, Trajectory
 from ._types import TokenCaptureSnapshot
 
 __all__ = ["RolloutSample", "read_rollout"]

@@ -13,10 +13,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ._bundle import TokenBundle, TokenCompletion
-from ._errors import TokensError
-from ._exchange import first_difference
-from .records._order import order_records
+from .._bundle import TokenBundle, TokenCompletion
+from .._errors import TokensError
+from .._exchange import first_difference
+from ._order import order_records
 
 __all__ = ["Drift", "DriftPolicy", "Segment", "Trajectory", "TrajectoryDriftError"]
 
