@@ -11,6 +11,8 @@ the comparison; ``NEMO_GYM_VENV`` or ``NEMO_GYM_PYTHON`` point at another one). 
    count), at 1,024+256, 8,192+2,048, 32,768+8,192 and 131,072+32,768
    prompt + generated tokens (goals: capture / NeMo Gym <= 0.75 at 1,024+256 and <= 0.6 from
    8,192+2,048 up); the bundles of both of our paths must be equal, and NeMo Gym's ids ours;
+   then (1b) ``TokenClient.chat_completion``'s own cost per call at 1,024+256 (its CPU time minus the
+   same bare httpx post, over one in-memory transport) beside NeMo Gym's path (goal <= 0.75);
 2. ``TokenCaptureTransport`` per completion over a plain ``httpx.AsyncClient`` post and
    ``json.loads``, small responses (both over the same in-memory transport);
 3. streaming capture per chunk at 1K and 32K chunks (flat is the goal).
@@ -46,6 +48,8 @@ NEMO_GYM_PYTHON = Path(
 
 SIZES = [(1_024, 256), (8_192, 2_048), (32_768, 8_192), (131_072, 32_768)]
 GOALS = {(1_024, 256): 0.75}  # capture / NeMo Gym; 0.6 at every other size
+CLIENT_SIZE, CLIENT_GOAL = (1_024, 256), 0.75  # section 1b: TokenClient's own cost / NeMo Gym's path
+CLIENT_ROUNDS = 300  # section 1b: rounds of 10 calls each (the goal's margin is smaller than 15 long rounds' noise)
 REPEATS = 7
 ROUNDS = 15  # section 1: rounds of the interleaved timings (best of them is kept)
 
@@ -90,6 +94,16 @@ async def best_ms_async(
         await fn()
         best = min(best, clock() - started)
     return best * 1000
+
+
+async def interleaved(runs: list[Callable[[], Awaitable[Any]]], calls: int, rounds: int) -> list[float]:
+    """CPU milliseconds per call of each run (``calls`` calls each), the best of ``rounds`` rounds in which
+    the runs take turns."""
+    best = [float("inf")] * len(runs)
+    for _ in range(rounds):
+        for index, run in enumerate(runs):
+            best[index] = min(best[index], await best_ms_async(run, 1, time.process_time) / calls)
+    return best
 
 
 async def plain_and_captured(
@@ -232,11 +246,7 @@ async def capture_table() -> int:
             for _ in range(calls):
                 nemo(data)
 
-        timed = [ours, before] if nemo is None else [peer, ours, before]
-        best = [float("inf")] * len(timed)
-        for _ in range(ROUNDS):
-            for index, run in enumerate(timed):
-                best[index] = min(best[index], await best_ms_async(run, 1, time.process_time) / calls)
+        best = await interleaved([ours, before] if nemo is None else [peer, ours, before], calls, ROUNDS)
         if nemo is None:
             ours_ms, before_ms = best
             print(f"{prompt_len:>8} {generation_len:>9} {len(data) / 1e6:>6.2f} {'absent':>9} {ours_ms:>8.3f} "
@@ -253,7 +263,57 @@ async def capture_table() -> int:
               f"{ours_ms / before_ms:>12.2f}x")  # fmt: skip
     if nemo is not None:
         print("capture / NeMo Gym goals " + ("met at every size" if met else "NOT met at every size"))
+    await client_cost_table(nemo)
     return 0
+
+
+async def client_cost_table(nemo: Callable[[bytes], Any] | None) -> None:
+    """Section 1b: ``TokenClient.chat_completion``'s own cost per call (its CPU time minus the same bare
+    httpx post, over one in-memory transport answering the body) beside NeMo Gym's path on that body."""
+    prompt_len, generation_len = CLIENT_SIZE
+    data = vllm_response(prompt_len, generation_len)
+    body = {"model": "bench", "messages": [{"role": "user", "content": "hi"}]}
+    url = "http://bench.test/v1/chat/completions"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=data, headers={"content-type": "application/json"})
+
+    calls = 10  # short samples, many rounds: the best of each is a slice no other job on the machine disturbed
+    bare_http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    client_http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    client = TokenClient("http://bench.test/v1", http_client=client_http, request_prompt_and_generation_token_ids=True)
+    async with bare_http, client_http, client:
+        assert (await client.chat_completion(**body)).bundle.source == "vllm"
+
+        async def bare() -> None:
+            for _ in range(calls):
+                await bare_http.post(url, json=body)
+
+        async def ours() -> None:
+            for _ in range(calls):
+                await client.chat_completion(**body)
+
+        async def peer() -> None:
+            assert nemo is not None
+            for _ in range(calls):
+                nemo(data)
+
+        best = await interleaved([bare, ours] if nemo is None else [bare, ours, peer], calls, CLIENT_ROUNDS)
+    bare_ms, client_ms = best[:2]
+    own_ms = client_ms - bare_ms
+    print(
+        f"\n1b. TokenClient.chat_completion's own cost per call at {prompt_len:,}+{generation_len:,} (CPU ms, best "
+        "of rounds, interleaved): its time minus the same bare httpx post over one in-memory transport"
+    )
+    line = f"bare post {bare_ms:.3f}, TokenClient {client_ms:.3f}, own {own_ms:.3f}"
+    if nemo is None:
+        print(line + "; NeMo Gym absent")
+        return
+    nemo_ms = best[2]
+    print(
+        f"{line}; NeMo Gym's path {nemo_ms:.3f}: own / NeMo Gym {own_ms / nemo_ms:.2f}x (goal <= "
+        f"{CLIENT_GOAL:.2f}x: {'met' if own_ms / nemo_ms <= CLIENT_GOAL else 'NOT met'})"
+    )
 
 
 def capture_section() -> None:

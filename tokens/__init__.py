@@ -24,8 +24,8 @@ from ._errors import (
 )
 from ._http import DEFAULT_MAX_RESPONSE_BYTES
 from ._stream import TokenStream
-from ._trajectory import Drift, DriftPolicy, Segment, Trajectory, TrajectoryDriftError
 from ._transport import TokenCaptureTransport
+from .records._trajectory import Drift, DriftPolicy, Segment, Trajectory, TrajectoryDriftError
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",

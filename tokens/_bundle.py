@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TokenBundle", "TokenCompletion", "WeightVersionSpan"]
+__all__ = ["LOG_PROB_FLOOR", "TokenBundle", "TokenCompletion", "WeightVersionSpan"]
+
+LOG_PROB_FLOOR = -9999.0
+"""The log probability a server writes where it computed none (see ``TokenBundle.floored_positions``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,10 @@ from opentelemetry.trace import Span, TracerProvider
 from _shared_telemetry import ERROR_TYPE_ATTR, Instruments, Tracing, error_type, guarded_span, safely
 
 from ._bundle import TokenBundle, TokenCompletion
-from ._chain import DEFAULT_CHAIN, ChainEntry, Exchange, TokenizeFn, build_chain, check_choice_count
+from ._chain import DEFAULT_CHAIN, ChainEntry, build_chain, check_choice_count
 from ._decode import DecodedResponse, decode_tokenize
 from ._errors import ConflictingTokenMetadataError, UnsupportedRequestError
+from ._exchange import Exchange, TokenizeFn
 from ._telemetry import SCOPE, SOURCE_ATTR, TokenInstruments
 from ._typed import decode_typed
 
@@ -129,7 +130,7 @@ class Capture:
 
     async def complete(
         self, request: Mapping[str, Any], fetch: Callable[[], Awaitable[bytes | None]], tokenize: TokenizeFn
-    ) -> TokenCompletion | None:  # fmt: skip
+    ) -> TokenCompletion | None:
         """Fetch the completion's body and extract its bundle, in a ``tokens.chat_completion`` span.
 
         ``fetch`` returns None when the front end passes the answer on untouched (an HTTP error
@@ -146,7 +147,7 @@ class Capture:
 
     async def _complete(
         self, request: Mapping[str, Any], fetch: Callable[[], Awaitable[bytes | None]], tokenize: TokenizeFn
-    ) -> TokenCompletion | None:  # fmt: skip
+    ) -> TokenCompletion | None:
         try:
             data = await fetch()
             return None if data is None else await self.extract(request, data, tokenize)
@@ -154,8 +155,9 @@ class Capture:
             self._count("errors", {ERROR_TYPE_ATTR: error_type(exc)})
             raise
 
-    async def extract(self, request: Mapping[str, Any], data: bytes | str,
-                      tokenize: TokenizeFn | None) -> TokenCompletion:  # fmt: skip
+    async def extract(
+        self, request: Mapping[str, Any], data: bytes | str, tokenize: TokenizeFn | None
+    ) -> TokenCompletion:
         """Run a response body through the extraction chain once per choice (``tokenize`` as the
         fallback, called at most once for the group)."""
         response = self._decode(data)

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._bundle import TokenBundle
+from ._bundle import LOG_PROB_FLOOR, TokenBundle
 from ._decode import DecodedResponse
 from ._errors import (
     ChoiceCountError,
@@ -31,101 +30,12 @@ from ._errors import (
     TokenCaptureError,
     TokenIdsIgnoredError,
 )
+from ._exchange import Candidate, Exchange, Handler, PureSource, TokenMiddleware, describe_difference, require_bundle
+from ._vllm_responses import VLLMResponsesSource
 
 # The public names are re-exported, with the decoding and request helpers, by ``tokens.chain``.
 
 logger = logging.getLogger("tokens")
-
-TokenizeFn = Callable[[Mapping[str, Any]], Awaitable[list[int]]]
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """What one token source in the response carries for one choice; a field it lacks is None.
-
-    ``problem`` (set when a field is missing) is the error raised if this source wins; a source of
-    lower precedence is only cross-checked on the ids it does carry.
-    """
-
-    source: str
-    prompt_token_ids: list[int] | None
-    generation_token_ids: list[int] | None
-    generation_log_probs: list[float] | None
-    problem: TokenCaptureError | None = None
-    routed_experts: Any = None
-
-    def bundle(self) -> TokenBundle:
-        """The bundle of a complete source; its ``problem`` otherwise."""
-        if self.problem is not None:
-            raise self.problem
-        assert self.prompt_token_ids is not None and self.generation_token_ids is not None
-        assert self.generation_log_probs is not None
-        return TokenBundle(
-            self.prompt_token_ids, self.generation_token_ids, self.generation_log_probs, self.source,
-            self.routed_experts,
-        )  # fmt: skip
-
-
-@dataclass
-class Exchange:
-    """One choice of a completion as the chain sees it: the request sent, the decoded response,
-    the choice's ``index``, the bundle found so far and the bundles of the choices before it.
-    The chain runs once per choice, in choice order."""
-
-    request: Mapping[str, Any]
-    response: DecodedResponse
-    tokenize: TokenizeFn | None = None
-    allow_tokenize_fallback: bool = False
-    """Whether a request that asked for inline ids may fall back to ``/tokenize`` when none came back."""
-    found: TokenBundle | None = None
-    index: int = 0
-    group: Sequence[TokenBundle] = ()
-    """The bundles of the choices before this one (``n`` > 1), in choice order."""
-
-    def offer(self, candidate: Candidate) -> None:
-        """The first source offered wins (it must be complete); every later one must agree with it
-        on the ids it carries."""
-        found = self.found
-        if found is None:
-            self.found = candidate.bundle()
-            return
-        for name in ("prompt_token_ids", "generation_token_ids"):
-            mine, theirs = getattr(candidate, name), getattr(found, name)
-            if mine is not None and mine is not theirs and mine != theirs:
-                raise ConflictingTokenMetadataError(
-                    f"{name}: the {found.source!r} source and the {candidate.source!r} source in one response "
-                    f"disagree {describe_difference(theirs, mine)}; the response cannot be trusted for training"
-                )
-
-
-Handler = Callable[[Exchange], Awaitable[TokenBundle]]
-
-
-def first_difference(expected: Sequence[int], actual: Sequence[int]) -> int:
-    """The first index where they differ (the shorter length when one is a prefix of the other)."""
-    for index, (want, got) in enumerate(zip(expected, actual, strict=False)):
-        if want != got:
-            return index
-    return min(len(expected), len(actual))
-
-
-def describe_difference(a: Sequence[int], b: Sequence[int]) -> str:
-    index = first_difference(a, b)
-    if index < min(len(a), len(b)):
-        return f"at index {index} ({a[index]} vs {b[index]})"
-    return f"in length ({len(a)} vs {len(b)})"
-
-
-async def require_bundle(exchange: Exchange) -> TokenBundle:
-    """The innermost handler: the bundle a source found, or ``MissingTokenMetadataError``."""
-    if exchange.found is None:
-        choice = f"choices[{exchange.index}]"
-        raise MissingTokenMetadataError(
-            f"the response has no token source: no bundle on {choice}.message, no inline ids "
-            f"(prompt_token_ids / {choice}.token_ids) and no {choice}.logprobs.content; request "
-            "logprobs=true (TokenClient does) or return_token_ids=true"
-        )
-    return exchange.found
 
 
 def _routed_experts(response: DecodedResponse, index: int) -> Any:
@@ -146,8 +56,9 @@ def _lengths_match(ids: list[int], log_probs: list[float], ids_field: str, log_p
         )
 
 
-def _three_field_source(response: DecodedResponse, fields: tuple[str, str, str], source: str, hint: str,
-                        index: int) -> Candidate | None:  # fmt: skip
+def _three_field_source(
+    response: DecodedResponse, fields: tuple[str, str, str], source: str, hint: str, index: int
+) -> Candidate | None:
     """Three held fields (prompt ids, generation ids, log probabilities), or None if none is there."""
     present = [name for name in fields if response.present(name)]
     if not present:
@@ -186,8 +97,9 @@ def extract_vllm_inline(response: DecodedResponse, index: int = 0) -> Candidate 
     generation = response.token_ids(f"{choice}.token_ids") if has_generation else None
     routed = _routed_experts(response, index)
     if not (has_prompt and has_generation):
-        there, absent = ("prompt_token_ids", f"{choice}.token_ids") if has_prompt else (f"{choice}.token_ids",
-                                                                                      "prompt_token_ids")  # fmt: skip
+        there, absent = (
+            ("prompt_token_ids", f"{choice}.token_ids") if has_prompt else (f"{choice}.token_ids", "prompt_token_ids")
+        )
         problem: TokenCaptureError = PartialTokenMetadataError(
             f"the response has vLLM inline {there} but no {absent}; vLLM sends both with return_token_ids=true"
         )
@@ -233,10 +145,12 @@ def extract_dynamo(response: DecodedResponse, index: int = 0) -> Candidate | Non
     if index:
         return None
     return _three_field_source(
-        response, _DYNAMO_FIELDS, "dynamo",
+        response,
+        _DYNAMO_FIELDS,
+        "dynamo",
         "Dynamo's engine_data must have all three (is the backend old, or were log probabilities not requested?)",
         index,
-    )  # fmt: skip
+    )
 
 
 _DYNAMO_FIELDS = (
@@ -269,8 +183,14 @@ def extract_sglang(response: DecodedResponse, index: int = 0) -> Candidate | Non
     return Candidate("sglang", prompt, generation, log_probs, None, routed)
 
 
-_TOKENIZE_FIELDS = ("model", "messages", "tools", "chat_template_kwargs", "mm_processor_kwargs",
-                    "required_prefix_token_ids")  # fmt: skip
+_TOKENIZE_FIELDS = (
+    "model",
+    "messages",
+    "tools",
+    "chat_template_kwargs",
+    "mm_processor_kwargs",
+    "required_prefix_token_ids",
+)
 
 
 def tokenize_body(request: Mapping[str, Any]) -> dict[str, Any]:
@@ -278,50 +198,25 @@ def tokenize_body(request: Mapping[str, Any]) -> dict[str, Any]:
     return {name: request[name] for name in _TOKENIZE_FIELDS if name in request}
 
 
-class TokenMiddleware:
-    """Base of a chain step: holds ``inner``; ``__call__`` passes the exchange on unchanged."""
-
-    def __init__(self, inner: Handler) -> None:
-        self.inner = inner
-
-    async def __call__(self, exchange: Exchange) -> TokenBundle:
-        return await self.inner(exchange)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.inner!r})"
-
-
-class _PureSource(TokenMiddleware):
-    """A step backed by one pure extraction function: offer what it finds, then go on."""
-
-    extract: Callable[[DecodedResponse, int], Candidate | None]
-
-    async def __call__(self, exchange: Exchange) -> TokenBundle:
-        candidate = type(self).extract(exchange.response, exchange.index)
-        if candidate is not None:
-            exchange.offer(candidate)
-        return await self.inner(exchange)
-
-
-class MessageBundleSource(_PureSource):
+class MessageBundleSource(PureSource):
     """A complete bundle on ``choices[0].message`` (source ``message``)."""
 
     extract = staticmethod(extract_message_bundle)
 
 
-class DynamoSource(_PureSource):
+class DynamoSource(PureSource):
     """NVIDIA Dynamo's ``nvext.engine_data`` (source ``dynamo``)."""
 
     extract = staticmethod(extract_dynamo)
 
 
-class SGLangSource(_PureSource):
+class SGLangSource(PureSource):
     """SGLang's inline ids on the choice (source ``sglang``)."""
 
     extract = staticmethod(extract_sglang)
 
 
-class VLLMInlineSource(_PureSource):
+class VLLMInlineSource(PureSource):
     """vLLM inline ids with logprobs (source ``vllm``)."""
 
     extract = staticmethod(extract_vllm_inline)
@@ -360,9 +255,6 @@ class LogprobsSource(TokenMiddleware):
             prompt = await exchange.tokenize(tokenize_body(exchange.request))
             exchange.offer(Candidate("tokenize", prompt, ids, log_probs, None, _routed_experts(response, index)))
         return await self.inner(exchange)
-
-
-LOG_PROB_FLOOR = -9999.0
 
 
 def check_usage(usage: Any, bundle: TokenBundle, generated: int | None, what: str = "ids") -> None:
@@ -427,8 +319,6 @@ class LogProbFloorCheck(TokenMiddleware):
         )
         return dataclasses.replace(bundle, floored_positions=positions)
 
-
-from ._vllm_responses import VLLMResponsesSource  # noqa: E402  (its own module, built on the classes above)
 
 ChainEntry = Callable[[Handler], Handler]
 DEFAULT_CHAIN: tuple[ChainEntry, ...] = (

@@ -18,19 +18,22 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
 from ._bundle import TokenCompletion
-from ._capture import Capture, server_root
+from ._capture import server_root
 from ._chain import ChainEntry
 from ._errors import ServerResponseError
 from ._http import ACCEPT_ENCODING, DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body, redact, strip_credentials
 from ._stream import TokenStream, capture_stream
 from ._token_in import extract_generate, extract_token_in, prepare_generate, prepare_token_in
-from .records._writer import Coordinates, RecordWriter, refuse_unrecordable, take_coordinates
+from ._transport import TokenCaptureTransport
+from .records._coordinates import Coordinates
+from .records._writer import custody
 
 __all__ = ["RetryPolicy", "TokenClient"]
 
 # Long generations (32K tokens) take minutes; connecting should not.
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+_NO_HEADERS: Mapping[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,18 @@ class RetryPolicy:
     wait_initial: float = 0.5
     wait_max: float = 10.0
     wait_jitter: float = 0.5
+
+
+class _Pool(httpx.AsyncBaseTransport):
+    """The client's way out: a request sent through its ``httpx.AsyncClient`` (its pool, its timeout),
+    with its credentials, never following a redirect; the response's body is read by the caller."""
+
+    def __init__(self, http: httpx.AsyncClient, auth: Any) -> None:
+        self.http = http
+        self.auth: Any = auth if auth is not None else httpx.USE_CLIENT_DEFAULT
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.http.send(request, stream=True, auth=self.auth, follow_redirects=False)
 
 
 class TokenClient:
@@ -77,6 +92,10 @@ class TokenClient:
     optionally ``model_call_id=``, ``parent_call_id=``, ``weight_version=``) among its fields is
     written as a record before the call returns; those fields are not sent. ``weight_version`` is
     the policy version recorded when neither the call nor the server gives one.
+
+    Like httpx's client on its transport, a ``TokenClient`` is a ``TokenCaptureTransport`` (the
+    capture and the recorded-call path) over its HTTP client, plus retries, the URLs and the
+    token-in endpoints.
     """
 
     def __init__(
@@ -102,47 +121,57 @@ class TokenClient:
                 f"not {redact(repr(base_url))}"
             )
         self.max_response_bytes = check_limit("TokenClient", max_response_bytes)
-        base_url, self._auth = strip_credentials(base_url)
+        base_url, auth = strip_credentials(base_url)
         self.base_url = base_url.rstrip("/")
         self.tokenize_url = server_root(base_url) + "/tokenize"
         self.request_prompt_and_generation_token_ids = request_prompt_and_generation_token_ids
         self.retry = retry
-        self._headers = {"Content-Type": "application/json", "Accept-Encoding": ACCEPT_ENCODING}
+        headers = {"Content-Type": "application/json", "Accept-Encoding": ACCEPT_ENCODING}
         if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
+            headers["Authorization"] = f"Bearer {api_key}"
+        # Built once, not per call: the headers normalized, the completion URL parsed (when it parses;
+        # one that does not fails at its call, as httpx fails it).
+        self._headers = httpx.Headers(headers)
+        self._stream_headers = httpx.Headers({**headers, "Accept-Encoding": "identity"})
+        self._chat_url = _parsed(self.base_url + "/chat/completions")
         self._owns_client = http_client is None
         # No timeout given: ours for a client we make, the injected client's own for one passed in.
         self._http = http_client if http_client is not None else httpx.AsyncClient(timeout=timeout or DEFAULT_TIMEOUT)
         self._timeout: Any = timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT
-        self._capture = Capture(
-            request_token_ids=request_prompt_and_generation_token_ids,
+        self._pool = _Pool(self._http, auth)
+        self._transport = TokenCaptureTransport(
+            self._pool,
+            request_prompt_and_generation_token_ids=request_prompt_and_generation_token_ids,
             middleware=middleware,
             allow_tokenize_fallback=allow_tokenize_fallback,
+            max_response_bytes=max_response_bytes,
             meter_provider=meter_provider,
             tracer_provider=tracer_provider,
+            sink=sink,
+            weight_version=weight_version,
         )
-        self._records = None if sink is None else RecordWriter(sink, weight_version=weight_version)
+        self._capture = self._transport.capture
 
     async def __aenter__(self) -> TokenClient:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:  # fmt: skip
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
         if self._owns_client:
             await self._http.aclose()
 
-    async def _post(self, url: str, body: Mapping[str, Any], what: str) -> bytes:
+    async def _post(self, url: httpx.URL | str, body: Mapping[str, Any], what: str) -> bytes:
         """POST ``body``; the raw response bytes on 2xx, a typed error otherwise, retried per policy."""
         request = self._http.build_request(
             "POST", url, content=msgspec.json.encode(body), headers=self._headers, timeout=self._timeout
         )
 
         async def once() -> bytes:
-            auth: Any = self._auth if self._auth is not None else httpx.USE_CLIENT_DEFAULT
-            response = await self._http.send(request, stream=True, auth=auth, follow_redirects=False)
+            response = await self._pool.handle_async_request(request)
             return await read_body(response, what, self.max_response_bytes)
 
         policy = self.retry
@@ -176,40 +205,26 @@ class TokenClient:
 
     async def chat_completion(self, **body: Any) -> TokenCompletion:
         """Post a chat completion; the response with each choice's bundle on its message."""
-        coordinates, body = self._coordinates(body)
+        coordinates, _, body = self._transport.coordinates(_NO_HEADERS, body)
         request = self._capture.prepare(body)
-        if coordinates is not None and self._records is not None:
-            await self._records.begin(coordinates)
-        fetch = partial(self._post, self.base_url + "/chat/completions", request, "chat completion")
-        completion = await self._capture.complete(request, fetch, self.tokenize)
+        fetch = partial(self._post, self._chat_url, request, "chat completion")
+        completion = await self._transport.complete(body, request, coordinates, fetch, self.tokenize)
         assert completion is not None  # _post raises on every answer it does not return
-        if coordinates is not None and self._records is not None:
-            await self._records.write_chat(coordinates, body, completion)
         return completion
 
-    def _coordinates(self, body: dict[str, Any]) -> tuple[Coordinates | None, dict[str, Any]]:
-        """The record coordinates of a call (with a sink) and its body without them."""
-        if self._records is None:
-            return None, body
-        coordinates, _, body = take_coordinates({}, body)
-        if coordinates is not None:
-            refuse_unrecordable(body)
-        return coordinates, body
-
-    async def _token_in(self, url: str, what: str, request: dict[str, Any], coordinates: Coordinates | None,
-                        extract: Any) -> TokenCompletion:  # fmt: skip
-        if coordinates is not None and self._records is not None:
-            await self._records.begin(coordinates)
-        completion: TokenCompletion = extract(request, await self._post(url, request, what))
-        if coordinates is not None and self._records is not None:
-            await self._records.write_token_in(coordinates, completion)
+    async def _token_in(
+        self, url: str, what: str, request: dict[str, Any], coordinates: Coordinates | None, extract: Any
+    ) -> TokenCompletion:
+        async with custody(self._transport.records, coordinates) as call:
+            completion: TokenCompletion = extract(request, await self._post(url, request, what))
+            await call.write_token_in(completion)
         return completion
 
     async def completion(self, prompt_token_ids: list[int], **body: Any) -> TokenCompletion:
         """A token-in ``/v1/completions`` call: ``prompt_token_ids`` as the prompt; the bundles (one per
         choice) placed on each choice. The server's echoed prompt ids must equal those sent
         (``ConflictingTokenMetadataError`` says where they differ)."""
-        coordinates, body = self._coordinates(body)
+        coordinates, _, body = self._transport.coordinates(_NO_HEADERS, body)
         request = prepare_token_in(prompt_token_ids, body)
         return await self._token_in(
             self.base_url + "/completions", "token-in completion", request, coordinates, extract_token_in
@@ -220,7 +235,7 @@ class TokenClient:
         ``prompt_token_ids`` in, ``sampling_params`` in ``body``; each choice's bundle carries the
         server's ``weight_versions`` spans (which policy version sampled which tokens). The URL is
         the server root's ``/inference/v1/generate``, whatever ``base_url``'s ``/v1``."""
-        coordinates, body = self._coordinates(body)
+        coordinates, _, body = self._transport.coordinates(_NO_HEADERS, body)
         request = prepare_generate(prompt_token_ids, body)
         url = server_root(self.base_url) + "/inference/v1/generate"
         return await self._token_in(url, "generate", request, coordinates, extract_generate)
@@ -231,20 +246,30 @@ class TokenClient:
         as they arrive, then read ``stream.completion`` for the bundles. Not retried."""
         request = self._capture.prepare({**body, "stream": True}, streaming=True)
         sent = self._http.build_request(
-            "POST", self.base_url + "/chat/completions", content=msgspec.json.encode(request),
-            headers={**self._headers, "Accept-Encoding": "identity"}, timeout=self._timeout,
-        )  # fmt: skip
-        auth: Any = self._auth if self._auth is not None else httpx.USE_CLIENT_DEFAULT
-        response = await self._http.send(sent, stream=True, auth=auth, follow_redirects=False)
+            "POST",
+            self._chat_url,
+            content=msgspec.json.encode(request),
+            headers=self._stream_headers,
+            timeout=self._timeout,
+        )
+        response = await self._pool.handle_async_request(sent)
         try:
-            yield TokenStream(await capture_stream(response, request, self._capture, self.tokenize,
-                                                   self.max_response_bytes))  # fmt: skip
+            yield TokenStream(
+                await capture_stream(response, request, self._capture, self.tokenize, self.max_response_bytes)
+            )
         finally:
             await response.aclose()
 
     async def extract(self, request: Mapping[str, Any], data: bytes | str) -> TokenCompletion:
         """Run a response body through the extraction chain (``/tokenize`` as its fallback)."""
         return await self._capture.extract(request, data, self.tokenize)
+
+
+def _parsed(url: str) -> httpx.URL | str:
+    try:
+        return httpx.URL(url)
+    except httpx.InvalidURL:
+        return url
 
 
 def _retryable(policy: RetryPolicy) -> Any:

@@ -25,7 +25,7 @@ MAX_TOKEN_ID = 2**31 - 1
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 
 
-class _LogprobEntry(msgspec.Struct):
+class _LogprobEntry(msgspec.Struct, gc=False):
     token: str
     logprob: float
 
@@ -245,9 +245,10 @@ def decode_response(data: bytes | str) -> DecodedResponse:
         message = (
             {}
             if message_raw is None
-            else _split(_object(message_raw, prefix + "message", MalformedResponseError), _MESSAGE_RAW,
-                        prefix + "message.", raw)
-        )  # fmt: skip
+            else _split(
+                _object(message_raw, prefix + "message", MalformedResponseError), _MESSAGE_RAW, prefix + "message.", raw
+            )
+        )
         choice["message"] = message
         decoded_choices.append(choice)
         messages.append(message)

@@ -20,8 +20,8 @@ import msgspec
 
 from ._bundle import TokenCompletion
 from ._capture import Capture
-from ._chain import TokenizeFn
 from ._errors import MalformedResponseError, PartialTokenMetadataError
+from ._exchange import TokenizeFn
 from ._http import read_body
 
 __all__ = ["CapturedStream", "StreamAccumulator", "TokenStream", "bundle_fields", "capture_stream"]
@@ -141,16 +141,24 @@ class StreamAccumulator:
         choices = []
         for index in range(max(self.choices) + 1):
             state = self.choices.get(index, _Choice())
-            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant"},
-                                      "finish_reason": state.finish_reason}  # fmt: skip
+            choice: dict[str, Any] = {
+                "index": index,
+                "message": {"role": "assistant"},
+                "finish_reason": state.finish_reason,
+            }
             if state.token_ids is not None:
                 choice["token_ids"] = state.token_ids
             if state.entries is not None:
                 choice["logprobs"] = {"content": state.entries}
             choices.append(choice)
         head = self.head
-        body: dict[str, Any] = {"id": head.get("id"), "object": "chat.completion", "created": head.get("created"),
-                                "model": head.get("model"), "choices": choices}  # vLLM's order  # fmt: skip
+        body: dict[str, Any] = {
+            "id": head.get("id"),
+            "object": "chat.completion",
+            "created": head.get("created"),
+            "model": head.get("model"),
+            "choices": choices,
+        }  # vLLM's order
         if self.prompt_token_ids is not None:
             body["prompt_token_ids"] = self.prompt_token_ids
         if self.usage is not None:
@@ -164,10 +172,13 @@ class StreamAccumulator:
 def bundle_fields(completion: TokenCompletion) -> list[dict[str, Any]]:
     """The bundles in the message-bundle shape, in choice order (what the final chunk carries)."""
     return [
-        {"prompt_token_ids": b.prompt_token_ids, "generation_token_ids": b.generation_token_ids,
-         "generation_log_probs": b.generation_log_probs}
+        {
+            "prompt_token_ids": b.prompt_token_ids,
+            "generation_token_ids": b.generation_token_ids,
+            "generation_log_probs": b.generation_log_probs,
+        }
         for b in completion.bundles
-    ]  # fmt: skip
+    ]
 
 
 async def captured_events(
@@ -213,8 +224,9 @@ class CapturedStream(httpx.AsyncByteStream):
         await self._response.aclose()
 
 
-async def capture_stream(response: httpx.Response, sent: Mapping[str, Any], capture: Capture, tokenize: TokenizeFn,
-                         max_event_bytes: int) -> CapturedStream:  # fmt: skip
+async def capture_stream(
+    response: httpx.Response, sent: Mapping[str, Any], capture: Capture, tokenize: TokenizeFn, max_event_bytes: int
+) -> CapturedStream:
     """Capture from a 2xx or 3xx streamed ``response`` to ``sent`` (a redirect raises, as for whole bodies)."""
     if not 200 <= response.status_code < 300:
         await read_body(response, "chat completion stream", max_event_bytes)  # raises the typed error

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from ._bundle import TokenBundle, TokenCompletion, WeightVersionSpan
-from ._chain import check_choice_count, check_usage, describe_difference
+from ._chain import check_choice_count, check_usage
 from ._decode import DecodedResponse, decode_response, token_ids_of
 from ._errors import (
     ConflictingTokenMetadataError,
@@ -22,14 +22,13 @@ from ._errors import (
     MalformedTokenMetadataError,
     MissingTokenMetadataError,
 )
+from ._exchange import describe_difference
 
 __all__ = ["extract_generate", "extract_token_in", "prepare_generate", "prepare_token_in"]
 
 
 def _check_ids(prompt_token_ids: list[int]) -> None:
-    if not isinstance(prompt_token_ids, list) or not all(
-        type(i) is int and i >= 0 for i in prompt_token_ids
-    ):  # fmt: skip
+    if not isinstance(prompt_token_ids, list) or not all(type(i) is int and i >= 0 for i in prompt_token_ids):
         raise ValueError("prompt_token_ids must be a list of non-negative ints")
 
 
@@ -77,8 +76,9 @@ def extract_token_in(request: Mapping[str, Any], data: bytes | str) -> TokenComp
     response = decode_response(data)
     check_choice_count(request, len(response.choices))
     bundles = tuple(_choice_bundle(response, index, sent) for index in range(len(response.choices)))
-    check_usage(response.body.get("usage"), bundles[0], sum(len(b.generation_token_ids) for b in bundles),
-                "generated ids")  # fmt: skip
+    check_usage(
+        response.body.get("usage"), bundles[0], sum(len(b.generation_token_ids) for b in bundles), "generated ids"
+    )
     for choice, bundle in zip(response.choices, bundles, strict=True):
         choice["prompt_token_ids"] = bundle.prompt_token_ids
         choice["generation_token_ids"] = bundle.generation_token_ids

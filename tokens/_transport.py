@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -11,11 +11,14 @@ import msgspec
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
+from ._bundle import TokenCompletion
 from ._capture import Capture, server_root
-from ._chain import ChainEntry, TokenizeFn
+from ._chain import ChainEntry
+from ._exchange import TokenizeFn
 from ._http import ACCEPT_ENCODING, DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body
 from ._stream import capture_stream
-from .records._writer import RecordWriter, refuse_unrecordable, take_coordinates
+from .records._coordinates import Coordinates, take_coordinates
+from .records._writer import RecordWriter, custody, refuse_unrecordable
 
 __all__ = ["TokenCaptureTransport"]
 
@@ -66,14 +69,15 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
     ) -> None:
         self.inner = inner if inner is not None else httpx.AsyncHTTPTransport()
         self.max_response_bytes = check_limit("TokenCaptureTransport", max_response_bytes)
-        self._capture = Capture(
+        self.capture = Capture(
             request_token_ids=request_prompt_and_generation_token_ids,
             middleware=middleware,
             allow_tokenize_fallback=allow_tokenize_fallback,
             meter_provider=meter_provider,
             tracer_provider=tracer_provider,
         )
-        self._records = None if sink is None else RecordWriter(sink, weight_version=weight_version)
+        self.records = None if sink is None else RecordWriter(sink, weight_version=weight_version)
+        """The record writer (with ``sink``), or None."""
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -88,13 +92,8 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
         if not isinstance(body, dict):
             return await self.inner.handle_async_request(request)
         streaming = bool(body.get("stream"))
-        request_headers: Mapping[str, str] = request.headers
-        coordinates = None
-        if self._records is not None:
-            coordinates, request_headers, body = take_coordinates(request.headers, body)
-            if coordinates is not None:
-                refuse_unrecordable(body)
-        sent = self._capture.prepare(body, streaming=streaming)
+        coordinates, request_headers, body = self.coordinates(request.headers, body)
+        sent = self.capture.prepare(body, streaming=streaming)
         headers = {k: v for k, v in request_headers.items() if k.lower() not in ("content-length", "accept-encoding")}
         headers["accept-encoding"] = "identity" if streaming else ACCEPT_ENCODING
         prepared = httpx.Request(
@@ -104,13 +103,11 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
 
         async def tokenize(body: Mapping[str, Any]) -> list[int]:  # the URL is worked out only when needed
             root = server_root(str(url.copy_with(query=None))[: -len(CHAT_PATH)])
-            return await self._capture.tokenize(partial(self._post, headers), root + "/tokenize", body)
+            return await self.capture.tokenize(partial(self._post, headers), root + "/tokenize", body)
 
         if streaming:
             return await self._stream(sent, prepared, tokenize)
         answer: list[httpx.Response] = []
-        if coordinates is not None and self._records is not None:
-            await self._records.begin(coordinates)
 
         async def fetch() -> bytes | None:
             response = await self.inner.handle_async_request(prepared)
@@ -120,12 +117,12 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
                 return None  # the client raises (and retries) HTTP errors as it always does
             return await read_body(response, "chat completion", self.max_response_bytes)
 
-        completion = await self._capture.complete(sent, fetch, tokenize)
+        completion = await self.complete(
+            body, sent, coordinates, fetch, tokenize, lambda: answer[0].headers.get("x-weight-version")
+        )
         response = answer[0]
         if completion is None:
             return response
-        if coordinates is not None and self._records is not None:
-            await self._records.write_chat(coordinates, body, completion, response.headers.get("x-weight-version"))
         kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _BODY_HEADERS]
         return httpx.Response(
             response.status_code,
@@ -134,12 +131,42 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
             extensions=response.extensions,
         )
 
+    def coordinates(
+        self, headers: Mapping[str, str], body: dict[str, Any]
+    ) -> tuple[Coordinates | None, Mapping[str, str], dict[str, Any]]:
+        """A call's record coordinates (with a sink, when it names a rollout), and its headers and body
+        without them; a recorded call must be one non-streamed choice (``UnsupportedRequestError``)."""
+        if self.records is None:
+            return None, headers, body
+        coordinates, kept_headers, kept_body = take_coordinates(headers, body)
+        if coordinates is not None:
+            refuse_unrecordable(kept_body)
+        return coordinates, kept_headers, kept_body
+
+    async def complete(
+        self,
+        body: Mapping[str, Any],
+        sent: Mapping[str, Any],
+        coordinates: Coordinates | None,
+        fetch: Callable[[], Awaitable[bytes | None]],
+        tokenize: TokenizeFn,
+        server_version: Callable[[], str | None] = lambda: None,
+    ) -> TokenCompletion | None:
+        """The recorded-call path of ``TokenClient`` and this transport: the call in custody (begun,
+        then recorded or marked incomplete), ``fetch``-ed, its bundles extracted; None when ``fetch``
+        passes the answer on untouched."""
+        async with custody(self.records, coordinates) as call:
+            completion = await self.capture.complete(sent, fetch, tokenize)
+            if completion is not None:
+                await call.write_chat(body, completion, server_version())
+        return completion
+
     async def _stream(self, sent: dict[str, Any], prepared: httpx.Request, tokenize: TokenizeFn) -> httpx.Response:
         response = await self.inner.handle_async_request(prepared)
         response.request = prepared
         if response.status_code >= 400:
             return response  # the client raises (and retries) HTTP errors as it always does
-        stream = await capture_stream(response, sent, self._capture, tokenize, self.max_response_bytes)
+        stream = await capture_stream(response, sent, self.capture, tokenize, self.max_response_bytes)
         kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _BODY_HEADERS]
         return httpx.Response(response.status_code, headers=kept, stream=stream, extensions=response.extensions)
 

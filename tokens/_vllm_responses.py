@@ -20,8 +20,6 @@ from typing import Annotated, Any
 
 import msgspec
 
-from ._bundle import TokenBundle
-from ._chain import Candidate, Exchange, TokenMiddleware
 from ._decode import MAX_TOKEN_ID, DecodedResponse
 from ._errors import (
     ConflictingTokenMetadataError,
@@ -31,6 +29,7 @@ from ._errors import (
     PartialTokenMetadataError,
     TokenCaptureError,
 )
+from ._exchange import Candidate, PureSource
 
 __all__ = [
     "LOGPROBS_INCLUDE",
@@ -170,8 +169,9 @@ def extract_vllm_responses(response: DecodedResponse, index: int = 0) -> Candida
     log_probs = _output_log_probs(response.answer)
     problem: TokenCaptureError | None = None
     if prompt is None or generation is None:
-        there, absent = ("input_messages", "output_messages") if generation is None else ("output_messages",
-                                                                                        "input_messages")  # fmt: skip
+        there, absent = (
+            ("input_messages", "output_messages") if generation is None else ("output_messages", "input_messages")
+        )
         problem = PartialTokenMetadataError(
             f"the Responses answer has {there} but no {absent}; vLLM sends both with enable_response_messages=true"
         )
@@ -205,11 +205,7 @@ def _check_usage(usage: Any, prompt: int, generation: int) -> None:
             )
 
 
-class VLLMResponsesSource(TokenMiddleware):
+class VLLMResponsesSource(PureSource):
     """vLLM's ``/v1/responses`` raw message tokens with output log probabilities (source ``vllm-responses``)."""
 
-    async def __call__(self, exchange: Exchange) -> TokenBundle:
-        candidate = extract_vllm_responses(exchange.response, exchange.index)
-        if candidate is not None:
-            exchange.offer(candidate)
-        return await self.inner(exchange)
+    extract = staticmethod(extract_vllm_responses)

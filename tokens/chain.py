@@ -11,19 +11,15 @@ Most users need none of this: ``tokens`` itself has the client, the transport, t
 trajectory and the errors.
 """
 
+from ._bundle import LOG_PROB_FLOOR
 from ._capture import prepare_request, server_root
 from ._chain import (
     DEFAULT_CHAIN,
-    LOG_PROB_FLOOR,
-    Candidate,
     DynamoSource,
-    Exchange,
-    Handler,
     LogProbFloorCheck,
     LogprobsSource,
     MessageBundleSource,
     SGLangSource,
-    TokenMiddleware,
     UsageCheck,
     VLLMInlineSource,
     build_chain,
@@ -31,9 +27,9 @@ from ._chain import (
     extract_message_bundle,
     extract_sglang,
     extract_vllm_inline,
-    require_bundle,
 )
 from ._decode import MAX_TOKEN_ID, DecodedResponse, decode_response
+from ._exchange import Candidate, Exchange, Handler, TokenMiddleware, require_bundle
 from ._vllm_responses import (
     ResponsesAnswer,
     VLLMResponsesSource,

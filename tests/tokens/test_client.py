@@ -13,27 +13,20 @@ import pytest
 import respx
 import stamina
 
+import tokens
 from tests.retry_probe import count_retry_contexts
 from tests.token_samples import BASE, CHAT, INLINE, LOGPROBS_ONLY, TOKENIZE, TOKENIZED, sample
-from tokens import (
-    ConflictingTokenMetadataError,
-    ContextLengthExceededError,
-    MalformedResponseError,
-    MalformedTokenMetadataError,
-    MissingTokenMetadataError,
-    PartialTokenMetadataError,
-    ServerResponseError,
-    TokenBundle,
-    TokenClient,
-    UnsupportedRequestError,
-)
+from tokens import TokenBundle, TokenClient, UnsupportedRequestError
 from tokens.chain import DEFAULT_CHAIN, DecodedResponse, Exchange, VLLMInlineSource, decode_response, require_bundle
 
 pytestmark = pytest.mark.anyio
 
 REQUEST = sample("chat_inline_ids.request")
-USER_BODY = {k: v for k, v in REQUEST.items() if k not in ("logprobs", "top_logprobs", "return_tokens_as_token_ids",
-                                                             "return_token_ids")}  # fmt: skip
+USER_BODY = {
+    k: v
+    for k, v in REQUEST.items()
+    if k not in ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "return_token_ids")
+}
 
 
 def message_bundle_response() -> dict[str, Any]:
@@ -71,9 +64,12 @@ async def complete(response: dict[str, Any] | bytes, *, token_ids: bool = True, 
     async with TokenClient(BASE, request_prompt_and_generation_token_ids=token_ids) as client:
         with respx.mock(assert_all_called=False) as router:
             chat = router.post(CHAT).mock(
-                return_value=httpx.Response(200, content=response if isinstance(response, bytes) else None,
-                                            json=None if isinstance(response, bytes) else response)
-            )  # fmt: skip
+                return_value=httpx.Response(
+                    200,
+                    content=response if isinstance(response, bytes) else None,
+                    json=None if isinstance(response, bytes) else response,
+                )
+            )
             tokenize = router.post(TOKENIZE).mock(return_value=httpx.Response(200, json=TOKENIZED))
             completion = await client.chat_completion(**(body or USER_BODY))
             return Completed(completion.response, completion.bundle, (chat.call_count, tokenize.call_count))
@@ -99,8 +95,9 @@ async def test_logprobs_with_tokenize_fallback_alone() -> None:
     bundle = completion.bundle
     assert bundle.source == "tokenize"
     assert bundle.prompt_token_ids == TOKENIZED["tokens"]
-    assert bundle.generation_token_ids == [int(e["token"].split(":")[1]) for e in
-                                           LOGPROBS_ONLY["choices"][0]["logprobs"]["content"]]  # fmt: skip
+    assert bundle.generation_token_ids == [
+        int(e["token"].split(":")[1]) for e in LOGPROBS_ONLY["choices"][0]["logprobs"]["content"]
+    ]
     assert completion.calls == (1, 1)
 
 
@@ -166,7 +163,7 @@ async def test_message_bundle_wins_and_agrees_with_inline() -> None:
     ],
 )
 async def test_message_and_inline_conflict(mutate: Any, field: str) -> None:
-    """A message bundle and inline ids that differ raise ConflictingTokenMetadataError naming the field."""
+    """A message bundle and inline ids that differ raise tokens.ConflictingTokenMetadataError naming the field."""
     response = message_bundle_response()
     response["prompt_token_ids"] = list(INLINE["prompt_token_ids"])
     response["choices"][0]["token_ids"] = list(INLINE["choices"][0]["token_ids"])
@@ -175,7 +172,7 @@ async def test_message_and_inline_conflict(mutate: Any, field: str) -> None:
     if field == "prompt_token_ids":
         response["choices"][0]["logprobs"] = copy.deepcopy(INLINE["choices"][0]["logprobs"])
     mutate(response)
-    with pytest.raises(ConflictingTokenMetadataError, match="disagree"):
+    with pytest.raises(tokens.ConflictingTokenMetadataError, match="disagree"):
         await complete(response)
 
 
@@ -190,7 +187,9 @@ async def test_lower_source_without_log_probabilities_is_cross_checked_not_requi
     assert completion.bundle.source == "message"
     assert completion.bundle.generation_token_ids == INLINE["choices"][0]["token_ids"]
     response["choices"][0]["token_ids"][3] += 1
-    with pytest.raises(ConflictingTokenMetadataError, match=r"'message' source and the 'vllm' source .* at index 3"):
+    with pytest.raises(
+        tokens.ConflictingTokenMetadataError, match=r"'message' source and the 'vllm' source .* at index 3"
+    ):
         await complete(response)
 
 
@@ -200,15 +199,15 @@ async def test_lower_partial_source_is_checked_on_what_it_carries() -> None:
     response["prompt_token_ids"] = list(INLINE["prompt_token_ids"])
     assert (await complete(response)).bundle.source == "message"
     response["prompt_token_ids"][0] += 1
-    with pytest.raises(ConflictingTokenMetadataError, match=r"prompt_token_ids: .* at index 0"):
+    with pytest.raises(tokens.ConflictingTokenMetadataError, match=r"prompt_token_ids: .* at index 0"):
         await complete(response)
 
 
 async def test_incomplete_winning_source_is_an_error() -> None:
-    """Inline ids that win (no bundle on the message) but lack log probabilities: MissingTokenMetadataError."""
+    """Inline ids that win (no bundle on the message) but lack log probabilities: tokens.MissingTokenMetadataError."""
     response = copy.deepcopy(INLINE)
     del response["choices"][0]["logprobs"]
-    with pytest.raises(MissingTokenMetadataError, match=r"inline ids but no choices\[0\]\.logprobs\.content"):
+    with pytest.raises(tokens.MissingTokenMetadataError, match=r"inline ids but no choices\[0\]\.logprobs\.content"):
         await complete(response)
 
 
@@ -216,7 +215,7 @@ async def test_inline_ids_must_equal_logprob_ids() -> None:
     """choice.token_ids that differ from the logprob tokens are a conflict, at the first differing index."""
     response = copy.deepcopy(INLINE)
     response["choices"][0]["token_ids"][2] += 1
-    with pytest.raises(ConflictingTokenMetadataError, match="at index 2"):
+    with pytest.raises(tokens.ConflictingTokenMetadataError, match="at index 2"):
         await complete(response)
 
 
@@ -225,7 +224,7 @@ async def test_message_bundle_must_match_logprobs() -> None:
     response = message_bundle_response()
     response["choices"][0]["logprobs"] = copy.deepcopy(INLINE["choices"][0]["logprobs"])
     response["choices"][0]["logprobs"]["content"][0]["token"] = "token_id:9"
-    with pytest.raises(ConflictingTokenMetadataError, match="at index 0"):
+    with pytest.raises(tokens.ConflictingTokenMetadataError, match="at index 0"):
         await complete(response)
 
 
@@ -237,7 +236,7 @@ async def test_partial_message_bundle(drop: str) -> None:
     """A message with some but not all bundle fields is partial, naming what is missing."""
     response = message_bundle_response()
     del response["choices"][0]["message"][drop]
-    with pytest.raises(PartialTokenMetadataError, match=f"but not choices\\[0\\].message.{drop}"):
+    with pytest.raises(tokens.PartialTokenMetadataError, match=f"but not choices\\[0\\].message.{drop}"):
         await complete(response)
 
 
@@ -245,11 +244,11 @@ async def test_partial_inline_ids() -> None:
     """prompt_token_ids without choice.token_ids, or the reverse, is partial."""
     response = copy.deepcopy(INLINE)
     response["choices"][0]["token_ids"] = None
-    with pytest.raises(PartialTokenMetadataError, match=r"no choices\[0\]\.token_ids"):
+    with pytest.raises(tokens.PartialTokenMetadataError, match=r"no choices\[0\]\.token_ids"):
         await complete(response)
     response = copy.deepcopy(INLINE)
     del response["prompt_token_ids"]
-    with pytest.raises(PartialTokenMetadataError, match="no prompt_token_ids"):
+    with pytest.raises(tokens.PartialTokenMetadataError, match="no prompt_token_ids"):
         await complete(response)
 
 
@@ -279,10 +278,10 @@ MALFORMED = [
 
 @pytest.mark.parametrize(("case", "mutate", "message"), MALFORMED, ids=[c[0] for c in MALFORMED])
 async def test_malformed_inline(case: str, mutate: Any, message: str) -> None:
-    """Each wrong shape raises MalformedTokenMetadataError naming the field and index."""
+    """Each wrong shape raises tokens.MalformedTokenMetadataError naming the field and index."""
     response = copy.deepcopy(INLINE)
     mutate(response)
-    with pytest.raises(MalformedTokenMetadataError, match=message):
+    with pytest.raises(tokens.MalformedTokenMetadataError, match=message):
         await complete(response)
 
 
@@ -290,30 +289,35 @@ async def test_length_mismatch_is_malformed() -> None:
     """Generation ids and log probabilities of different lengths are malformed."""
     response = copy.deepcopy(INLINE)
     response["choices"][0]["token_ids"].append(5)
-    with pytest.raises(MalformedTokenMetadataError, match=r"7 ids but choices\[0\]\.logprobs\.content has 6"):
+    with pytest.raises(tokens.MalformedTokenMetadataError, match=r"7 ids but choices\[0\]\.logprobs\.content has 6"):
         await complete(response)
     response = message_bundle_response()
     response["choices"][0]["message"]["generation_log_probs"].pop()
-    with pytest.raises(MalformedTokenMetadataError, match="must pair one to one"):
+    with pytest.raises(tokens.MalformedTokenMetadataError, match="must pair one to one"):
         await complete(response)
 
 
 async def test_missing_everything() -> None:
-    """No logprobs and no other source is MissingTokenMetadataError."""
+    """No logprobs and no other source is tokens.MissingTokenMetadataError."""
     response = copy.deepcopy(LOGPROBS_ONLY)
     response["choices"][0]["logprobs"] = None
-    with pytest.raises(MissingTokenMetadataError, match="no token source"):
+    with pytest.raises(tokens.MissingTokenMetadataError, match="no token source"):
         await complete(response, token_ids=False)
 
 
 @pytest.mark.parametrize(
     ("body", "error"),
-    [(b"not json", "not valid JSON"), (b"[1, 2]", "not a JSON object"), (b"{}", "no 'choices'"),
-     (b'{"choices": []}', "empty"), (b'{"choices": [1]}', "list of objects")],
-)  # fmt: skip
+    [
+        (b"not json", "not valid JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b"{}", "no 'choices'"),
+        (b'{"choices": []}', "empty"),
+        (b'{"choices": [1]}', "list of objects"),
+    ],
+)
 async def test_malformed_envelope(body: bytes, error: str) -> None:
-    """A body that is not a chat completion is MalformedResponseError saying why."""
-    with pytest.raises(MalformedResponseError, match=error):
+    """A body that is not a chat completion is tokens.MalformedResponseError saying why."""
+    with pytest.raises(tokens.MalformedResponseError, match=error):
         await complete(body)
 
 
@@ -391,26 +395,30 @@ async def test_base_urls(server: respx.MockRouter, base: str) -> None:
 # -- HTTP errors and retries ----------------------------------------------------------------
 
 
-async def test_context_length_error(server: respx.MockRouter) -> None:
-    """vLLM's context-length 400 becomes ContextLengthExceededError with its message, not retried."""
-    body = sample("error_context_length.response")
+async def refused_with_400(server: respx.MockRouter, answer: str, error: type[Exception], match: str) -> Any:
+    """The error a call answered by the recorded 400 ``answer`` raises: ``error``, with its status and body,
+    after one request (never retried)."""
+    body = sample(answer)
     chat = server.post(CHAT).mock(return_value=httpx.Response(400, json=body))
     async with TokenClient(BASE) as client:
-        with pytest.raises(ContextLengthExceededError, match="maximum context length is 2048") as info:
+        with pytest.raises(error, match=match) as info:
             await client.chat_completion(**USER_BODY)
-    assert info.value.status_code == 400 and info.value.body == body
+    assert getattr(info.value, "status_code", None) == 400 and getattr(info.value, "body", None) == body
     assert chat.call_count == 1
+    return info.value
+
+
+async def test_context_length_error(server: respx.MockRouter) -> None:
+    """vLLM's context-length 400 becomes ContextLengthExceededError with its message, not retried."""
+    await refused_with_400(
+        server, "error_context_length.response", tokens.ContextLengthExceededError, "maximum context length is 2048"
+    )
 
 
 async def test_other_400_keeps_status_and_body(server: respx.MockRouter) -> None:
     """Another 400 is a ServerResponseError with status and body, not a context-length error, not retried."""
-    body = sample("error_max_tokens.response")
-    chat = server.post(CHAT).mock(return_value=httpx.Response(400, json=body))
-    async with TokenClient(BASE) as client:
-        with pytest.raises(ServerResponseError, match="max_tokens=5000") as info:
-            await client.chat_completion(**USER_BODY)
-    assert not isinstance(info.value, ContextLengthExceededError)
-    assert info.value.status_code == 400 and info.value.body == body and chat.call_count == 1
+    error = await refused_with_400(server, "error_max_tokens.response", tokens.ServerResponseError, "max_tokens=5000")
+    assert not isinstance(error, tokens.ContextLengthExceededError)
 
 
 @pytest.mark.parametrize("status", [429, 500, 502, 503, 504])
@@ -447,7 +455,7 @@ async def test_a_call_that_succeeds_sets_up_no_retry_context(
         await client.chat_completion(**USER_BODY)
         assert entered == [] and chat.call_count == 1
         chat.mock(side_effect=[httpx.Response(503, text="busy")] * 3)
-        with pytest.raises(ServerResponseError) as info:
+        with pytest.raises(tokens.ServerResponseError) as info:
             await client.chat_completion(**USER_BODY)
     assert entered == [1] and chat.call_count == 1 + 3 and info.value.status_code == 503
 
@@ -487,7 +495,7 @@ async def test_chain_step_with_plain_inner_handler() -> None:
     bundle = await step(Exchange(REQUEST, response))
     assert seen == [bundle] and bundle.source == "vllm"
     no_source = {**LOGPROBS_ONLY, "choices": [{**LOGPROBS_ONLY["choices"][0], "logprobs": None}]}
-    with pytest.raises(MissingTokenMetadataError):
+    with pytest.raises(tokens.MissingTokenMetadataError):
         await step(Exchange(REQUEST, decode_response(json.dumps(no_source))))
     assert seen[-1] is None
 
@@ -530,7 +538,7 @@ async def test_cross_checks_do_not_depend_on_the_chain_order(order: str) -> None
     if order != "default":
         chain = [*chain[:2], *reversed(chain[2:-1]), chain[-1]]  # the /tokenize fallback stays last
     async with TokenClient(BASE, middleware=chain) as client:
-        with pytest.raises(ConflictingTokenMetadataError, match="at index 1"):
+        with pytest.raises(tokens.ConflictingTokenMetadataError, match="at index 1"):
             await client.extract(REQUEST, json.dumps(response))
         response["choices"][0]["logprobs"]["content"][1]["token"] = f"token_id:{INLINE['choices'][0]['token_ids'][1]}"
         completion = await client.extract(REQUEST, json.dumps(response))

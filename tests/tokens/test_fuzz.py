@@ -43,11 +43,40 @@ json_values = st.recursive(
     max_leaves=25,
 )
 special = st.sampled_from(
-    [True, False, None, float("nan"), float("inf"), -float("inf"), -9999.0, 0, -1, 2**70, 1.5, "token_id:12",
-     "token_id:-3", "token_id:1_0", "tökén", "\u202e", "", [], {}, [True], [1.0], ["token_id:1"], [[1, 2]],
-     {"content": None}, [0] * 5000, [{"token": "token_id:7", "logprob": -0.1}], 2**31 - 1, 2**31, 10**40,
-     "token_id:5\ntoken_id:6", "token_id:" + "9" * 5000]
-)  # fmt: skip
+    [
+        True,
+        False,
+        None,
+        float("nan"),
+        float("inf"),
+        -float("inf"),
+        -9999.0,
+        0,
+        -1,
+        2**70,
+        1.5,
+        "token_id:12",
+        "token_id:-3",
+        "token_id:1_0",
+        "tökén",
+        "\u202e",
+        "",
+        [],
+        {},
+        [True],
+        [1.0],
+        ["token_id:1"],
+        [[1, 2]],
+        {"content": None},
+        [0] * 5000,
+        [{"token": "token_id:7", "logprob": -0.1}],
+        2**31 - 1,
+        2**31,
+        10**40,
+        "token_id:5\ntoken_id:6",
+        "token_id:" + "9" * 5000,
+    ]
+)
 
 
 async def _fake_tokenize(body: Any) -> list[int]:
@@ -133,8 +162,19 @@ def test_arbitrary_json(capsys: pytest.CaptureFixture[str]) -> None:
     fuzz("arbitrary JSON", arbitrary_json, capsys, at_least=0.0)
 
 
-CHOICE_KEYS = st.sampled_from(["index", "message", "token_ids", "prompt_token_ids", "logprobs", "finish_reason",
-                                "routed_experts", "stop_reason", "x"])  # fmt: skip
+CHOICE_KEYS = st.sampled_from(
+    [
+        "index",
+        "message",
+        "token_ids",
+        "prompt_token_ids",
+        "logprobs",
+        "finish_reason",
+        "routed_experts",
+        "stop_reason",
+        "x",
+    ]
+)
 
 
 @FUZZ
@@ -152,9 +192,12 @@ def test_arbitrary_choice(capsys: pytest.CaptureFixture[str]) -> None:
 
 # Where the token metadata lives in the samples: mutations aim here, so most examples are real
 # responses with a damaged token source, not bodies rejected before extraction.
-TOKEN_ROOTS = (("prompt_token_ids",), ("nvext", "engine_data"), ("usage",),
-               *(("choices", i, key) for i in (0, 1) for key in ("token_ids", "prompt_token_ids", "logprobs",
-                                                                  "message")))  # fmt: skip
+TOKEN_ROOTS = (
+    ("prompt_token_ids",),
+    ("nvext", "engine_data"),
+    ("usage",),
+    *(("choices", i, key) for i in (0, 1) for key in ("token_ids", "prompt_token_ids", "logprobs", "message")),
+)
 
 
 def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

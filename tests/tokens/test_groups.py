@@ -11,14 +11,9 @@ import openai
 import pytest
 import respx
 
+import tokens
 from tests.token_samples import BASE, CHAT, FIXTURES, INLINE, LOGPROBS_ONLY, TOKENIZE, TOKENIZED, sample
-from tokens import (
-    ChoiceCountError,
-    ConflictingTokenMetadataError,
-    TokenCaptureError,
-    TokenCaptureTransport,
-    TokenClient,
-)
+from tokens import ChoiceCountError, ConflictingTokenMetadataError, TokenCaptureTransport, TokenClient
 
 pytestmark = pytest.mark.anyio
 
@@ -141,7 +136,7 @@ async def test_a_group_of_another_size_than_n_is_a_typed_error(asked: int, answe
     with pytest.raises(ChoiceCountError, match=f"asked for n={asked} choices but the response has {answered}") as info:
         await complete(response, model="tiny", messages=MESSAGES, n=asked)
     assert (info.value.requested, info.value.received) == (asked, answered)
-    assert isinstance(info.value, TokenCaptureError)
+    assert isinstance(info.value, tokens.TokenCaptureError)
     transport = TokenCaptureTransport(httpx.MockTransport(lambda request: httpx.Response(200, json=response)))
     async with httpx.AsyncClient(transport=transport) as http:
         with pytest.raises(ChoiceCountError):

@@ -174,9 +174,11 @@ async def test_compressed_bodies_within_the_limit_decode(encoding: str) -> None:
 
 @pytest.mark.parametrize(
     ("headers", "content", "message"),
-    [({"Content-Encoding": "br"}, b"x", "Content-Encoding 'br'"),
-     ({"Content-Encoding": "gzip"}, b"not gzip at all", "gzip-encoded body does not decompress")],
-)  # fmt: skip
+    [
+        ({"Content-Encoding": "br"}, b"x", "Content-Encoding 'br'"),
+        ({"Content-Encoding": "gzip"}, b"not gzip at all", "gzip-encoded body does not decompress"),
+    ],
+)
 async def test_bad_encodings_are_malformed(headers: dict[str, str], content: bytes, message: str) -> None:
     with pytest.raises(MalformedResponseError, match=message):
         await complete(httpx.Response(200, headers=headers, content=chunks(content)))
@@ -262,8 +264,13 @@ def test_hostile_bodies_keep_the_client_memory_bounded(kind: str) -> None:
     the body; with a 256 MiB limit the same measure sees the larger read (it can fail)."""
 
     def growth(limit: int) -> tuple[str, float]:
-        result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, kind, str(limit)], capture_output=True,
-                                text=True, timeout=300, check=True)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-c", MEMORY_SCRIPT, kind, str(limit)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
         outcome, before, after = result.stdout.split()
         return outcome, float(after) - float(before)
 
@@ -289,17 +296,28 @@ DEEP = b'{"choices": [{"message": {"content": "x", "extra": ' + b"[" * 50_000 + 
 MALFORMED_BODIES: Sequence[tuple[str, bytes, str]] = [
     ("deep nesting", DEEP, "nested too deeply"),
     ("deep nesting, top", b'{"id": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "nested too deeply"),
-    ("deep token field", json.dumps({**INLINE, "prompt_token_ids": None}).encode().replace(
-        b'"prompt_token_ids": null', b'"prompt_token_ids": ' + b"[" * 50_000 + b"]" * 50_000), "nested too deeply"),
-    ("two ids in one token", json.dumps(with_token(0, 5, "token_id:5\ntoken_id:6")).encode(),
-     r"content\[0\].token: 'token_id:5\\ntoken_id:6' is not"),
+    (
+        "deep token field",
+        json.dumps({**INLINE, "prompt_token_ids": None})
+        .encode()
+        .replace(b'"prompt_token_ids": null', b'"prompt_token_ids": ' + b"[" * 50_000 + b"]" * 50_000),
+        "nested too deeply",
+    ),
+    (
+        "two ids in one token",
+        json.dumps(with_token(0, 5, "token_id:5\ntoken_id:6")).encode(),
+        r"content\[0\].token: 'token_id:5\\ntoken_id:6' is not",
+    ),
     ("5,000-digit token", json.dumps(with_token(1, 5, "token_id:" + "1" * 5000)).encode(), r"content\[1\].token"),
-    ("5,000-digit id", json.dumps(INLINE).encode().replace(b'"prompt_token_ids": [', b'"prompt_token_ids": [' +
-                                                           b"7" * 5000 + b", "), r"prompt_token_ids\[0\]"),
+    (
+        "5,000-digit id",
+        json.dumps(INLINE).encode().replace(b'"prompt_token_ids": [', b'"prompt_token_ids": [' + b"7" * 5000 + b", "),
+        r"prompt_token_ids\[0\]",
+    ),
     ("id 10**40", json.dumps(with_token(2, 10**40)).encode(), r"token_ids\[2\].* 0 to 2,147,483,647"),
     ("id 2**31", json.dumps(with_token(2, 2**31)).encode(), r"token_ids\[2\]"),
     ("token id 2**31", json.dumps(with_token(2, 5, f"token_id:{2**31}")).encode(), r"content\[2\].token"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("case", "body", "message"), MALFORMED_BODIES, ids=[c[0] for c in MALFORMED_BODIES])
@@ -315,11 +333,16 @@ async def test_largest_32_bit_id_is_accepted() -> None:
 
 @pytest.mark.parametrize(
     ("body", "message"),
-    [(b'{"tokens": [-7, 1180591620717411303424]}', r"tokens\[0\]"), (b'{"tokens": [2147483648]}', r"tokens\[0\]"),
-     (b'{"tokens": [1, true]}', r"tokens\[1\]: Expected `int`, got `bool`"), (b'{"tokens": "1 2"}', "Expected `array"),
-     (b'{"count": 2}', "no 'tokens' list"), (b"[1, 2]", "expected an object"),
-     (b'{"tokens": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "nested too deeply")],
-)  # fmt: skip
+    [
+        (b'{"tokens": [-7, 1180591620717411303424]}', r"tokens\[0\]"),
+        (b'{"tokens": [2147483648]}', r"tokens\[0\]"),
+        (b'{"tokens": [1, true]}', r"tokens\[1\]: Expected `int`, got `bool`"),
+        (b'{"tokens": "1 2"}', "Expected `array"),
+        (b'{"count": 2}', "no 'tokens' list"),
+        (b"[1, 2]", "expected an object"),
+        (b'{"tokens": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "nested too deeply"),
+    ],
+)
 async def test_tokenize_ids_are_validated(server: respx.MockRouter, body: bytes, message: str) -> None:
     """/tokenize's ids get the same checks as every other source (MalformedTokenMetadataError or the envelope's)."""
     server.post(CHAT).mock(return_value=httpx.Response(200, json=LOGPROBS_ONLY))
@@ -359,8 +382,9 @@ async def test_url_credentials_become_basic_auth_and_never_leak(
     chat = server.post(CHAT).mock(return_value=httpx.Response(200, json=INLINE))
     caplog.set_level(logging.DEBUG)
     errors: list[str] = []
-    async with TokenClient(CRED_BASE, retry=None, tracer_provider=telemetry.tracer_provider,
-                           max_response_bytes=2**16) as client:  # fmt: skip
+    async with TokenClient(
+        CRED_BASE, retry=None, tracer_provider=telemetry.tracer_provider, max_response_bytes=2**16
+    ) as client:
         assert SECRET not in client.base_url + client.tokenize_url + repr(client)
         await client.chat_completion(**BODY)
         request = chat.calls.last.request

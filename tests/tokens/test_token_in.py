@@ -58,9 +58,15 @@ async def test_trajectory_drives_token_in_turns(fake_vllm: FakeVLLM) -> None:
         assert trajectory.add(first) is None
         prefix = trajectory.required_prefix_token_ids
         assert prefix is not None and prefix[-1] == FakeTokenizer.IM_END
-        user = [*tokenizer.encode("\n"), FakeTokenizer.IM_START, *tokenizer.encode("user\nSure?"),
-                FakeTokenizer.IM_END, *tokenizer.encode("\n"), FakeTokenizer.IM_START,
-                *tokenizer.encode("assistant\n")]  # fmt: skip
+        user = [
+            *tokenizer.encode("\n"),
+            FakeTokenizer.IM_START,
+            *tokenizer.encode("user\nSure?"),
+            FakeTokenizer.IM_END,
+            *tokenizer.encode("\n"),
+            FakeTokenizer.IM_START,
+            *tokenizer.encode("assistant\n"),
+        ]
         second = await client.completion([*prefix, *user], model="tiny", max_tokens=16)
     assert trajectory.add(second) is None and trajectory.drifts == []
     [segment] = trajectory.segments

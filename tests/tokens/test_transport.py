@@ -95,9 +95,10 @@ async def test_http_errors_and_other_requests_pass_through(server: respx.MockRou
     error = {"error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}}
     server.post(CHAT).mock(return_value=httpx.Response(400, json=error))
     models = server.get(f"{BASE}/models").mock(
-        return_value=httpx.Response(200, json={"object": "list", "data": [{"id": "tiny", "object": "model",
-                                                                            "created": 0, "owned_by": "me"}]})
-    )  # fmt: skip
+        return_value=httpx.Response(
+            200, json={"object": "list", "data": [{"id": "tiny", "object": "model", "created": 0, "owned_by": "me"}]}
+        )
+    )
     async with sdk(TokenCaptureTransport(), max_retries=0) as client:
         with pytest.raises(openai.BadRequestError, match="bad"):
             await client.chat.completions.create(model="tiny", messages=MESSAGES)  # type: ignore[arg-type]

@@ -52,10 +52,16 @@ def outcome(which: TokenClient, request: dict[str, Any], data: bytes | str) -> A
     except TokensError as exc:
         return type(exc), str(exc)
     bundles = [
-        (b.prompt_token_ids, b.generation_token_ids, b.generation_log_probs, b.source, b.routed_experts,
-         b.floored_positions)
+        (
+            b.prompt_token_ids,
+            b.generation_token_ids,
+            b.generation_log_probs,
+            b.source,
+            b.routed_experts,
+            b.floored_positions,
+        )
         for b in completion.bundles
-    ]  # fmt: skip
+    ]
     # The response as JSON too: the same keys in the same order.
     return json.dumps(completion.response), completion.response, bundles
 
@@ -88,8 +94,9 @@ def recorded_answers() -> list[tuple[str, dict[str, Any], bytes]]:
 @pytest.mark.parametrize(
     ("name", "request_body", "data"), recorded_answers(), ids=lambda v: v if isinstance(v, str) else ""
 )
-def test_recorded_answers_give_the_same_bundles_on_both_paths(name: str, request_body: dict[str, Any],
-                                                              data: bytes) -> None:  # fmt: skip
+def test_recorded_answers_give_the_same_bundles_on_both_paths(
+    name: str, request_body: dict[str, Any], data: bytes
+) -> None:
     prompt = list(range(json.loads(data)["usage"]["prompt_tokens"]))  # for answers without prompt ids
     clients = (client(fallback=False, prompt_tokens=prompt), client(fallback=True, prompt_tokens=prompt))
     result = assert_same(TYPED._capture.prepare(request_body, streaming=True), data, clients)

@@ -92,8 +92,11 @@ async def test_second_turn_with_the_first_answer(vllm_base_url: str) -> None:
     async with TokenClient(vllm_base_url, request_prompt_and_generation_token_ids=True) as client:
         first = await client.chat_completion(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=6, seed=1)
         answer = first.response["choices"][0]["message"]
-        turn2 = [*MESSAGES, {"role": "assistant", "content": answer["content"] or ""},
-                 {"role": "user", "content": "And in Lima?"}]  # fmt: skip
+        turn2 = [
+            *MESSAGES,
+            {"role": "assistant", "content": answer["content"] or ""},
+            {"role": "user", "content": "And in Lima?"},
+        ]
         second = await client.chat_completion(model="tiny", messages=turn2, tools=TOOLS, max_tokens=6, seed=1)
     assert second.bundle.source == "vllm"
     assert second.bundle.prompt_token_ids == await tokenize(vllm_base_url, messages=turn2, tools=TOOLS)
@@ -109,8 +112,9 @@ async def test_three_turns_through_a_trajectory(vllm_base_url: str) -> None:
     bundles = []
     async with TokenClient(vllm_base_url, request_prompt_and_generation_token_ids=True) as client:
         for turn, follow_up in enumerate(["And in Lima?", "And in Tokyo?", None]):
-            completion = await client.chat_completion(model="tiny", messages=messages, tools=TOOLS, max_tokens=6,
-                                                      seed=turn)  # fmt: skip
+            completion = await client.chat_completion(
+                model="tiny", messages=messages, tools=TOOLS, max_tokens=6, seed=turn
+            )
             drift = trajectory.add(completion)
             bundles.append(completion.bundle)
             if turn:
@@ -168,8 +172,9 @@ async def test_sdk_n2_through_the_transport(vllm_base_url: str) -> None:
 async def test_sdk_stream_through_the_transport(vllm_base_url: str) -> None:
     """A real stream through the SDK: every chunk, then the bundle on the final chunk, matching the text."""
     async with sdk(vllm_base_url) as client:
-        stream = await client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=8,
-                                                      seed=1, stream=True)  # fmt: skip
+        stream = await client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=8, seed=1, stream=True
+        )
         chunks = [chunk async for chunk in stream]
     text = "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
     final = chunks[-1].model_extra or {}
@@ -182,8 +187,11 @@ async def test_sdk_stream_through_the_transport(vllm_base_url: str) -> None:
 async def test_token_in_continues_a_two_turn_trajectory(vllm_base_url: str) -> None:
     """Turn 2 sent as ids (turn 1's prompt + generation + the rendered next user turn): no drift, echo equal."""
     end_of_turn = (await tokenize(vllm_base_url, prompt="<|im_end|>", add_special_tokens=False))[0]
-    next_turn = await tokenize(vllm_base_url, prompt="\n<|im_start|>user\nAnd in Lima?<|im_end|>\n"
-                                                     "<|im_start|>assistant\n", add_special_tokens=False)  # fmt: skip
+    next_turn = await tokenize(
+        vllm_base_url,
+        prompt="\n<|im_start|>user\nAnd in Lima?<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
     trajectory = Trajectory(boundary_token_ids={end_of_turn})
     async with TokenClient(vllm_base_url, request_prompt_and_generation_token_ids=True) as client:
         first = await client.chat_completion(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=6, seed=1)
@@ -198,15 +206,25 @@ async def test_token_in_continues_a_two_turn_trajectory(vllm_base_url: str) -> N
 
 
 FIELD_SET_REQUESTS = [
-    ("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, "logprobs": True,
-                              "top_logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "max_tokens": 4,
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        },
+    ),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "n": 2, "logprobs": True}),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4000}),
     ("/v1/completions", {"prompt": [1, 100, 101, 102], "max_tokens": 3, "logprobs": 0, "return_token_ids": True}),
     ("/v1/completions", {"prompt": [1, 10**6], "max_tokens": 3}),
     ("/tokenize", {"messages": MESSAGES, "tools": TOOLS}),
     ("/detokenize", {"tokens": [100, 101, 102]}),
-]  # fmt: skip
+]
 
 
 FIELD_SET_IDS = ["chat", "chat-n2", "error", "token-in", "token-in-error", "tokenize", "detokenize"]
@@ -224,8 +242,16 @@ async def test_fake_vllm_field_sets_equal_the_real_server(vllm_base_url: str, pa
 
 
 async def test_fake_vllm_stream_field_sets_equal_the_real_server(vllm_base_url: str) -> None:
-    request = {"model": "tiny", "messages": MESSAGES, "max_tokens": 3, "stream": True, "seed": 1, "logprobs": True,
-               "return_token_ids": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    request = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "max_tokens": 3,
+        "stream": True,
+        "seed": 1,
+        "logprobs": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
     async with httpx.AsyncClient(timeout=120) as http:
         real = await http.post(vllm_base_url + "/chat/completions", json=request)
     fake = FakeVLLM()(httpx.Request("POST", FAKE_VLLM_URL + "/v1/chat/completions", json=request))

@@ -6,7 +6,8 @@ serves it; ``ProxyServer`` serves it on a loopback port in a background thread (
 ``proxy`` extra (``pip install 'llm-sandbox-middleware[proxy]'``). See docs/proxy.md.
 """
 
-from ._app import DEFAULT_MAX_REQUEST_BYTES, Coordinates, EventStream, create_app
+from ..records import Coordinates
+from ._app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from ._errors import (
     CaptureFailedError,
     ClientTimeoutError,
@@ -18,6 +19,7 @@ from ._errors import (
     anthropic_error_body,
     openai_error_body,
 )
+from ._event_stream import EventStream
 from ._messages import MessagesEvents, chat_to_messages, messages_to_chat
 from ._responses import ResponsesEvents, chat_to_responses, responses_to_chat
 from ._server import ProxyServer

@@ -10,14 +10,12 @@ event inside one), and never names the upstream.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
-import re
 import secrets
 import socket
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -32,132 +30,124 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from _shared_telemetry import ERROR_TYPE_ATTR, Instruments, Tracing, error_type, guarded_span, safely
 
-from .._chain import DEFAULT_CHAIN, ChainEntry, Exchange, build_chain
-from .._errors import ResponseTooLargeError, ServerResponseError, TokensError
+from .._chain import DEFAULT_CHAIN, ChainEntry, build_chain
+from .._errors import TokensError
+from .._exchange import Exchange
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body, strip_credentials
 from .._transport import TokenCaptureTransport
 from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_request
-from ._chat import chunks_of, sse
+from ..records import CoordinateError, Coordinates, Custody
+from ..records._coordinates import check_id, check_weight_version
+from ..records._writer import UNRECORDED
+from ._chat import chunks_of
+from ._dialects import CHAT, Dialect, dialects
 from ._errors import (
     CaptureFailedError,
     ClientTimeoutError,
     ProxyError,
     RequestRejectedError,
     RequestTooLargeError,
-    UpstreamError,
-    UpstreamTimeoutError,
-    anthropic_error_body,
-    openai_error_body,
+    upstream_error,
 )
-from ._messages import MessagesEvents, chat_to_messages, messages_to_chat
+from ._event_stream import EventStream
 from ._records import Recorder, StreamRecord, completion_of
-from ._responses import ResponsesEvents, chat_to_responses, history_of, responses_to_chat
 from ._sink import TokenSink
 from ._telemetry import DIALECT_ATTR, OUTCOME_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyInstruments
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "Coordinates", "create_app"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "create_app"]
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 """32 MiB: a 128K-token conversation as JSON is a few MiB; room for images as data URLs."""
 
 SCOPE = "tokens.proxy"
 logger = logging.getLogger("tokens.proxy")
-ROLLOUT_HEADER, CALL_HEADER, PARENT_HEADER, WEIGHT_HEADER = ("x-rollout-id", "x-model-call-id", "x-parent-call-id",
-                                                             "x-weight-version")  # fmt: skip
-_ID = re.compile(r"[A-Za-z0-9._:@-]{1,200}")
-_URL = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://\S+")
+ROLLOUT_HEADER, CALL_HEADER, PARENT_HEADER, WEIGHT_HEADER = (
+    "x-rollout-id",
+    "x-model-call-id",
+    "x-parent-call-id",
+    "x-weight-version",
+)
 _DECODE = msgspec.json.Decoder(dict[str, Any])
 _ENCODE = msgspec.json.Encoder()
 _JSON = {"content-type": "application/json"}
-Dialect = Literal["chat", "responses", "messages"]
-_PATHS: dict[str, Dialect] = {"chat/completions": "chat", "responses": "responses", "messages": "messages"}
 
 
 @dataclass(frozen=True)
-class Coordinates:
-    """Where a call belongs: its rollout, its own id, its parent's id and the policy's weight version."""
+class _Call:
+    """One request's call: its id (always answered in ``X-Model-Call-Id``) and, with a rollout id,
+    where it is recorded."""
 
-    rollout_id: str | None
     model_call_id: str
-    parent_call_id: str | None = None
-    weight_version: str | None = None
+    coordinates: Coordinates | None
 
 
 def _coordinate(value: str | None, where: str) -> str | None:
+    """A header's (or the URL's) id, None when absent; ``RequestRejectedError`` naming ``where`` when not an id."""
     if value is None or value == "":
         return None
-    if _ID.fullmatch(value) is None:
-        raise RequestRejectedError(
-            f"{where}: {value[:40]!r} is not an id (1 to 200 of A-Z a-z 0-9 . _ : @ -)", param=where
-        )
-    return value
-
-
-def _safe(text: str) -> str:
-    """An upstream's message without any URL in it, at most 2,000 characters."""
-    return _URL.sub("<url>", text)[:2000]
-
-
-class _Previous:
-    """The last ``size`` Responses answers served, by id: the items a ``previous_response_id`` stands for."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._items: OrderedDict[str, tuple[list[Any], str]] = OrderedDict()
-
-    def get(self, response_id: str) -> tuple[list[Any], str]:
-        found = self._items.get(response_id)
-        if found is None:
-            raise RequestRejectedError(
-                f"previous_response_id: {response_id[:80]!r} is not one of the last {self.size} responses this proxy "
-                "served (they are kept in memory only); send the whole conversation as input instead",
-                param="previous_response_id", status=404,
-            )  # fmt: skip
-        self._items.move_to_end(response_id)
-        return found
-
-    def put(self, response_id: str, items: list[Any], call_id: str) -> None:
-        if self.size:
-            self._items[response_id] = (items, call_id)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+    try:
+        return check_id(value, where)
+    except CoordinateError as exc:
+        raise RequestRejectedError(str(exc), param=where) from None
 
 
 class _Upstream:
     """One upstream: its base URL (credentials stripped), its capturing client, what it serves."""
 
-    def __init__(self, url: str, api_key: str | None, transport: httpx.AsyncBaseTransport | None, *,
-                 middleware: Sequence[ChainEntry] | None, max_response_bytes: int, timeout: httpx.Timeout,
-                 meter_provider: MeterProvider | None, tracer_provider: TracerProvider | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None,
+        transport: httpx.AsyncBaseTransport | None,
+        *,
+        middleware: Sequence[ChainEntry] | None,
+        max_response_bytes: int,
+        timeout: httpx.Timeout,
+        meter_provider: MeterProvider | None,
+        tracer_provider: TracerProvider | None,
+    ) -> None:
         base, auth = strip_credentials(url.rstrip("/"))
         self.base = base
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         if transport is None:  # no Nagle delay between a request's headers and its body, nor between events
             transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         capture = TokenCaptureTransport(
-            transport, request_prompt_and_generation_token_ids=True, middleware=middleware,
-            max_response_bytes=max_response_bytes, meter_provider=meter_provider, tracer_provider=tracer_provider,
-        )  # fmt: skip
+            transport,
+            request_prompt_and_generation_token_ids=True,
+            middleware=middleware,
+            max_response_bytes=max_response_bytes,
+            meter_provider=meter_provider,
+            tracer_provider=tracer_provider,
+        )
         self.client = httpx.AsyncClient(transport=capture, auth=auth, headers=headers, timeout=timeout)
         self.serves_responses: bool | None = None  # unknown until asked
 
 
 class _App:
-    def __init__(self, upstreams: Mapping[str | None, _Upstream], *, store: TokenSink | None, max_request_bytes: int,
-                 max_response_bytes: int, client_timeout: float, responses_upstream: str, previous: int,
-                 middleware: Sequence[ChainEntry] | None, meter_provider: MeterProvider | None,
-                 tracer_provider: TracerProvider | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        upstreams: Mapping[str | None, _Upstream],
+        *,
+        store: TokenSink | None,
+        max_request_bytes: int,
+        max_response_bytes: int,
+        client_timeout: float,
+        responses_upstream: str,
+        previous: int,
+        middleware: Sequence[ChainEntry] | None,
+        meter_provider: MeterProvider | None,
+        tracer_provider: TracerProvider | None,
+    ) -> None:
         self.upstreams = upstreams
         self.recorder = None if store is None else Recorder(store)
         self.max_request_bytes = max_request_bytes
         self.max_response_bytes = max_response_bytes
         self.client_timeout = client_timeout
         self.responses_upstream = responses_upstream
-        self.previous = _Previous(previous)
+        self.dialects = dialects(previous)
         self.chain = build_chain(DEFAULT_CHAIN if middleware is None else middleware)
         self.instruments = Instruments(ProxyInstruments.create, meter_provider, SCOPE)
         self.tracing = Tracing(tracer_provider, SCOPE)
@@ -176,25 +166,30 @@ class _App:
     async def endpoint(self, request: Request) -> Response:
         path = request.path_params["path"]
         rollout = request.path_params.get("rollout")
-        dialect = _PATHS.get(path)
+        dialect = self.dialects.get(path)
         if request.method == "GET" and path == "models":
             return await self.models()
         if dialect is None or request.method != "POST":
-            error = ProxyError(f"{request.method} /v1/{path[:80]} is not served: POST /v1/chat/completions, "
-                               "/v1/responses or /v1/messages (or GET /v1/models)", status=404)  # fmt: skip
-            return self.error_response("chat", error)
+            error = ProxyError(
+                f"{request.method} /v1/{path[:80]} is not served: POST /v1/chat/completions, "
+                "/v1/responses or /v1/messages (or GET /v1/models)",
+                status=404,
+            )
+            return self.error_response(CHAT, error)
         started = time.perf_counter()
         stream = False
         try:
             body = await self.read_json(request)
             stream = bool(body.get("stream"))
-            coordinates = self.coordinates(request, rollout, body)
-            response = await self.serve(dialect, body, coordinates, started)
+            call = self.call(request, rollout)
+            response = await self.serve(dialect, body, call, started)
         except ProxyError as exc:
             self.finished(dialect, stream, started, exc)
             return self.error_response(dialect, exc)
         except Exception as exc:  # a defect of ours: logged, and still an answer the client's SDK parses
-            logger.error("tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect, exc_info=exc)
+            logger.error(
+                "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
+            )
             failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
             self.finished(dialect, stream, started, failure)
             return self.error_response(dialect, failure)
@@ -227,24 +222,33 @@ class _App:
     def _too_large(self, detail: str) -> str:
         return f"the request body is over the proxy's max_request_bytes={self.max_request_bytes:,} ({detail})"
 
-    def coordinates(self, request: Request, rollout: str | None, body: Mapping[str, Any]) -> Coordinates:
+    def call(self, request: Request, rollout: str | None) -> _Call:
         headers = request.headers
-        rollout_id = _coordinate(rollout, "the URL's rollout id") or _coordinate(headers.get(ROLLOUT_HEADER),
-                                                                                  "X-Rollout-Id")  # fmt: skip
-        call = _coordinate(headers.get(CALL_HEADER), "X-Model-Call-Id") or f"call_{secrets.token_hex(12)}"
+        rollout_id = _coordinate(rollout, "the URL's rollout id") or _coordinate(
+            headers.get(ROLLOUT_HEADER), "X-Rollout-Id"
+        )
+        call_id = _coordinate(headers.get(CALL_HEADER), "X-Model-Call-Id") or f"call_{secrets.token_hex(12)}"
         parent = _coordinate(headers.get(PARENT_HEADER), "X-Parent-Call-Id")
         weight = headers.get(WEIGHT_HEADER) or None
-        if weight is not None and len(weight) > 200:
-            raise RequestRejectedError("X-Weight-Version: at most 200 characters", param="X-Weight-Version")
-        return Coordinates(rollout_id, call, parent, weight)
+        if weight is not None:
+            try:
+                check_weight_version(weight, "X-Weight-Version")
+            except CoordinateError as exc:
+                raise RequestRejectedError(str(exc), param="X-Weight-Version") from None
+        coordinates = None if rollout_id is None else Coordinates(rollout_id, call_id, parent, weight)
+        return _Call(call_id, coordinates)
+
+    def custody(self, call: _Call, chat: Mapping[str, Any]) -> Custody:
+        return UNRECORDED if self.recorder is None else self.recorder.custody(call.coordinates, chat)
 
     def upstream(self, body: Mapping[str, Any]) -> _Upstream:
         model = body.get("model")
         found = self.upstreams.get(model if isinstance(model, str) else None) or self.upstreams.get(None)
         if found is None:
             served = ", ".join(sorted(str(name) for name in self.upstreams))
-            raise ProxyError(f"model {str(model)[:80]!r} is not served here (models: {served})", param="model",
-                             status=404)  # fmt: skip
+            raise ProxyError(
+                f"model {str(model)[:80]!r} is not served here (models: {served})", param="model", status=404
+            )
         return found
 
     async def models(self) -> Response:
@@ -253,55 +257,37 @@ class _App:
             response = await upstream.client.get(upstream.base + "/models")
             data = await read_body(response, "models", 2**20)
         except (TokensError, httpx.HTTPError) as exc:
-            return self.error_response("chat", self.upstream_error(exc))
+            return self.error_response(CHAT, self.upstream_error(exc))
         return Response(data, media_type="application/json")
 
     # -- serving ------------------------------------------------------------------------------
 
-    async def serve(self, dialect: Dialect, body: dict[str, Any], coordinates: Coordinates, started: float) -> Response:
+    async def serve(self, dialect: Dialect, body: dict[str, Any], call: _Call, started: float) -> Response:
         stream = bool(body.get("stream"))
         upstream = self.upstream(body)
-        history: list[Any] = []
-        if dialect == "responses" and isinstance(body.get("previous_response_id"), str):
-            history, parent = self.previous.get(body["previous_response_id"])
-            if coordinates.parent_call_id is None:
-                coordinates = Coordinates(coordinates.rollout_id, coordinates.model_call_id, parent,
-                                          coordinates.weight_version)  # fmt: skip
-        if dialect == "responses" and self.via_responses(upstream, body):
-            served = await self.serve_responses(upstream, body, history, coordinates, started)
+        history, parent = dialect.history(body)
+        if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
+            call = _Call(call.model_call_id, dataclasses.replace(call.coordinates, parent_call_id=parent))
+        if dialect.native and self.via_responses(upstream, body):
+            served = await self.serve_responses(dialect, upstream, body, history, call, started)
             if served is not None:
                 return served
-        chat = body if dialect == "chat" else responses_to_chat(body, history) if dialect == "responses" else (
-            messages_to_chat(body))  # fmt: skip
-        recorded = self.record_coordinates(coordinates)
-        if self.recorder is not None:
-            await self.recorder.begin(recorded, chat)
-        span_attributes = {DIALECT_ATTR: dialect, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
+        chat = dialect.to_chat(body, history)
+        custody = self.custody(call, chat)
+        span_attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
         if stream:
-            return await self.serve_stream(dialect, upstream, chat, body, history, coordinates, started,
-                                           span_attributes, recorded)  # fmt: skip
-        with self.span(span_attributes) as span:
-            try:
+            await custody.begin()
+            return await self.serve_stream(
+                dialect, upstream, chat, body, history, call, started, span_attributes, custody
+            )
+        async with custody:
+            with self.span(span_attributes) as span:
                 completion = await self.post(upstream, chat, dialect)
-            except CaptureFailedError:
-                await self.incomplete(recorded)
-                raise
-            if self.recorder is not None and recorded is not None:
-                message = completion["choices"][0]["message"]
-                await self.recorder.write(recorded, chat, completion_of(completion, message))
-            answer = self.answer(dialect, completion, body, history, coordinates)
-            self.finished(dialect, False, started, None, span)
-        return JSONResponse(answer, headers=_call_headers(coordinates))
-
-    def record_coordinates(self, coordinates: Coordinates) -> Any:
-        if self.recorder is None:
-            return None
-        return self.recorder.coordinates(coordinates.rollout_id, coordinates.model_call_id, coordinates.parent_call_id,
-                                         coordinates.weight_version)  # fmt: skip
-
-    async def incomplete(self, recorded: Any) -> None:
-        if self.recorder is not None:
-            await self.recorder.incomplete(recorded)
+                if custody.recorded:
+                    await custody.write_chat(chat, completion_of(completion, completion["choices"][0]["message"]))
+                answer = dialect.answer(completion, body, history, call.model_call_id)
+                self.finished(dialect, False, started, None, span)
+        return JSONResponse(answer, headers=_call_headers(call))
 
     def via_responses(self, upstream: _Upstream, body: Mapping[str, Any]) -> bool:
         """Whether to ask vLLM's own ``/v1/responses`` (it has no log probabilities for tool calls)."""
@@ -309,83 +295,95 @@ class _App:
             return False
         return self.responses_upstream == "responses" or not (body.get("tools") or body.get("stream"))
 
-    def answer(self, dialect: Dialect, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any],
-               coordinates: Coordinates) -> dict[str, Any]:  # fmt: skip
-        if dialect == "chat":
-            return completion
-        if dialect == "messages":
-            return chat_to_messages(completion)
-        response_id = f"resp_{secrets.token_hex(12)}"
-        answer = chat_to_responses(completion, body, response_id)
-        self.remember(body, answer, history, coordinates)
-        return answer
-
-    def remember(self, body: Mapping[str, Any], answer: Mapping[str, Any], history: list[Any],
-                 coordinates: Coordinates) -> None:  # fmt: skip
-        if body.get("store", True) is not False:
-            self.previous.put(answer["id"], history_of(body, answer, history), coordinates.model_call_id)
-
     async def post(self, upstream: _Upstream, body: Mapping[str, Any], dialect: Dialect) -> dict[str, Any]:
         """A chat completion, whole, from the upstream."""
         try:
-            response = await upstream.client.post(upstream.base + "/chat/completions", content=_ENCODE.encode(body),
-                                                  headers=_JSON)  # fmt: skip
+            response = await upstream.client.post(
+                upstream.base + "/chat/completions", content=_ENCODE.encode(body), headers=_JSON
+            )
             data = await read_body(response, "answer", self.max_response_bytes)
         except (TokensError, httpx.HTTPError) as exc:
             raise self.upstream_error(exc, dialect) from None
         return _DECODE.decode(data)
 
-    async def serve_responses(self, upstream: _Upstream, body: Mapping[str, Any], history: list[Any],
-                              coordinates: Coordinates, started: float) -> Response | None:  # fmt: skip
+    async def serve_responses(
+        self,
+        dialect: Dialect,
+        upstream: _Upstream,
+        body: dict[str, Any],
+        history: list[Any],
+        call: _Call,
+        started: float,
+    ) -> Response | None:
         """A Responses request through vLLM's ``/v1/responses``; None when the upstream does not serve it."""
         sent = prepare_responses_request({key: value for key, value in body.items() if key != "previous_response_id"})
-        sent["input"] = [*history, *sent["input"]] if isinstance(sent.get("input"), list) else (
-            [*history, {"type": "message", "role": "user", "content": sent.get("input", "")}])  # fmt: skip
-        attributes = {DIALECT_ATTR: "responses", STREAM_ATTR: False, UPSTREAM_ATTR: "responses"}
-        recorded = self.record_coordinates(coordinates)
-        chat = responses_to_chat(body, history) if recorded is not None else {}
-        if self.recorder is not None:
-            await self.recorder.begin(recorded, chat)
-        with self.span(attributes) as span:
-            try:
-                response = await upstream.client.post(upstream.base + "/responses", json=sent)
-                if response.status_code in (404, 405) and self.responses_upstream == "auto":
-                    await response.aclose()
-                    upstream.serves_responses = False  # remembered: chat completions from now on
-                    return None
-                data = await read_body(response, "answer", self.max_response_bytes)
-                decoded = decode_responses(data)
-                bundle = await self.chain(Exchange(sent, decoded))
-            except (TokensError, httpx.HTTPError) as exc:
-                error = self.upstream_error(exc, "responses")
-                if isinstance(error, CaptureFailedError):
-                    await self.incomplete(recorded)
-                raise error from None
-            upstream.serves_responses = True
-            answer = decoded.answer
-            answer.pop("choices", None)
-            output = answer["output"]
-            if not output:
-                output.append({"id": f"msg_{answer.get('id', '')}", "type": "message", "role": "assistant",
-                               "status": "completed", "content": []})  # fmt: skip
-            output[-1].update(zip(TOKEN_FIELDS, (bundle.prompt_token_ids, bundle.generation_token_ids,
-                                                 bundle.generation_log_probs), strict=True))  # fmt: skip
-            answer["previous_response_id"] = body.get("previous_response_id")
-            if self.recorder is not None and recorded is not None:
-                message = {"role": "assistant", "content": _output_text(output)}
-                as_chat = {"id": answer.get("id"), "model": answer.get("model"), "choices": [{"message": message}]}
-                await self.recorder.write(recorded, chat, completion_of(as_chat, output[-1]))
-            self.remember(body, answer, history, coordinates)
-            self.finished("responses", False, started, None, span)
-        return JSONResponse(answer, headers=_call_headers(coordinates))
+        sent["input"] = (
+            [*history, *sent["input"]]
+            if isinstance(sent.get("input"), list)
+            else ([*history, {"type": "message", "role": "user", "content": sent.get("input", "")}])
+        )
+        attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: False, UPSTREAM_ATTR: "responses"}
+        chat = dialect.to_chat(body, history) if self.recorder is not None and call.coordinates is not None else {}
+        async with self.custody(call, chat) as custody:
+            with self.span(attributes) as span:
+                try:
+                    response = await upstream.client.post(upstream.base + "/responses", json=sent)
+                    if response.status_code in (404, 405) and self.responses_upstream == "auto":
+                        await response.aclose()
+                        upstream.serves_responses = False  # remembered: chat completions from now on
+                        return None
+                    data = await read_body(response, "answer", self.max_response_bytes)
+                    decoded = decode_responses(data)
+                    bundle = await self.chain(Exchange(sent, decoded))
+                except (TokensError, httpx.HTTPError) as exc:
+                    raise self.upstream_error(exc, dialect) from None
+                upstream.serves_responses = True
+                answer = decoded.answer
+                answer.pop("choices", None)
+                output = answer["output"]
+                if not output:
+                    output.append(
+                        {
+                            "id": f"msg_{answer.get('id', '')}",
+                            "type": "message",
+                            "role": "assistant",
+                            "status": "completed",
+                            "content": [],
+                        }
+                    )
+                output[-1].update(
+                    zip(
+                        TOKEN_FIELDS,
+                        (bundle.prompt_token_ids, bundle.generation_token_ids, bundle.generation_log_probs),
+                        strict=True,
+                    )
+                )
+                answer["previous_response_id"] = body.get("previous_response_id")
+                if custody.recorded:
+                    message = {"role": "assistant", "content": _output_text(output)}
+                    as_chat = {"id": answer.get("id"), "model": answer.get("model"), "choices": [{"message": message}]}
+                    await custody.write_chat(chat, completion_of(as_chat, output[-1]))
+                dialect.remember(body, answer, history, call.model_call_id)
+                self.finished(dialect, False, started, None, span)
+        return JSONResponse(answer, headers=_call_headers(call))
 
-    async def serve_stream(self, dialect: Dialect, upstream: _Upstream, chat: dict[str, Any], body: Mapping[str, Any],
-                           history: list[Any], coordinates: Coordinates, started: float, attributes: dict[str, Any],
-                           recorded: Any) -> Response:  # fmt: skip
+    async def serve_stream(
+        self,
+        dialect: Dialect,
+        upstream: _Upstream,
+        chat: dict[str, Any],
+        body: Mapping[str, Any],
+        history: list[Any],
+        call: _Call,
+        started: float,
+        attributes: dict[str, Any],
+        custody: Custody,
+    ) -> Response:
         tracer = self.tracing.get()
-        span = None if tracer is None else _start_span(tracer, dialect, attributes)
-        request = upstream.client.build_request("POST", upstream.base + "/chat/completions",
-                                                content=_ENCODE.encode(chat), headers=_JSON)  # fmt: skip
+        span = None if tracer is None else _start_span(tracer, dialect.name, attributes)
+        request = upstream.client.build_request(
+            "POST", upstream.base + "/chat/completions", content=_ENCODE.encode(chat), headers=_JSON
+        )
         try:
             with trace.use_span(span, end_on_exit=False) if span is not None else nullcontext():
                 response = await upstream.client.send(request, stream=True)
@@ -393,8 +391,7 @@ class _App:
                 await read_body(response, "answer", self.max_response_bytes)  # raises the typed error
         except (TokensError, httpx.HTTPError) as exc:
             error = self.upstream_error(exc, dialect)
-            if isinstance(error, CaptureFailedError):
-                await self.incomplete(recorded)
+            await custody.end(error)
             if span is not None:
                 safely("tokens.proxy span", _end_span, span, error)
             raise error from None
@@ -415,10 +412,10 @@ class _App:
 
         async def events() -> AsyncIterator[bytes]:
             error: ProxyError | None = None
-            converter = _converter(dialect, body)
-            gathered = StreamRecord() if recorded is not None else None
+            converter = dialect.events(body)
+            gathered = StreamRecord() if custody.recorded else None
             try:
-                if isinstance(converter, ResponsesEvents):
+                if converter is not None:
                     for event in converter.start():
                         yield event
                 async for event in response.aiter_raw():
@@ -428,8 +425,8 @@ class _App:
                     for chunk in chunks_of(event):
                         if chunk is None:
                             continue
-                        if gathered is not None and gathered.feed(chunk) and self.recorder is not None:
-                            await self.recorder.write(recorded, chat, gathered.completion())  # before the end goes out
+                        if gathered is not None and gathered.feed(chunk):
+                            await custody.write_chat(chat, gathered.completion())  # before the end goes out
                         if converter is not None:
                             for out in converter.feed(chunk):
                                 yield out
@@ -438,61 +435,39 @@ class _App:
                 if converter is not None:
                     for out in converter.finish():
                         yield out
-                    if isinstance(converter, ResponsesEvents) and converter.completed is not None:
-                        self.remember(body, converter.completed, history, coordinates)
+                    dialect.ended(converter, body, history, call.model_call_id)
             except (TokensError, httpx.HTTPError, ProxyError) as exc:
                 error = self.upstream_error(exc, dialect)
-                if isinstance(error, CaptureFailedError):
-                    await self.incomplete(recorded)
-                yield self.error_event(dialect, error, converter)
+                await custody.end(error)
+                yield dialect.error_event(error, converter)
+            except anyio.get_cancelled_exc_class() as exc:  # cancelled before its record: the rollout has a hole
+                await custody.end(exc)
+                raise
             finally:
                 await close(error)
 
-        return EventStream(events(), self.client_timeout, _call_headers(coordinates), closing=gone)
+        return EventStream(events(), self.client_timeout, _call_headers(call), closing=gone)
 
     # -- errors and telemetry ------------------------------------------------------------------
 
     def upstream_error(self, exc: BaseException, dialect: Dialect | None = None) -> ProxyError:
-        """The client's view of an upstream failure: typed, with the upstream's status where it has one,
-        never its URL."""
-        if isinstance(exc, ProxyError):
-            return exc
-        if isinstance(exc, httpx.TimeoutException):
-            return UpstreamTimeoutError(f"the upstream did not answer in time ({type(exc).__name__})")
-        if isinstance(exc, httpx.HTTPError):
-            return UpstreamError(f"the connection to the upstream failed ({type(exc).__name__})")
-        if isinstance(exc, ServerResponseError):
-            if 300 <= exc.status_code < 400:
-                return UpstreamError(f"the upstream answered with a redirect (HTTP {exc.status_code}), not followed")
-            detail = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else exc.body
-            said = detail.get("message") if isinstance(detail, dict) else detail
-            message = f"the upstream answered HTTP {exc.status_code}: {_safe(str(said))}"
-            if exc.status_code >= 500 and exc.status_code != 503:
-                return UpstreamError(message)  # a 502: the upstream failed
-            return ProxyError(message, status=exc.status_code)  # its 4xx, or 503 (overloaded), passed on
-        self.count_capture_error(dialect, exc)
-        if isinstance(exc, ResponseTooLargeError):
-            return CaptureFailedError(f"the upstream's answer is over the proxy's max_response_bytes={exc.limit:,}")
-        return CaptureFailedError(f"token capture failed ({type(exc).__name__}): {_safe(str(exc))}")
+        """The client's view of an upstream failure (``upstream_error``); a capture failure is counted."""
+        error = upstream_error(exc)
+        if error is not exc and isinstance(error, CaptureFailedError):
+            self.count_capture_error(dialect, exc)
+        return error
 
     def count_capture_error(self, dialect: Dialect | None, exc: BaseException) -> None:
         instruments = self.instruments.get()
         if instruments is not None:
-            attributes = {DIALECT_ATTR: dialect or "unknown", ERROR_TYPE_ATTR: error_type(exc)}
+            attributes = {
+                DIALECT_ATTR: "unknown" if dialect is None else dialect.name,
+                ERROR_TYPE_ATTR: error_type(exc),
+            }
             safely("tokens.proxy.capture_error_total", instruments.capture_errors.add, 1, attributes)
 
     def error_response(self, dialect: Dialect, error: ProxyError) -> Response:
-        body = anthropic_error_body(error) if dialect == "messages" else openai_error_body(error)
-        return JSONResponse(body, status_code=error.status)
-
-    def error_event(self, dialect: Dialect, error: ProxyError, converter: Any) -> bytes:
-        if dialect == "messages":
-            return sse(anthropic_error_body(error), "error")
-        if dialect == "responses":
-            sequence = converter._sequence if isinstance(converter, ResponsesEvents) else 0
-            return sse({"type": "error", "code": error.openai_type, "message": str(error), "param": error.param,
-                        "sequence_number": sequence}, "error")  # fmt: skip
-        return sse(openai_error_body(error))
+        return JSONResponse(dialect.error_body(error), status_code=error.status)
 
     def span(self, attributes: dict[str, Any]) -> AbstractContextManager[Span | None]:
         tracer = self.tracing.get()
@@ -500,13 +475,14 @@ class _App:
             return nullcontext()
         return guarded_span(tracer, f"tokens.proxy {attributes[DIALECT_ATTR]}", attributes)
 
-    def finished(self, dialect: Dialect, stream: bool, started: float, error: ProxyError | None,
-                 span: Span | None = None) -> None:  # fmt: skip
+    def finished(
+        self, dialect: Dialect, stream: bool, started: float, error: ProxyError | None, span: Span | None = None
+    ) -> None:
         outcome = "ok" if error is None else type(error).__name__
         instruments = self.instruments.get()
         if instruments is not None:
             elapsed = (time.perf_counter() - started) * 1000.0
-            attributes = {DIALECT_ATTR: dialect, STREAM_ATTR: stream, OUTCOME_ATTR: outcome}
+            attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, OUTCOME_ATTR: outcome}
             safely("tokens.proxy.duration_ms", instruments.duration_ms.record, elapsed, attributes)
         if span is not None and stream:
             safely("tokens.proxy span", _end_span, span, error)
@@ -534,91 +510,11 @@ def _output_text(output: Sequence[Any]) -> str:
     return "".join(str(part.get("text", "")) for part in parts if part.get("type") == "output_text")
 
 
-def _call_headers(coordinates: Coordinates) -> dict[str, str]:
-    headers = {CALL_HEADER: coordinates.model_call_id}
-    if coordinates.rollout_id is not None:
-        headers[ROLLOUT_HEADER] = coordinates.rollout_id
+def _call_headers(call: _Call) -> dict[str, str]:
+    headers = {CALL_HEADER: call.model_call_id}
+    if call.coordinates is not None:
+        headers[ROLLOUT_HEADER] = call.coordinates.rollout_id
     return headers
-
-
-def _converter(dialect: Dialect, body: Mapping[str, Any]) -> ResponsesEvents | MessagesEvents | None:
-    if dialect == "responses":
-        return ResponsesEvents(body, f"resp_{secrets.token_hex(12)}")
-    if dialect == "messages":
-        return MessagesEvents()
-    return None
-
-
-class EventStream(Response):
-    """A server-sent event stream sent as it is produced: each event written within ``send_timeout``
-    (a client that stops reading is dropped), the producer closed when the client goes away.
-    ``closing`` is awaited last, shielded, in every case: the cleanup of a producer that never ran
-    (its ``finally`` does not run when the client is gone before the first event)."""
-
-    def __init__(
-        self,
-        events: AsyncIterator[bytes],
-        send_timeout: float,
-        headers: Mapping[str, str],
-        *,
-        closing: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
-        self.events = events
-        self.send_timeout = send_timeout
-        self.closing = closing
-        self.status_code = 200
-        self.background = None
-        fields = {**headers, "content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
-                  "x-accel-buffering": "no"}  # fmt: skip
-        self.raw_headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in fields.items()]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        events = self.events
-        ready, taken = anyio.create_memory_object_stream[bytes](_BATCH)
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async with anyio.create_task_group() as group:
-
-                async def disconnected() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    group.cancel_scope.cancel()
-
-                async def produce() -> None:
-                    async with ready:
-                        async for event in events:
-                            try:  # without a checkpoint: the events of one upstream read travel together
-                                ready.send_nowait(event)
-                            except anyio.WouldBlock:
-                                await ready.send(event)
-
-                group.start_soon(disconnected)
-                group.start_soon(produce)
-                with anyio.CancelScope() as stalled:  # its deadline is set while a write is under way
-                    async with taken:
-                        async for event in taken:  # what is ready now goes in one write; nothing waits for more
-                            batch = [event]
-                            while len(batch) < _BATCH:
-                                try:
-                                    batch.append(taken.receive_nowait())
-                                except (anyio.WouldBlock, anyio.EndOfStream):
-                                    break
-                            stalled.deadline = anyio.current_time() + self.send_timeout
-                            await send({"type": "http.response.body", "body": b"".join(batch), "more_body": True})
-                            stalled.deadline = math.inf
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                group.cancel_scope.cancel()  # done, or the client stopped reading: nothing more to send it
-        except OSError:
-            pass  # the client went away
-        finally:
-            with anyio.CancelScope(shield=True):
-                await events.aclose()  # type: ignore[attr-defined]
-                if self.closing is not None:
-                    await self.closing()
-
-
-_BATCH = 64
-"""Events held between the upstream and the client at most (bounded memory), and sent in one write."""
 
 
 def create_app(
@@ -660,8 +556,11 @@ def create_app(
     for name, value in (("max_request_bytes", max_request_bytes), ("previous_responses", previous_responses + 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"create_app: {name} must be a positive int, not {value!r}")
-    for name, seconds in (("upstream_timeout", upstream_timeout), ("connect_timeout", connect_timeout),
-                          ("client_timeout", client_timeout)):  # fmt: skip
+    for name, seconds in (
+        ("upstream_timeout", upstream_timeout),
+        ("connect_timeout", connect_timeout),
+        ("client_timeout", client_timeout),
+    ):
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < float("inf"):
             raise ValueError(f"create_app: {name} must be a positive number of seconds, not {seconds!r}")
     if responses_upstream not in ("auto", "responses", "chat"):
@@ -676,10 +575,18 @@ def create_app(
             raise ValueError(f"create_app: {where} must be an http(s) URL with a host, e.g. http://host:8000/v1")
     timeout = httpx.Timeout(upstream_timeout, connect=connect_timeout)
     upstreams = {
-        model: _Upstream(url, upstream_api_key, transport, middleware=middleware, max_response_bytes=max_response_bytes,
-                         timeout=timeout, meter_provider=meter_provider, tracer_provider=tracer_provider)
+        model: _Upstream(
+            url,
+            upstream_api_key,
+            transport,
+            middleware=middleware,
+            max_response_bytes=max_response_bytes,
+            timeout=timeout,
+            meter_provider=meter_provider,
+            tracer_provider=tracer_provider,
+        )
         for model, url in urls.items()
-    }  # fmt: skip
+    }
     if not upstreams:
         raise ValueError("create_app: upstream_url names no upstream")
     proxy = _App(upstreams, store=store, max_request_bytes=max_request_bytes, max_response_bytes=max_response_bytes,
@@ -694,8 +601,10 @@ def create_app(
             await proxy.aclose()
 
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
-    routes = [Route("/v1/{path:path}", proxy.endpoint, methods=methods),
-              Route("/r/{rollout}/v1/{path:path}", proxy.endpoint, methods=methods)]  # fmt: skip
+    routes = [
+        Route("/v1/{path:path}", proxy.endpoint, methods=methods),
+        Route("/r/{rollout}/v1/{path:path}", proxy.endpoint, methods=methods),
+    ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.proxy = proxy
     return app

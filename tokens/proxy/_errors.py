@@ -7,9 +7,12 @@ the upstream (its URL or credentials): a client of the proxy is told the upstrea
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
-from .._errors import TokensError
+import httpx
+
+from .._errors import ResponseTooLargeError, ServerResponseError, TokensError
 
 __all__ = [
     "CaptureFailedError",
@@ -21,6 +24,7 @@ __all__ = [
     "UpstreamTimeoutError",
     "anthropic_error_body",
     "openai_error_body",
+    "upstream_error",
 ]
 
 
@@ -102,6 +106,37 @@ def openai_error_body(error: ProxyError) -> dict[str, Any]:
 def anthropic_error_body(error: ProxyError) -> dict[str, Any]:
     """Anthropic's error shape (``{"type": "error", "error": {...}}``), as the ``anthropic`` SDK parses it."""
     return {"type": "error", "error": {"type": _anthropic_type(error), "message": str(error)}}
+
+
+_URL = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://\S+")
+
+
+def _safe(text: str) -> str:
+    """An upstream's message without any URL in it, at most 2,000 characters."""
+    return _URL.sub("<url>", text)[:2000]
+
+
+def upstream_error(exc: BaseException) -> ProxyError:
+    """The client's view of an upstream failure: typed, with the upstream's status where it has one,
+    never its URL; a failure of capture itself is a ``CaptureFailedError``."""
+    if isinstance(exc, ProxyError):
+        return exc
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeoutError(f"the upstream did not answer in time ({type(exc).__name__})")
+    if isinstance(exc, httpx.HTTPError):
+        return UpstreamError(f"the connection to the upstream failed ({type(exc).__name__})")
+    if isinstance(exc, ServerResponseError):
+        if 300 <= exc.status_code < 400:
+            return UpstreamError(f"the upstream answered with a redirect (HTTP {exc.status_code}), not followed")
+        detail = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else exc.body
+        said = detail.get("message") if isinstance(detail, dict) else detail
+        message = f"the upstream answered HTTP {exc.status_code}: {_safe(str(said))}"
+        if exc.status_code >= 500 and exc.status_code != 503:
+            return UpstreamError(message)  # a 502: the upstream failed
+        return ProxyError(message, status=exc.status_code)  # its 4xx, or 503 (overloaded), passed on
+    if isinstance(exc, ResponseTooLargeError):
+        return CaptureFailedError(f"the upstream's answer is over the proxy's max_response_bytes={exc.limit:,}")
+    return CaptureFailedError(f"token capture failed ({type(exc).__name__}): {_safe(str(exc))}")
 
 
 for _cls in (

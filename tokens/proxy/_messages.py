@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._chat import TOKEN_FIELDS, function_tool, required_string, sse, text_parts
-from ._errors import RequestRejectedError, UpstreamError
+from ._errors import ProxyError, RequestRejectedError, UpstreamError, anthropic_error_body
 
 __all__ = ["MessagesEvents", "chat_to_messages", "messages_to_chat"]
 
@@ -77,8 +77,13 @@ def _add_message(messages: list[dict[str, Any]], message: Any, where: str) -> No
         elif kind == "tool_use" and role == "assistant":
             arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
             name = required_string(block, "messages", "name", at)
-            calls.append({"id": required_string(block, "messages", "id", at), "type": "function",
-                          "function": {"name": name, "arguments": arguments}})  # fmt: skip
+            calls.append(
+                {
+                    "id": required_string(block, "messages", "id", at),
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+            )
         elif kind in ("thinking", "redacted_thinking"):
             continue  # the model's own earlier reasoning: chat completions has no place for it
         else:
@@ -103,8 +108,7 @@ def _result(block: Mapping[str, Any], where: str) -> Any:
 
 def _tool(tool: Any, index: int) -> dict[str, Any]:
     if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
-        raise RequestRejectedError(f"tools[{index}]: only client tools (name, input_schema) are served",
-                                   param="tools")  # fmt: skip
+        raise RequestRejectedError(f"tools[{index}]: only client tools (name, input_schema) are served", param="tools")
     return function_tool(tool["name"], tool.get("description"), tool.get("input_schema"))
 
 
@@ -140,14 +144,24 @@ def chat_to_messages(completion: Mapping[str, Any]) -> dict[str, Any]:
         content.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
-        content.append({"type": "tool_use", "id": call.get("id", ""), "name": function.get("name", ""),
-                        "input": _arguments(function.get("arguments", ""))})  # fmt: skip
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.get("id", ""),
+                "name": function.get("name", ""),
+                "input": _arguments(function.get("arguments", "")),
+            }
+        )
     answer: dict[str, Any] = {
-        "id": f"msg_{completion.get('id', '')}", "type": "message", "role": "assistant",
+        "id": f"msg_{completion.get('id', '')}",
+        "type": "message",
+        "role": "assistant",
         "model": completion.get("model"),
-        "content": content, "stop_reason": _STOP.get(choice.get("finish_reason"), "end_turn"), "stop_sequence": None,
+        "content": content,
+        "stop_reason": _STOP.get(choice.get("finish_reason"), "end_turn"),
+        "stop_sequence": None,
         "usage": _usage(completion.get("usage")),
-    }  # fmt: skip
+    }
     answer.update({name: message[name] for name in TOKEN_FIELDS if name in message})
     return answer
 
@@ -172,15 +186,28 @@ class MessagesEvents:
     _usage: Any = None
     _bundles: Any = None
 
+    def start(self) -> list[bytes]:
+        return []  # ``message_start`` waits for the first chunk (it carries the answer's id and model)
+
+    def error(self, error: ProxyError) -> bytes:
+        return sse(anthropic_error_body(error), "error")
+
     def feed(self, chunk: Mapping[str, Any]) -> list[bytes]:
         out: list[bytes] = []
         if not self._started:
             self._started = True
             prompt = chunk.get("prompt_token_ids")
             usage = {"input_tokens": len(prompt) if isinstance(prompt, list) else 0, "output_tokens": 0}
-            start: dict[str, Any] = {"id": f"msg_{chunk.get('id', '')}", "type": "message", "role": "assistant",
-                                     "content": [], "model": chunk.get("model"), "stop_reason": None,
-                                     "stop_sequence": None, "usage": usage}  # fmt: skip
+            start: dict[str, Any] = {
+                "id": f"msg_{chunk.get('id', '')}",
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "model": chunk.get("model"),
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": usage,
+            }
             out.append(sse({"type": "message_start", "message": start}, "message_start"))
         if chunk.get("usage") is not None:
             self._usage = chunk["usage"]
@@ -204,8 +231,12 @@ class MessagesEvents:
         out = self._stop()
         self._open = _Block(self._blocks, block["type"])
         self._blocks += 1
-        out.append(sse({"type": "content_block_start", "index": self._open.index, "content_block": block},
-                       "content_block_start"))  # fmt: skip
+        out.append(
+            sse(
+                {"type": "content_block_start", "index": self._open.index, "content_block": block},
+                "content_block_start",
+            )
+        )
         return out
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
@@ -234,17 +265,21 @@ class MessagesEvents:
             self._calls[position] = self._open
         if function.get("arguments"):
             if self._open is not self._calls[position]:
-                raise UpstreamError("the upstream's stream interleaves the arguments of two tool calls, which the "
-                                    "Messages stream cannot carry")  # fmt: skip
+                raise UpstreamError(
+                    "the upstream's stream interleaves the arguments of two tool calls, which the "
+                    "Messages stream cannot carry"
+                )
             out.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
         return out
 
     def finish(self) -> list[bytes]:
         """``content_block_stop``, ``message_delta`` (stop reason, usage, the bundle) and ``message_stop``."""
         out = self._stop()
-        delta: dict[str, Any] = {"type": "message_delta",
-                                 "delta": {"stop_reason": _STOP.get(self._finish, "end_turn"), "stop_sequence": None},
-                                 "usage": {"output_tokens": _usage(self._usage)["output_tokens"]}}  # fmt: skip
+        delta: dict[str, Any] = {
+            "type": "message_delta",
+            "delta": {"stop_reason": _STOP.get(self._finish, "end_turn"), "stop_sequence": None},
+            "usage": {"output_tokens": _usage(self._usage)["output_tokens"]},
+        }
         if self._bundles is not None:
             delta.update({name: self._bundles[name] for name in TOKEN_FIELDS if name in self._bundles})
         out += [sse(delta, "message_delta"), sse({"type": "message_stop"}, "message_stop")]

@@ -3,8 +3,9 @@
 Every dialect is recorded as the chat completion it was served as (the converted messages are
 the lineage's items, so a continuation in any dialect finds its parent); a stream's answer is
 gathered chunk by chunk (``StreamRecord``) and its record put before the stream's last events go
-out. ``begin_call`` runs before anything is sent upstream; a capture failure marks the rollout
-incomplete, so a trainer masks it instead of training on a chain with a hole.
+out. The call is in a ``tokens.records`` custody: ``begin_call`` runs before anything is sent
+upstream; a capture failure (or a cancellation before the record) marks the rollout incomplete, so a
+trainer masks it instead of training on a chain with a hole.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from typing import Any
 from .._bundle import TokenBundle, TokenCompletion
 from ..records import (
     Coordinates,
+    Custody,
     RecordsError,
     RecordWriteError,
     RecordWriter,
     RolloutFrozenError,
     RolloutRetiredError,
 )
+from ..records._writer import UNRECORDED
 from ._chat import TOKEN_FIELDS
-from ._errors import ProxyError, RequestRejectedError
+from ._errors import CaptureFailedError, ProxyError, RequestRejectedError
 
 __all__ = ["Recorder", "StreamRecord"]
 
@@ -87,55 +90,60 @@ class StreamRecord:
         return completion_of({**self.head, "choices": [{"index": 0, "message": message}]}, self.bundle)
 
 
-class Recorder:
-    """The proxy's side of ``tokens.records``: ``begin``, ``write`` and ``incomplete`` per call."""
+def _capture_failed(exc: BaseException) -> bool:
+    return isinstance(exc, CaptureFailedError)
 
-    def __init__(self, store: Any) -> None:
-        self.writer = RecordWriter(store)
 
-    @staticmethod
-    def coordinates(rollout_id: str | None, call: str, parent: str | None, weight: str | None) -> Coordinates | None:
-        return None if rollout_id is None else Coordinates(rollout_id, call, parent, weight)
+class _ProxyCustody(Custody):
+    """A recorded call's custody as the proxy answers it: a call of ``n`` > 1 refused, a frozen or
+    retired rollout a 409, a failing store a 503 (its details go to the log only)."""
 
-    async def begin(self, coordinates: Coordinates | None, chat: Mapping[str, Any]) -> None:
-        if coordinates is None:
-            return
-        n = chat.get("n")
+    def __init__(self, writer: RecordWriter, coordinates: Coordinates, chat: Mapping[str, Any]) -> None:
+        super().__init__(writer, coordinates, _capture_failed)
+        self.chat = chat
+
+    async def begin(self) -> None:
+        coordinates = self.coordinates
+        n = self.chat.get("n")
         if n is not None and n != 1:
             raise RequestRejectedError(f"n={n!r} with a rollout id: a record holds one choice; send n=1", param="n")
         try:
-            await self.writer.begin(coordinates)
+            await super().begin()
         except (RolloutFrozenError, RolloutRetiredError) as exc:  # a frozen or retired rollout takes no more calls
             raise ProxyError(f"rollout {coordinates.rollout_id!r} takes no more calls: {exc}", status=409) from None
         except RecordsError as exc:  # the store itself: its details (a path, a host) go to the log only
-            logger.warning("rollout %r, model call %r: begin_call failed: %s", coordinates.rollout_id,
-                           coordinates.model_call_id, exc)  # fmt: skip
+            logger.warning(
+                "rollout %r, model call %r: begin_call failed: %s",
+                coordinates.rollout_id,
+                coordinates.model_call_id,
+                exc,
+            )
             raise ProxyError(
                 f"the record store failed ({type(exc).__name__}); nothing was sent upstream: retry the call",
                 status=503,
             ) from None
 
-    async def write(
-        self, coordinates: Coordinates | None, chat: Mapping[str, Any], completion: TokenCompletion
+    async def write_chat(
+        self, request: Mapping[str, Any], completion: TokenCompletion, server_version: str | None = None
     ) -> None:
-        """Put the record (``chat`` is the request as served: its messages are the lineage's items)."""
-        if coordinates is None:
-            return
+        """Put the record (``request`` is the chat request as served: its messages are the lineage's items)."""
         try:
-            await self.writer.write_chat(coordinates, chat, completion)
+            await super().write_chat(request, completion, server_version)
         except RecordWriteError as exc:  # its details (the store's path or host) go to the log only
             logger.error("%s", exc)
             raise ProxyError(
-                f"rollout {coordinates.rollout_id!r}, model call {coordinates.model_call_id!r}: the record was not "
-                "stored and the rollout could not be marked incomplete (the record store failed; see the proxy's log)"
+                f"rollout {self.coordinates.rollout_id!r}, model call {self.coordinates.model_call_id!r}: the record "
+                "was not stored and the rollout could not be marked incomplete (the record store failed; see the "
+                "proxy's log)"
             ) from None
 
-    async def incomplete(self, coordinates: Coordinates | None) -> None:
-        """The call's capture failed: the rollout is marked incomplete (best effort; the error still goes back)."""
-        if coordinates is not None:
-            try:
-                await self.writer.sink.mark_incomplete(coordinates.rollout_id, coordinates.model_call_id)
-            except Exception as exc:  # the client gets the capture error either way
-                logger.warning("rollout %r, model call %r: capture failed and the rollout could not be marked "
-                               "incomplete (%s)", coordinates.rollout_id, coordinates.model_call_id,
-                               type(exc).__name__)  # fmt: skip
+
+class Recorder:
+    """The proxy's side of ``tokens.records``: one custody per call with a rollout id."""
+
+    def __init__(self, store: Any) -> None:
+        self.writer = RecordWriter(store)
+
+    def custody(self, coordinates: Coordinates | None, chat: Mapping[str, Any]) -> Custody:
+        """The call's custody (``chat``: the request as served); one that records nothing without a rollout id."""
+        return UNRECORDED if coordinates is None else _ProxyCustody(self.writer, coordinates, chat)

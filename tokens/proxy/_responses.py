@@ -17,16 +17,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._chat import TOKEN_FIELDS, function_tool, required_string, sse, strip_token_fields, text_parts
-from ._errors import RequestRejectedError
+from ._errors import ProxyError, RequestRejectedError
 
 __all__ = ["ResponsesEvents", "chat_to_responses", "input_items", "responses_to_chat"]
 
 _TEXT = frozenset({"input_text", "output_text", "text", "refusal"})
 # Sampling fields vLLM takes on chat completions as they are.
-_PASSED = ("temperature", "top_p", "parallel_tool_calls", "seed", "user", "top_k", "min_p", "stop",
-           "presence_penalty", "frequency_penalty", "repetition_penalty", "chat_template_kwargs")  # fmt: skip
-_UNSERVED = {"background": "background responses", "conversation": "server-side conversations",
-             "prompt": "stored prompt templates"}  # fmt: skip
+_PASSED = (
+    "temperature",
+    "top_p",
+    "parallel_tool_calls",
+    "seed",
+    "user",
+    "top_k",
+    "min_p",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "chat_template_kwargs",
+)
+_UNSERVED = {
+    "background": "background responses",
+    "conversation": "server-side conversations",
+    "prompt": "stored prompt templates",
+}
 
 
 def input_items(body: Mapping[str, Any]) -> list[Any]:
@@ -108,8 +123,9 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
     elif kind == "reasoning":
         return  # the model's own earlier reasoning: chat completions has no place for it
     else:
-        raise RequestRejectedError(f"{where}: items of type {kind!r} are not served by the capture proxy",
-                                   param="input")  # fmt: skip
+        raise RequestRejectedError(
+            f"{where}: items of type {kind!r} are not served by the capture proxy", param="input"
+        )
 
 
 def _tool(tool: Any, index: int) -> dict[str, Any]:
@@ -126,8 +142,9 @@ def _tool_choice(choice: Any) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise RequestRejectedError(f"tool_choice: {choice!r} is not served (auto, none, required or a function)",
-                               param="tool_choice")  # fmt: skip
+    raise RequestRejectedError(
+        f"tool_choice: {choice!r} is not served (auto, none, required or a function)", param="tool_choice"
+    )
 
 
 def _format(text: Any) -> dict[str, Any] | None:
@@ -149,26 +166,50 @@ def _usage(usage: Any) -> dict[str, Any] | None:
     if not isinstance(usage, dict):
         return None
     prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}  # fmt: skip
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
 
 
-def _response(request: Mapping[str, Any], response_id: str, created: int, model: Any, status: str,
-              output: list[dict[str, Any]], usage: Any, finish_reason: Any = None) -> dict[str, Any]:  # fmt: skip
+def _response(
+    request: Mapping[str, Any],
+    response_id: str,
+    created: int,
+    model: Any,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: Any,
+    finish_reason: Any = None,
+) -> dict[str, Any]:
     incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
     return {
-        "id": response_id, "object": "response", "created_at": created, "model": model,
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "model": model,
         "status": "incomplete" if incomplete and status == "completed" else status,
-        "error": None, "incomplete_details": incomplete, "instructions": request.get("instructions"),
-        "metadata": request.get("metadata"), "output": output,
+        "error": None,
+        "incomplete_details": incomplete,
+        "instructions": request.get("instructions"),
+        "metadata": request.get("metadata"),
+        "output": output,
         "parallel_tool_calls": request.get("parallel_tool_calls", True),
-        "temperature": request.get("temperature"), "tool_choice": request.get("tool_choice", "auto"),
-        "tools": list(request.get("tools") or []), "top_p": request.get("top_p"),
+        "temperature": request.get("temperature"),
+        "tool_choice": request.get("tool_choice", "auto"),
+        "tools": list(request.get("tools") or []),
+        "top_p": request.get("top_p"),
         "max_output_tokens": request.get("max_output_tokens"),
         "previous_response_id": request.get("previous_response_id"),
-        "text": request.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
-        "usage": _usage(usage), "user": request.get("user"), "store": request.get("store", True),
-    }  # fmt: skip
+        "text": request.get("text") or {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "usage": _usage(usage),
+        "user": request.get("user"),
+        "store": request.get("store", True),
+    }
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -177,8 +218,14 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}  # fmt: skip
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any], response_id: str) -> dict[str, Any]:
@@ -192,11 +239,25 @@ def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any],
         output.append(_message_item(f"msg_{response_id[5:]}", content or ""))
     for index, call in enumerate(calls):
         function = call.get("function") or {}
-        output.append(_call_item(f"fc_{response_id[5:]}_{index}", call.get("id", ""), function.get("name", ""),
-                                 function.get("arguments", "")))  # fmt: skip
+        output.append(
+            _call_item(
+                f"fc_{response_id[5:]}_{index}",
+                call.get("id", ""),
+                function.get("name", ""),
+                function.get("arguments", ""),
+            )
+        )
     output[-1].update({name: message[name] for name in TOKEN_FIELDS if name in message})
-    return _response(request, response_id, completion.get("created", int(time.time())), completion.get("model"),
-                     "completed", output, completion.get("usage"), choice.get("finish_reason"))  # fmt: skip
+    return _response(
+        request,
+        response_id,
+        completion.get("created", int(time.time())),
+        completion.get("model"),
+        "completed",
+        output,
+        completion.get("usage"),
+        choice.get("finish_reason"),
+    )
 
 
 def history_of(request: Mapping[str, Any], answer: Mapping[str, Any], earlier: Sequence[Any]) -> list[Any]:
@@ -213,6 +274,20 @@ class _Item:
     index: int
     item: dict[str, Any]
     pieces: list[str] = field(default_factory=list)
+
+
+def error_event(error: ProxyError, sequence: int) -> bytes:
+    """A Responses stream's ``error`` event (``sequence``: its ``sequence_number``)."""
+    return sse(
+        {
+            "type": "error",
+            "code": error.openai_type,
+            "message": str(error),
+            "param": error.param,
+            "sequence_number": sequence,
+        },
+        "error",
+    )
 
 
 @dataclass
@@ -239,14 +314,25 @@ class ResponsesEvents:
         self._sequence += 1
         return event
 
+    def _item_event(self, kind: str, state: _Item, **data: Any) -> bytes:
+        """An event about one output item (its id and index first)."""
+        return self._event(kind, item_id=state.item["id"], output_index=state.index, **data)
+
+    def error(self, error: ProxyError) -> bytes:
+        """The stream's ``error`` event, numbered after the events sent so far."""
+        return error_event(error, self._sequence)
+
     def _snapshot(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
-        return _response(self.request, self.response_id, self.created, self.model, status, output, self._usage,
-                         self._finish)  # fmt: skip
+        return _response(
+            self.request, self.response_id, self.created, self.model, status, output, self._usage, self._finish
+        )
 
     def start(self) -> list[bytes]:
         snapshot = self._snapshot("in_progress", [])
-        return [self._event("response.created", response=snapshot),
-                self._event("response.in_progress", response=snapshot)]  # fmt: skip
+        return [
+            self._event("response.created", response=snapshot),
+            self._event("response.in_progress", response=snapshot),
+        ]
 
     def _open(self, item: dict[str, Any]) -> tuple[_Item, bytes]:
         opened = _Item(len(self._items), item)
@@ -275,18 +361,20 @@ class ResponsesEvents:
         return out
 
     def _open_text(self) -> list[bytes]:
-        self._text, added = self._open({"id": f"msg_{self.response_id[5:]}", "type": "message", "role": "assistant",
-                                        "content": []})  # fmt: skip
+        self._text, added = self._open(
+            {"id": f"msg_{self.response_id[5:]}", "type": "message", "role": "assistant", "content": []}
+        )
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [added, self._event("response.content_part.added", item_id=self._text.item["id"],
-                                   output_index=self._text.index, content_index=0, part=part)]  # fmt: skip
+        return [
+            added,
+            self._item_event("response.content_part.added", self._text, content_index=0, part=part),
+        ]
 
     def _text_delta(self, text: str) -> list[bytes]:
         out = self._open_text() if self._text is None else []
         assert self._text is not None
         self._text.pieces.append(text)
-        out.append(self._event("response.output_text.delta", item_id=self._text.item["id"],
-                               output_index=self._text.index, content_index=0, delta=text, logprobs=[]))  # fmt: skip
+        out.append(self._item_event("response.output_text.delta", self._text, content_index=0, delta=text, logprobs=[]))
         return out
 
     def _call_delta(self, call: Mapping[str, Any]) -> list[bytes]:
@@ -295,16 +383,16 @@ class ResponsesEvents:
         state = self._calls.get(position)
         function = call.get("function") or {}
         if state is None:
-            item = _call_item(f"fc_{self.response_id[5:]}_{position}", call.get("id") or "", function.get("name") or "",
-                              "")  # fmt: skip
+            item = _call_item(
+                f"fc_{self.response_id[5:]}_{position}", call.get("id") or "", function.get("name") or "", ""
+            )
             state, added = self._open(item)
             self._calls[position] = state
             out.append(added)
         arguments = function.get("arguments")
         if arguments:
             state.pieces.append(arguments)
-            out.append(self._event("response.function_call_arguments.delta", item_id=state.item["id"],
-                                   output_index=state.index, delta=arguments))  # fmt: skip
+            out.append(self._item_event("response.function_call_arguments.delta", state, delta=arguments))
         return out
 
     def finish(self) -> list[bytes]:
@@ -316,15 +404,18 @@ class ResponsesEvents:
             if state is self._text:
                 final = _message_item(state.item["id"], joined)
                 part = final["content"][0]
-                out += [self._event("response.output_text.done", item_id=final["id"], output_index=state.index,
-                                    content_index=0, text=joined, logprobs=[]),
-                        self._event("response.content_part.done", item_id=final["id"], output_index=state.index,
-                                    content_index=0, part=part)]  # fmt: skip
+                out += [
+                    self._item_event("response.output_text.done", state, content_index=0, text=joined, logprobs=[]),
+                    self._item_event("response.content_part.done", state, content_index=0, part=part),
+                ]
             else:
                 item = state.item
                 final = _call_item(item["id"], item["call_id"], item["name"], joined)
-                out.append(self._event("response.function_call_arguments.done", item_id=final["id"],
-                                       output_index=state.index, name=final["name"], arguments=joined))  # fmt: skip
+                out.append(
+                    self._item_event(
+                        "response.function_call_arguments.done", state, name=final["name"], arguments=joined
+                    )
+                )
             output.append(final)
         if self._bundles is not None:
             output[-1].update({name: self._bundles[name] for name in TOKEN_FIELDS if name in self._bundles})

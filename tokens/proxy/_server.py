@@ -17,9 +17,17 @@ __all__ = ["ProxyServer", "listen", "serve", "server_config"]
 def server_config(app: Any, host: str, port: int) -> uvicorn.Config:
     """uvicorn's settings for the proxy: its lifespan on, idle connections closed after 5 s, header
     blocks capped at 64 KiB, no access log (it would record every rollout's URL)."""
-    return uvicorn.Config(app, host=host, port=port, lifespan="on", log_level="warning", access_log=False,
-                          timeout_keep_alive=5, h11_max_incomplete_event_size=64 * 2**10,
-                          timeout_graceful_shutdown=5)  # fmt: skip
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=5,
+        h11_max_incomplete_event_size=64 * 2**10,
+        timeout_graceful_shutdown=5,
+    )
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -8,8 +8,10 @@
 See docs/records.md.
 """
 
+from ._coordinates import COORDINATE_FIELDS, COORDINATE_HEADERS, Coordinates, take_coordinates
 from ._digest import compute_digest, compute_extras_digest, compute_staging_digest
 from ._errors import (
+    CoordinateError,
     MalformedRecordError,
     RecordConflictError,
     RecordSchemaError,
@@ -21,7 +23,8 @@ from ._errors import (
 )
 from ._fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from ._open import open_store
-from ._reader import RolloutSample, order_records, read_rollout
+from ._order import order_records
+from ._reader import RolloutSample, read_rollout
 from ._record import (
     SCHEMA_VERSION,
     TokenRecord,
@@ -33,14 +36,16 @@ from ._record import (
 )
 from ._store import RecordStore, RolloutSummary
 from ._types import LineageMatch, LineageResolution, ParentResolutionStatus, TokenCaptureSnapshot
-from ._writer import COORDINATE_FIELDS, COORDINATE_HEADERS, Coordinates, RecordWriter, take_coordinates
+from ._writer import Custody, RecordWriter
 
 __all__ = [
     "COORDINATE_FIELDS",
     "COORDINATE_HEADERS",
     "FINGERPRINT_VERSION",
     "SCHEMA_VERSION",
+    "CoordinateError",
     "Coordinates",
+    "Custody",
     "LineageMatch",
     "LineageResolution",
     "MalformedRecordError",

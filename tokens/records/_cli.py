@@ -17,7 +17,8 @@ import msgspec
 
 from ._errors import RecordsError
 from ._open import open_store
-from ._reader import order_records, resolution_of, sample_of
+from ._order import order_records
+from ._reader import resolution_of, sample_of
 from ._record import record_payload, weight_spans
 from ._store import RecordStore
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from .._errors import TokensError
+from .._errors import TokensError, UnsupportedRequestError
 
 __all__ = [
+    "CoordinateError",
     "MalformedRecordError",
     "RecordConflictError",
     "RecordSchemaError",
@@ -60,3 +61,12 @@ for _cls in (
     RolloutRetiredError,
 ):
     _cls.__module__ = "tokens.records"
+
+
+class CoordinateError(UnsupportedRequestError):
+    """A record coordinate (rollout id, model call id, parent call id, weight version) breaks the rule
+    ``tokens.records.Coordinates`` checks; ``where`` names the field, header or URL part it came from."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import anyio
+
 from .._bundle import TokenBundle, TokenCompletion, WeightVersionSpan
-from .._errors import UnsupportedRequestError
+from .._errors import ResponseTooLargeError, TokenCaptureError, UnsupportedRequestError
+from ._coordinates import Coordinates, check_weight_version
 from ._digest import compute_digest
 from ._errors import RecordWriteError
 from ._fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
@@ -26,79 +27,13 @@ from ._record import RESOLVED, ROOT, UNRESOLVED, TokenRecord, record_payload
 from ._store import RecordStore
 from ._types import NEMO_TOKEN_ENTRY, LineageMatch, ParentResolutionStatus
 
-__all__ = [
-    "COORDINATE_FIELDS",
-    "COORDINATE_HEADERS",
-    "Coordinates",
-    "RecordWriter",
-    "refuse_unrecordable",
-    "take_coordinates",
-]
+__all__ = ["Custody", "RecordWriter", "capture_failed", "custody", "refuse_unrecordable"]
 
 logger = logging.getLogger("tokens.records")
 
-COORDINATE_FIELDS = ("rollout_id", "model_call_id", "parent_call_id", "weight_version")
-COORDINATE_HEADERS = {f"x-{name.replace('_', '-')}": name for name in COORDINATE_FIELDS}
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
-MAX_COORDINATE_LENGTH = 512
-
-
-@dataclass(frozen=True)
-class Coordinates:
-    """Where one model call belongs: its rollout, its own id, optionally its parent (else found by
-    the lineage resolver) and the policy's weight version."""
-
-    rollout_id: str
-    model_call_id: str
-    parent_call_id: str | None = None
-    weight_version: str | None = None
-
-
-def _value(name: str, value: Any) -> str:
-    if isinstance(value, int) and not isinstance(value, bool) and name == "weight_version":
-        value = str(value)
-    if not isinstance(value, str) or not value or len(value) > MAX_COORDINATE_LENGTH or not value.isprintable():
-        raise UnsupportedRequestError(
-            f"{name}={value!r}: a record coordinate is a non-empty printable string of at most "
-            f"{MAX_COORDINATE_LENGTH} characters"
-        )
-    return value
-
-
-def take_coordinates(
-    headers: Mapping[str, str], body: Mapping[str, Any]
-) -> tuple[Coordinates | None, dict[str, str], dict[str, Any]]:
-    """The coordinates of a request and the headers and body without them (what the server gets).
-
-    None when no rollout id was given (then nothing is recorded). A field given both ways must
-    agree; a model call id is made (uuid4) when absent: pass one so that a retry is the same call.
-    """
-    kept_headers: dict[str, str] = {}
-    found: dict[str, str] = {}
-    for key, value in headers.items():
-        name = COORDINATE_HEADERS.get(key.lower())
-        if name is None:
-            kept_headers[key] = value
-        else:
-            found[name] = _value(name, value)
-    kept_body = {key: value for key, value in body.items() if key not in COORDINATE_FIELDS}
-    for name in COORDINATE_FIELDS:
-        if name in body and body[name] is not None:
-            value = _value(name, body[name])
-            if found.get(name, value) != value:
-                raise UnsupportedRequestError(f"{name}: the header says {found[name]!r}, the body {value!r}; give one")
-            found[name] = value
-    if "rollout_id" not in found:
-        if found:
-            raise UnsupportedRequestError(f"{sorted(found)} given without a rollout id (X-Rollout-Id or rollout_id)")
-        return None, kept_headers, kept_body
-    coordinates = Coordinates(
-        found["rollout_id"],
-        found.get("model_call_id") or uuid.uuid4().hex,
-        found.get("parent_call_id"),
-        found.get("weight_version"),
-    )
-    return coordinates, kept_headers, kept_body
+MARK_TIMEOUT_S = 10.0
+"""How long marking a failed call's rollout incomplete may take (shielded: it runs on cancellation too)."""
 
 
 def output_items(response: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -143,7 +78,12 @@ class RecordWriter:
                     f"tokens.records.open_store(url)); {type(sink).__name__} has no {method}"
                 )
         self.sink = sink
-        self.weight_version = None if weight_version is None else _value("weight_version", weight_version)
+        self.weight_version = None if weight_version is None else check_weight_version(weight_version, "weight_version")
+
+    def custody(self, coordinates: Coordinates, *, failed: Callable[[BaseException], bool] | None = None) -> Custody:
+        """A call's custody (``async with``): begun on entry, marked incomplete on exit by a capture
+        failure (``failed``, default ``capture_failed``) or a cancellation unless its record was written."""
+        return Custody(self, coordinates, capture_failed if failed is None else failed)
 
     async def begin(self, coordinates: Coordinates) -> None:
         begin_call = getattr(self.sink, "begin_call", None)
@@ -164,6 +104,30 @@ class RecordWriter:
         server_version = server_version or _reported_version(completion.response)
         await self._write(coordinates, completion, items, outputs, server_version)
 
+    async def mark_failed(self, coordinates: Coordinates) -> None:
+        """The call's capture failed: the rollout is marked incomplete, shielded and within
+        ``MARK_TIMEOUT_S`` (best effort: the call's own error is what the caller gets)."""
+        marked = False
+        with anyio.CancelScope(shield=True), anyio.move_on_after(MARK_TIMEOUT_S):
+            try:
+                await self.sink.mark_incomplete(coordinates.rollout_id, coordinates.model_call_id)
+                marked = True
+            except Exception as exc:  # the caller gets the capture error either way
+                logger.warning(
+                    "rollout %r, model call %r: capture failed and the rollout could not be marked incomplete (%s)",
+                    coordinates.rollout_id,
+                    coordinates.model_call_id,
+                    type(exc).__name__,
+                )
+                return
+        if not marked:
+            logger.warning(
+                "rollout %r, model call %r: capture failed and marking the rollout incomplete took over %g s",
+                coordinates.rollout_id,
+                coordinates.model_call_id,
+                MARK_TIMEOUT_S,
+            )
+
     async def write_token_in(self, coordinates: Coordinates, completion: TokenCompletion) -> None:
         """Record a token-in call (``/v1/completions``, ``/inference/v1/generate``): the parent is
         the recorded sequence the prompt extends, verified by digest."""
@@ -181,8 +145,12 @@ class RecordWriter:
         try:
             status, match, reason = await self._parent(coordinates, bundle, items)
         except Exception as exc:  # a capture error never fails the model call: the record says why
-            logger.warning("rollout %r, model call %r: the parent lookup failed (%r); recorded as unresolved",
-                           coordinates.rollout_id, coordinates.model_call_id, exc)  # fmt: skip
+            logger.warning(
+                "rollout %r, model call %r: the parent lookup failed (%r); recorded as unresolved",
+                coordinates.rollout_id,
+                coordinates.model_call_id,
+                exc,
+            )
             status, match, reason = UNRESOLVED, None, f"lineage_lookup_failed: {type(exc).__name__}"
         prompt = bundle.prompt_token_ids
         delta = False
@@ -269,6 +237,89 @@ class RecordWriter:
                 record.model_call_id,
                 exc,
             )
+
+
+def capture_failed(exc: BaseException) -> bool:
+    """Whether a call's failure left what the server generated uncaptured (its rollout has a hole)."""
+    return isinstance(exc, TokenCaptureError | ResponseTooLargeError)
+
+
+class Custody:
+    """One recorded call in a ``RecordWriter``'s custody, from before it is sent to its record.
+
+    ``async with writer.custody(coordinates) as call``: entering begins the call (``begin_call``: a
+    frozen rollout refuses it before any compute); ``write_chat`` / ``write_token_in`` put its record;
+    leaving without a record, by a capture failure (``failed``) or a cancellation, marks the rollout
+    incomplete (shielded, bounded). Any other failure (the server's HTTP error, a lost connection)
+    leaves the call begun, so a retry under the same model call id can still complete it.
+    ``begin`` and ``end`` are the same steps for a call whose custody outlives one block (a stream).
+    """
+
+    recorded = True
+    """Whether the call is recorded (False for the custody of a call without a sink or a rollout id)."""
+
+    def __init__(self, writer: RecordWriter, coordinates: Coordinates, failed: Callable[[BaseException], bool]) -> None:
+        self.writer = writer
+        self.coordinates = coordinates
+        self.failed = failed
+        self.written = False
+
+    async def begin(self) -> None:
+        await self.writer.begin(self.coordinates)
+
+    async def write_chat(
+        self, request: Mapping[str, Any], completion: TokenCompletion, server_version: str | None = None
+    ) -> None:
+        await self.writer.write_chat(self.coordinates, request, completion, server_version)
+        self.written = True
+
+    async def write_token_in(self, completion: TokenCompletion) -> None:
+        await self.writer.write_token_in(self.coordinates, completion)
+        self.written = True
+
+    async def end(self, exc: BaseException | None) -> None:
+        if exc is None or self.written:
+            return
+        if isinstance(exc, anyio.get_cancelled_exc_class()) or self.failed(exc):
+            await self.writer.mark_failed(self.coordinates)
+
+    async def __aenter__(self) -> Custody:
+        await self.begin()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        await self.end(exc)
+
+
+class _Unrecorded(Custody):
+    """The custody of a call that is not recorded (no sink, or no rollout id): every step does nothing."""
+
+    recorded = False
+
+    def __init__(self) -> None:
+        self.written = False
+
+    async def begin(self) -> None:
+        return
+
+    async def write_chat(
+        self, request: Mapping[str, Any], completion: TokenCompletion, server_version: str | None = None
+    ) -> None:
+        return
+
+    async def write_token_in(self, completion: TokenCompletion) -> None:
+        return
+
+    async def end(self, exc: BaseException | None) -> None:
+        return
+
+
+UNRECORDED: Custody = _Unrecorded()
+
+
+def custody(writer: RecordWriter | None, coordinates: Coordinates | None) -> Custody:
+    """The custody of one call: ``writer.custody(coordinates)``, or one that records nothing."""
+    return UNRECORDED if writer is None or coordinates is None else writer.custody(coordinates)
 
 
 def _response_id(response: Mapping[str, Any]) -> str | None:

@@ -299,6 +299,24 @@ def test_nothing_is_left_running() -> None:
 # -- the app itself on trio (no server: the ASGI protocol driven by hand) -------------------
 
 
+def post_scope(path: str) -> dict[str, Any]:
+    """The ASGI scope of a JSON ``POST path`` from a loopback client."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+
+
 async def call(app: Any, path: str, body: dict[str, Any]) -> tuple[int, list[bytes]]:
     sent = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
     out: list[dict[str, Any]] = []
@@ -315,21 +333,7 @@ async def call(app: Any, path: str, body: dict[str, Any]) -> tuple[int, list[byt
         if message["type"] == "http.response.body" and not message.get("more_body"):
             done.set()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 2),
-    }
-    await app(scope, receive, send)
+    await app(post_scope(path), receive, send)
     return out[0]["status"], [m["body"] for m in out[1:] if m["body"]]
 
 
@@ -365,12 +369,8 @@ async def test_a_client_gone_before_its_stream_starts_closes_the_upstream(
     async def send(message: dict[str, Any]) -> None:
         raise OSError("the client went away")  # as an ASGI server may say it (ASGI spec 2.4)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 2)}  # fmt: skip
     with anyio.fail_after(10):
-        await app(scope, receive, send)
+        await app(post_scope("/v1/chat/completions"), receive, send)
     assert transport.closed.is_set()
     assert telemetry.histogram_count("tokens.proxy.duration_ms") == 1
     await app.state.proxy.aclose()

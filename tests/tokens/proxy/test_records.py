@@ -25,18 +25,26 @@ def chat_rollout(proxy: CaptureProxy, rollout: str) -> None:
     proxy.fake.reply_tool_call(TOOL["name"], TOOL["arguments"])
     proxy.fake.reply("It is ten.", "You are welcome.")
     for turn, follow_up in enumerate(["Thanks!", None]):
-        completion = client.chat.completions.create(model="tiny", messages=messages, tools=[CHAT_TOOL],
-                                                    max_tokens=200, extra_headers={"X-Model-Call-Id": f"turn-{turn}"},
-                                                    stream=turn == 1)  # type: ignore[call-overload]  # fmt: skip
+        completion = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            tools=[CHAT_TOOL],
+            max_tokens=200,
+            extra_headers={"X-Model-Call-Id": f"turn-{turn}"},
+            stream=turn == 1,
+        )  # type: ignore[call-overload]
         if turn == 0:
             message = completion.choices[0].message
-            messages += [message.model_dump(include={"role", "content", "tool_calls"}),
-                         {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "10:00"}]  # fmt: skip
+            messages += [
+                message.model_dump(include={"role", "content", "tool_calls"}),
+                {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "10:00"},
+            ]
         else:
             text = "".join(c.choices[0].delta.content or "" for c in completion if c.choices)
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": follow_up}]
-    client.chat.completions.create(model="tiny", messages=messages, max_tokens=200,
-                                   extra_headers={"X-Model-Call-Id": "turn-2"})  # type: ignore[arg-type]  # fmt: skip
+    client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=200, extra_headers={"X-Model-Call-Id": "turn-2"}
+    )  # type: ignore[arg-type]
 
 
 def responses_rollout(proxy: CaptureProxy, rollout: str) -> None:
@@ -45,16 +53,28 @@ def responses_rollout(proxy: CaptureProxy, rollout: str) -> None:
     items: list[Any] = [{"role": "user", "content": "Time in Oslo?"}]
     proxy.fake.reply_tool_call(TOOL["name"], TOOL["arguments"])
     proxy.fake.reply("It is ten.", "You are welcome.")
-    first = client.responses.create(model="tiny", input=items, tools=[tool], max_output_tokens=200,
-                                    extra_headers={"X-Model-Call-Id": "turn-0"})  # type: ignore[list-item]  # fmt: skip
+    first = client.responses.create(
+        model="tiny", input=items, tools=[tool], max_output_tokens=200, extra_headers={"X-Model-Call-Id": "turn-0"}
+    )  # type: ignore[list-item]
     call = first.output[0]
     items += [item.model_dump() for item in first.output]  # echoed back, bundle fields and all
     items.append({"type": "function_call_output", "call_id": call.call_id, "output": "10:00"})  # type: ignore[union-attr]
-    events = client.responses.create(model="tiny", input=items, tools=[tool], max_output_tokens=200, stream=True,
-                                     extra_headers={"X-Model-Call-Id": "turn-1"})  # type: ignore[list-item]  # fmt: skip
+    events = client.responses.create(
+        model="tiny",
+        input=items,
+        tools=[tool],
+        max_output_tokens=200,
+        stream=True,
+        extra_headers={"X-Model-Call-Id": "turn-1"},
+    )  # type: ignore[list-item]
     second = next(event for event in events if event.type == "response.completed").response
-    client.responses.create(model="tiny", input="Thanks!", previous_response_id=second.id, max_output_tokens=200,
-                            extra_headers={"X-Model-Call-Id": "turn-2"})  # fmt: skip
+    client.responses.create(
+        model="tiny",
+        input="Thanks!",
+        previous_response_id=second.id,
+        max_output_tokens=200,
+        extra_headers={"X-Model-Call-Id": "turn-2"},
+    )
 
 
 def messages_rollout(proxy: CaptureProxy, rollout: str) -> None:
@@ -63,19 +83,46 @@ def messages_rollout(proxy: CaptureProxy, rollout: str) -> None:
     messages: list[Any] = [{"role": "user", "content": "Time in Oslo?"}]
     proxy.fake.reply_tool_call(TOOL["name"], TOOL["arguments"])
     proxy.fake.reply("It is ten.", "You are welcome.")
-    first = client.messages.create(model="tiny", max_tokens=200, messages=messages, tools=tools,  # type: ignore[arg-type]
-                                   extra_headers={"X-Model-Call-Id": "turn-0"})  # fmt: skip
+    first = client.messages.create(
+        model="tiny",
+        max_tokens=200,
+        messages=messages,
+        tools=tools,  # type: ignore[arg-type]
+        extra_headers={"X-Model-Call-Id": "turn-0"},
+    )
     use = first.content[0]
-    messages += [{"role": "assistant", "content": [block.model_dump(include={"type", "id", "name", "input"})
-                                                   for block in first.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,  # type: ignore[union-attr]
-                                               "content": "10:00"}]}]  # fmt: skip
-    with client.messages.stream(model="tiny", max_tokens=200, messages=messages, tools=tools,  # type: ignore[arg-type]
-                                extra_headers={"X-Model-Call-Id": "turn-1"}) as stream:  # fmt: skip
+    messages += [
+        {
+            "role": "assistant",
+            "content": [block.model_dump(include={"type", "id", "name", "input"}) for block in first.content],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": use.id,  # type: ignore[union-attr]
+                    "content": "10:00",
+                }
+            ],
+        },
+    ]
+    with client.messages.stream(
+        model="tiny",
+        max_tokens=200,
+        messages=messages,
+        tools=tools,  # type: ignore[arg-type]
+        extra_headers={"X-Model-Call-Id": "turn-1"},
+    ) as stream:
         text = stream.get_final_message().content[0].text  # type: ignore[union-attr]
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Thanks!"}]
-    client.messages.create(model="tiny", max_tokens=200, messages=messages, tools=tools,  # type: ignore[arg-type]
-                           extra_headers={"X-Model-Call-Id": "turn-2"})  # fmt: skip
+    client.messages.create(
+        model="tiny",
+        max_tokens=200,
+        messages=messages,
+        tools=tools,  # type: ignore[arg-type]
+        extra_headers={"X-Model-Call-Id": "turn-2"},
+    )
 
 
 @pytest.mark.parametrize("rollout", [chat_rollout, responses_rollout, messages_rollout], ids=lambda f: f.__name__)

@@ -10,12 +10,15 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import openai
 import pytest
 
 from tokens import (
     MalformedTokenMetadataError,
+    ServerResponseError,
+    TokenCaptureError,
     TokenCaptureTransport,
     TokenClient,
     Trajectory,
@@ -23,6 +26,8 @@ from tokens import (
     WeightVersionSpan,
 )
 from tokens.records import (
+    CoordinateError,
+    Coordinates,
     RecordStore,
     RecordWriteError,
     RolloutFrozenError,
@@ -57,8 +62,9 @@ async def store(sqlite_url: str) -> Any:
 
 
 def sdk(upstream: Upstream, store: Any, **options: Any) -> openai.AsyncOpenAI:
-    transport = TokenCaptureTransport(httpx.MockTransport(upstream), request_prompt_and_generation_token_ids=True,
-                                      sink=store, **options)  # fmt: skip
+    transport = TokenCaptureTransport(
+        httpx.MockTransport(upstream), request_prompt_and_generation_token_ids=True, sink=store, **options
+    )
     return openai.AsyncOpenAI(base_url=BASE, api_key="k", http_client=httpx.AsyncClient(transport=transport))
 
 
@@ -72,9 +78,11 @@ async def test_sdk_headers_record_turns_the_server_never_sees(store: RecordStore
     async with sdk(upstream, store, weight_version="step-3") as client:
         for call, follow_up in (("call-1", "And tomorrow?"), ("call-2", None)):
             completion = await client.chat.completions.create(
-                model="tiny", messages=messages, max_tokens=32,
+                model="tiny",
+                messages=messages,
+                max_tokens=32,
                 extra_headers={"X-Rollout-Id": "rollout-7", "X-Model-Call-Id": call},
-            )  # fmt: skip
+            )
             async with open_store(sqlite_url) as fresh:  # put before the response was handed back
                 assert call in [r.model_call_id for r in await fresh.records("rollout-7")]
             message: Any = completion.choices[0].message
@@ -106,11 +114,16 @@ async def test_body_fields_and_the_client_rebuild_the_same_trajectory(store: Rec
     upstream = Upstream("one", "two", "three")
     messages: list[Any] = [{"role": "user", "content": "count"}]
     memory = Trajectory()
-    async with TokenClient(BASE, http_client=httpx.AsyncClient(transport=httpx.MockTransport(upstream)),
-                           request_prompt_and_generation_token_ids=True, sink=store) as client:  # fmt: skip
+    async with TokenClient(
+        BASE,
+        http_client=httpx.AsyncClient(transport=httpx.MockTransport(upstream)),
+        request_prompt_and_generation_token_ids=True,
+        sink=store,
+    ) as client:
         for turn in range(3):
-            completion = await client.chat_completion(model="tiny", messages=messages, rollout_id="r",
-                                                       model_call_id=f"c{turn}", weight_version=turn)  # fmt: skip
+            completion = await client.chat_completion(
+                model="tiny", messages=messages, rollout_id="r", model_call_id=f"c{turn}", weight_version=turn
+            )
             memory.add(completion)
             text = completion.response["choices"][0]["message"]["content"]
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
@@ -131,12 +144,16 @@ async def test_explicit_parent_header_and_a_missing_one(store: RecordStore) -> N
             extra_body={"rollout_id": "r", "model_call_id": "a"},
         )
         rewritten = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "FIRST, REWORDED"}]
-        await client.chat.completions.create(model="tiny", messages=rewritten,  # type: ignore[arg-type]
-                                             extra_headers={"X-Rollout-Id": "r", "X-Model-Call-Id": "b",
-                                                            "X-Parent-Call-Id": "a"})  # fmt: skip
-        await client.chat.completions.create(model="tiny", messages=rewritten,  # type: ignore[arg-type]
-                                             extra_headers={"X-Rollout-Id": "r", "X-Model-Call-Id": "c",
-                                                            "X-Parent-Call-Id": "ghost"})  # fmt: skip
+        await client.chat.completions.create(
+            model="tiny",
+            messages=rewritten,  # type: ignore[arg-type]
+            extra_headers={"X-Rollout-Id": "r", "X-Model-Call-Id": "b", "X-Parent-Call-Id": "a"},
+        )
+        await client.chat.completions.create(
+            model="tiny",
+            messages=rewritten,  # type: ignore[arg-type]
+            extra_headers={"X-Rollout-Id": "r", "X-Model-Call-Id": "c", "X-Parent-Call-Id": "ghost"},
+        )
     by_id = {r.model_call_id: r for r in await store.records("r")}
     assert by_id["b"].parent_call_id == "a" and by_id["b"].parent_resolution_reason == "parent_call_id"
     assert first.choices[0].message.generation_token_ids
@@ -154,8 +171,9 @@ async def test_refusals_before_anything_is_sent(store: RecordStore) -> None:
         create = client.chat.completions.create
         messages: Any = [{"role": "user", "content": "a"}]
         with pytest.raises(UnsupportedRequestError, match="the header says 'x', the body 'y'"):
-            await create(model="tiny", messages=messages, extra_headers={"X-Rollout-Id": "x"},
-                         extra_body={"rollout_id": "y"})  # fmt: skip
+            await create(
+                model="tiny", messages=messages, extra_headers={"X-Rollout-Id": "x"}, extra_body={"rollout_id": "y"}
+            )
         with pytest.raises(UnsupportedRequestError, match="n=2 with a rollout id"):
             await create(model="tiny", messages=messages, n=2, extra_body={"rollout_id": "r"})
         with pytest.raises(UnsupportedRequestError, match="without a rollout id"):
@@ -168,6 +186,67 @@ async def test_refusals_before_anything_is_sent(store: RecordStore) -> None:
         assert upstream.seen == []
         await create(model="tiny", messages=messages)  # no rollout id: captured, not recorded
     assert [r.rollout_id for r in await store.rollouts()] == ["frozen"]
+
+
+@pytest.mark.parametrize("value", ["a b", "r/../x", "x" * 201, "", "é"])
+async def test_one_id_rule_for_every_front_end(store: RecordStore, value: str) -> None:
+    """An id that could not travel in a header or a URL is refused by the client and the transport
+    alike (``CoordinateError``, naming the field), before anything is sent."""
+    upstream = Upstream()
+    messages: Any = [{"role": "user", "content": "a"}]
+    async with TokenClient(
+        BASE, http_client=httpx.AsyncClient(transport=httpx.MockTransport(upstream)), sink=store
+    ) as client:
+        with pytest.raises(CoordinateError, match=r"model_call_id: .* is not an id") as raised:
+            await client.chat_completion(model="tiny", messages=messages, rollout_id="r", model_call_id=value)
+        assert raised.value.where == "model_call_id"
+    async with sdk(upstream, store) as sdk_client:
+        with pytest.raises(UnsupportedRequestError, match=r"rollout_id: .* is not an id"):
+            await sdk_client.chat.completions.create(model="tiny", messages=messages, extra_body={"rollout_id": value})
+    assert upstream.seen == []
+    with pytest.raises(CoordinateError, match="parent_call_id"):
+        Coordinates("r", "c", value)
+
+
+class BrokenUpstream:
+    """The fake vLLM with its answers' token ids dropped (a capture failure), or never answering."""
+
+    def __init__(self, *, hang: bool = False) -> None:
+        self.fake = FakeVLLM()
+        self.hang = hang
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if self.hang:
+            await anyio.sleep_forever()
+        answer = json.loads(self.fake(request).content)
+        answer["choices"][0]["token_ids"] = None
+        answer["choices"][0]["logprobs"] = None
+        return httpx.Response(200, json=answer)
+
+
+async def test_a_capture_failure_or_a_cancellation_marks_the_call_and_an_http_error_does_not(
+    store: RecordStore,
+) -> None:
+    """The call's custody: a capture failure, or a cancellation before the record, marks the rollout
+    incomplete; the server's own HTTP error leaves the call begun, for a retry to complete."""
+    messages: Any = [{"role": "user", "content": "a"}]
+
+    def client(handler: Any) -> TokenClient:
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        return TokenClient(BASE, http_client=http, sink=store, retry=None, request_prompt_and_generation_token_ids=True)
+
+    async with client(BrokenUpstream()) as broken:
+        with pytest.raises(TokenCaptureError):
+            await broken.chat_completion(model="tiny", messages=messages, rollout_id="failed", model_call_id="c")
+    async with client(BrokenUpstream(hang=True)) as hanging:
+        with anyio.move_on_after(0.2):
+            await hanging.chat_completion(model="tiny", messages=messages, rollout_id="cancelled", model_call_id="c")
+    async with client(lambda request: httpx.Response(500, json={"error": "busy"})) as failing:
+        with pytest.raises(ServerResponseError):
+            await failing.chat_completion(model="tiny", messages=messages, rollout_id="http", model_call_id="c")
+    states = {summary.rollout_id: summary for summary in await store.rollouts()}
+    assert states["failed"].incomplete and states["cancelled"].incomplete
+    assert not states["http"].incomplete
 
 
 class FailingSink:
@@ -202,8 +281,9 @@ async def test_a_failed_put_marks_the_rollout_and_a_failed_mark_fails_the_call(c
     assert "marked incomplete" in caplog.text
     async with sdk(upstream, FailingSink(marks_fail=True)) as client:
         with pytest.raises(RecordWriteError, match="could not be marked incomplete"):
-            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}],
-                                                 extra_body={"rollout_id": "r"})  # fmt: skip
+            await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "a"}], extra_body={"rollout_id": "r"}
+            )
     with pytest.raises(TypeError, match="has no put"):
         TokenClient(BASE, sink=object())
 
@@ -254,12 +334,17 @@ async def test_generate_carries_weight_version_spans_into_bundle_and_record(stor
     transport, seen = generate_server(spans)
     generated = GENERATE["response"]["choices"][0]["token_ids"]
     async with TokenClient(BASE, http_client=httpx.AsyncClient(transport=transport), sink=store) as client:
-        first = await client.generate([1, 2, 3, 4], sampling_params={"max_tokens": 5}, rollout_id="r",
-                                      model_call_id="g1")  # fmt: skip
-        second = await client.generate([1, 2, 3, 4, *generated, 9], sampling_params={"max_tokens": 5},
-                                       rollout_id="r", model_call_id="g2")  # fmt: skip
-    assert seen[0] == {"sampling_params": {"max_tokens": 5, "logprobs": 0}, "token_ids": [1, 2, 3, 4],
-                       "return_token_ids": True}  # fmt: skip
+        first = await client.generate(
+            [1, 2, 3, 4], sampling_params={"max_tokens": 5}, rollout_id="r", model_call_id="g1"
+        )
+        second = await client.generate(
+            [1, 2, 3, 4, *generated, 9], sampling_params={"max_tokens": 5}, rollout_id="r", model_call_id="g2"
+        )
+    assert seen[0] == {
+        "sampling_params": {"max_tokens": 5, "logprobs": 0},
+        "token_ids": [1, 2, 3, 4],
+        "return_token_ids": True,
+    }
     assert first.bundle.generation_token_ids == generated
     assert first.bundle.weight_versions == (WeightVersionSpan("v1", 0, 2), WeightVersionSpan("v2", 2, 5))
     expected = [c["logprob"] for c in GENERATE["response"]["choices"][0]["logprobs"]["content"]]

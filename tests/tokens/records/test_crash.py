@@ -23,8 +23,10 @@ ROOT = Path(__file__).parents[3]
 def writer(url: str, rollout: str, count: int, tokens: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.tokens.records.writer_process", url, rollout, str(count), str(tokens)],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def kill_after(process: subprocess.Popen[str], line: str, delay: float = 0.0) -> list[str]:

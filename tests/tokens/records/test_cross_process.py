@@ -26,8 +26,13 @@ WORKERS = 4  # processes 0 and 1, Ray workers 2 and 3
 
 
 def _module(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "tests.tokens.records.rollout_worker", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.tokens.records.rollout_worker", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _ray_capture(url: str, index: int) -> int:
@@ -53,8 +58,13 @@ def test_two_processes_and_two_ray_workers_share_rollouts_through_postgres(postg
     freezer = _module("freeze", postgres_url, names, str(TURNS))
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     try:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", _temp_dir=temp,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})  # fmt: skip
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            logging_level="WARNING",
+            _temp_dir=temp,
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        )
         try:
             remote = ray.remote(_ray_capture)
             captured = ray.get([remote.remote(postgres_url, i) for i in (2, 3)], timeout=300)

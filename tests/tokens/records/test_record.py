@@ -22,13 +22,24 @@ from tokens.records import (
 
 # NeMo Gym 0.7.0's staging/conformance/golden_vectors.json, as published.
 GOLDEN_CALL: dict[str, Any] = {
-    "schema_version": 2, "digest_version": 2, "extras_digest_version": 1, "rollout_id": "rollout-1",
-    "model_call_id": "call-1", "parent_call_id": "parent-1", "mode": "token_in", "prev_len": 3, "delta_len": 2,
-    "cum_len": 5, "weight_version": 7, "token_ids_delta": [10, 11], "token_mask_delta": [0.0, 1.0],
+    "schema_version": 2,
+    "digest_version": 2,
+    "extras_digest_version": 1,
+    "rollout_id": "rollout-1",
+    "model_call_id": "call-1",
+    "parent_call_id": "parent-1",
+    "mode": "token_in",
+    "prev_len": 3,
+    "delta_len": 2,
+    "cum_len": 5,
+    "weight_version": 7,
+    "token_ids_delta": [10, 11],
+    "token_mask_delta": [0.0, 1.0],
     "generation_log_probs_delta": [0.0, -0.25],
     "extras_digest": "032024e899456be6e9a78c6d0399c5112d2ca7fa18d4ea9cf0d8cb7d0094f3a3",
-    "chain_hash": "1" * 64, "cumulative_hash": "2" * 64,
-}  # fmt: skip
+    "chain_hash": "1" * 64,
+    "cumulative_hash": "2" * 64,
+}
 
 
 def test_golden_vectors() -> None:
@@ -89,7 +100,12 @@ def test_records_round_trip_and_refuse_newer_schemas() -> None:
     ],
 )
 def test_records_refuse_inconsistent_fields(fields: dict[str, Any], message: str) -> None:
-    base: dict[str, Any] = {"rollout_id": "r", "model_call_id": "c", "prompt_token_ids": [1],
-                            "generation_token_ids": [2], "generation_log_probs": [-1.0]}  # fmt: skip
+    base: dict[str, Any] = {
+        "rollout_id": "r",
+        "model_call_id": "c",
+        "prompt_token_ids": [1],
+        "generation_token_ids": [2],
+        "generation_log_probs": [-1.0],
+    }
     with pytest.raises((MalformedRecordError, RecordSchemaError), match=message):
         TokenRecord(**{**base, **fields})

@@ -30,8 +30,9 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 def scale_out_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("vllm-scale-out")
-    with running_server(require_vllm_python(), workdir, extra_args=["--enable-scale-out"],
-                        extra_env={"VLLM_SERVER_DEV_MODE": "1"}) as url:  # fmt: skip
+    with running_server(
+        require_vllm_python(), workdir, extra_args=["--enable-scale-out"], extra_env={"VLLM_SERVER_DEV_MODE": "1"}
+    ) as url:
         yield url
 
 
@@ -55,20 +56,27 @@ class Recording(httpx.AsyncBaseTransport):
 async def test_multi_turn_chat_records_equal_the_servers_inline_ids(scale_out_url: str, tmp_path: Path) -> None:
     recording = Recording()
     store = open_store(f"sqlite:///{tmp_path}/r.db")
-    transport = TokenCaptureTransport(recording, request_prompt_and_generation_token_ids=True, sink=store,
-                                      weight_version="step-0")  # fmt: skip
+    transport = TokenCaptureTransport(
+        recording, request_prompt_and_generation_token_ids=True, sink=store, weight_version="step-0"
+    )
     client = openai.AsyncOpenAI(base_url=scale_out_url, api_key="k", http_client=httpx.AsyncClient(transport=transport))
     messages: list[Any] = [{"role": "user", "content": "Tell me a story."}]
     memory = Trajectory(policy="split")
     async with client:
         for turn in range(3):
             completion = await client.chat.completions.create(
-                model="tiny", messages=messages, max_tokens=12, temperature=0.0,
+                model="tiny",
+                messages=messages,
+                max_tokens=12,
+                temperature=0.0,
                 extra_headers={"X-Rollout-Id": "chat-rollout", "X-Model-Call-Id": f"turn-{turn}"},
-            )  # fmt: skip
+            )
             message: Any = completion.choices[0].message
-            memory.add(TokenBundle(message.prompt_token_ids, message.generation_token_ids,
-                                   message.generation_log_probs, "vllm"))  # fmt: skip
+            memory.add(
+                TokenBundle(
+                    message.prompt_token_ids, message.generation_token_ids, message.generation_log_probs, "vllm"
+                )
+            )
             messages += [{"role": "assistant", "content": message.content}, {"role": "user", "content": "Go on."}]
     async with store, read_rollout(store, "chat-rollout", policy="split") as sample:
         assert [r.model_call_id for r in sample.records] == ["turn-0", "turn-1", "turn-2"]
@@ -86,16 +94,22 @@ async def test_multi_turn_chat_records_equal_the_servers_inline_ids(scale_out_ur
 async def test_generate_records_each_turns_weight_versions_as_served(scale_out_url: str, tmp_path: Path) -> None:
     root = scale_out_url.removesuffix("/v1")
     recording = Recording()
-    async with open_store(f"sqlite:///{tmp_path}/r.db") as store, httpx.AsyncClient() as control, TokenClient(
-        scale_out_url, http_client=httpx.AsyncClient(transport=recording), sink=store
-    ) as client:  # fmt: skip
+    async with (
+        open_store(f"sqlite:///{tmp_path}/r.db") as store,
+        httpx.AsyncClient() as control,
+        TokenClient(scale_out_url, http_client=httpx.AsyncClient(transport=recording), sink=store) as client,
+    ):
         prompt = [1, 2, 3, 4, 5]
         served = []
         for turn, version in enumerate(["policy-1", "policy-2", "policy-3"]):
             update = await control.post(root + "/update_weight_version", json={"new_version": version})
             assert update.status_code == 200, update.text
-            completion = await client.generate(prompt, sampling_params={"max_tokens": 6, "temperature": 1.0},
-                                               rollout_id="gen-rollout", model_call_id=f"g{turn}")  # fmt: skip
+            completion = await client.generate(
+                prompt,
+                sampling_params={"max_tokens": 6, "temperature": 1.0},
+                rollout_id="gen-rollout",
+                model_call_id=f"g{turn}",
+            )
             served.append(recording.bodies[-1]["choices"][0]["weight_versions"])
             assert completion.bundle.weight_versions == tuple(WeightVersionSpan(**s) for s in served[-1])
             prompt = [*prompt, *completion.bundle.generation_token_ids, 7, 8]

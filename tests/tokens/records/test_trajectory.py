@@ -10,7 +10,7 @@ import pytest
 from tokens import Drift, TokenBundle, Trajectory, TrajectoryDriftError
 from tokens.chain import decode_response, extract_vllm_inline
 
-FIXTURES = Path(__file__).parents[1] / "fixtures" / "vllm-0.32"
+FIXTURES = Path(__file__).parents[2] / "fixtures" / "vllm-0.32"
 EOS, THINK, END_THINK = 3, 90, 91
 SYSTEM_USER = [2, 10, 11, 12, 3, 2, 20, 21]  # a rendered system + user turn
 

@@ -13,9 +13,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ._bundle import TokenBundle, TokenCompletion
-from ._chain import first_difference
-from ._errors import TokensError
+from .._bundle import TokenBundle, TokenCompletion
+from .._errors import TokensError
+from .._exchange import first_difference
+from ._order import order_records
 
 __all__ = ["Drift", "DriftPolicy", "Segment", "Trajectory", "TrajectoryDriftError"]
 
@@ -133,8 +134,6 @@ class Trajectory:
         """The trajectory of a frozen rollout (``tokens.records``: a ``TokenCaptureSnapshot``, or any
         iterable of records): its records in chain order, delta prompts rebuilt and checked against
         their digests, added as turns. ``options`` are the constructor's (``policy=`` ...)."""
-        from .records._reader import order_records  # records build on this module
-
         trajectory = cls(**options)
         for _, bundle in order_records(getattr(snapshot, "entries", snapshot)):
             trajectory.add(bundle)
@@ -200,6 +199,11 @@ class Trajectory:
         want, got = expected[start : index + self.window], actual[start : index + self.window]
         decode = self.decode
         return Drift(
-            turn, index, start, want, got,
-            decode(want) if decode is not None else None, decode(got) if decode is not None else None,
-        )  # fmt: skip
+            turn,
+            index,
+            start,
+            want,
+            got,
+            decode(want) if decode is not None else None,
+            decode(got) if decode is not None else None,
+        )
