@@ -35,8 +35,9 @@ from ..._errors import (
     SandboxTransferLimitError,
 )
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
-from ..local._arguments import check_text, checked_env, checked_timeout, fspath, positive_number, sandbox_id_of
-from ..local._limits import LIMIT_BOUNDS, Limits
+from .._common._arguments import check_text, checked_env, checked_exec, fspath, sandbox_id_of
+from .._common._deadlines import checked_ttl, exec_deadline
+from .._common._limits import LIMIT_BOUNDS, Limits
 from ._api import EngineAPI, EngineError, message_of, negotiate
 from ._archive import END, TarReader, check_directory, check_stat, located, padding, tar_records, tar_stream
 from ._container import (
@@ -59,7 +60,6 @@ __all__ = ["DockerProvider"]
 
 logger = logging.getLogger("sandbox_middleware")
 
-_MAX_TTL_S = 30 * 24 * 3600.0
 _MiB = 1 << 20
 _NOBODY = "65534:65534"
 _ROOT_USERS = ("", "root", "0", "0:0")
@@ -229,7 +229,7 @@ class DockerProvider:
         metadata = checked_metadata(spec.metadata, "spec.metadata")
         if getattr(spec.resources, "gpu", None):
             raise SandboxLimitError("DockerProvider gives no GPUs: drop spec.resources.gpu")
-        ttl = positive_number(spec.ttl_s, "spec.ttl_s", maximum=_MAX_TTL_S)
+        ttl = checked_ttl(spec.ttl_s)
         limits = Limits.resolve(self._defaults, spec.resources)
         refused = [name for name, field in _LIMIT_FIELDS.items()
                    if getattr(limits, field) is not None and not self._enforceable[name]]  # fmt: skip
@@ -431,17 +431,12 @@ class DockerProvider:
         timeout_s: int | float | None = None,
         user: str | int | None = None,
     ) -> SandboxExecResult:
-        check_text(command, "command")
-        call_env = checked_env(env or {}, "env")
-        timeout = checked_timeout(timeout_s)
+        call_env, timeout = checked_exec(command, env, timeout_s)
         box = self._box(handle)
         workdir = box.cwd if cwd is None else box.cwd / check_text(cwd, "cwd")
         as_user = box.user if user is None else _exec_user(user)
         marker = new_marker()
-        deadline = timeout
-        remaining = box.remaining()
-        if remaining is not None:
-            deadline = remaining if deadline is None else min(deadline, remaining)
+        deadline = exec_deadline(timeout, box.remaining())
         body = {
             "Cmd": ["/bin/sh", "-c", RUN, "sh", command],
             "Env": [*(f"{name}={value}" for name, value in call_env.items()), marker],

@@ -39,25 +39,27 @@ from ..._errors import (
 )
 from ..._ownership import Owner
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
-from ._arguments import (
+from .._common._arguments import (
     DEFAULT_VIEW_ROOT,
+    SYSTEM_DIRS,
     check_text,
     checked_env,
+    checked_exec,
     checked_ro_path,
-    checked_timeout,
     checked_view_root,
     fspath,
     positive_number,
     sandbox_id_of,
     sandbox_parts,
 )
-from ._bwrap import BASE_PATH, HOST_ENV, SYSTEM_DIRS, BwrapCommand
+from .._common._deadlines import checked_ttl, exec_deadline
+from .._common._limits import LIMIT_BOUNDS, Limits
+from .._common._output import OutputCapture, drain, pump
+from ._bwrap import BASE_PATH, HOST_ENV, BwrapCommand
 from ._cgroups import CgroupBackend, file_max
 from ._descriptors import DESCRIPTOR_KEYS, sign, verified_body
 from ._launch import LAUNCH_FAILED, OOM_SCORE_ADJ, STARTER_OOM_SCORE_ADJ, Launch
-from ._limits import LIMIT_BOUNDS, Limits
 from ._mounts import bind_nosuid, is_mount_point, mount_tmpfs, probe_tmpfs
-from ._output import OutputCapture, drain, pump
 from ._process import group_alive, kill_group
 from ._records import (
     RECORD,
@@ -91,7 +93,6 @@ LimitBackend = Literal["auto", "cgroup", "rlimit"]
 Shape = tuple[Limits, PurePosixPath]  # what makes sandboxes interchangeable for a spare (_spares.py)
 logger = logging.getLogger("sandbox_middleware")
 
-_MAX_TTL_S = 30 * 24 * 3600.0
 _FILE_SHARE = 4  # all sandboxes' open files together: at most a quarter of the host's file table
 
 
@@ -408,7 +409,7 @@ class LocalProvider:
             )
         if getattr(spec.resources, "gpu", None):
             raise SandboxLimitError("LocalProvider has no GPUs to give: drop spec.resources.gpu")
-        ttl = positive_number(spec.ttl_s, "spec.ttl_s", maximum=_MAX_TTL_S)
+        ttl = checked_ttl(spec.ttl_s)
         limits = Limits.resolve(self._defaults, spec.resources)
         self._refuse_unenforceable(limits)
         workdir = check_text(spec.workdir, "spec.workdir") if spec.workdir is not None else None
@@ -628,9 +629,7 @@ class LocalProvider:
         timeout_s: int | float | None = None,
         user: str | int | None = None,
     ) -> SandboxExecResult:
-        check_text(command, "command")
-        call_env = checked_env(env or {}, "env")
-        timeout_s = checked_timeout(timeout_s)
+        call_env, timeout = checked_exec(command, env, timeout_s)
         box = self._box(handle)
         if user is not None:
             raise SandboxError("LocalProvider runs commands as the current user; user= is not supported")
@@ -645,10 +644,8 @@ class LocalProvider:
                     f"create it first ({exc})"
                 ) from exc
         child_env = {**self._base_env(box), **box.env, **call_env}
-        deadline = timeout_s
-        if box.deadline is not None:
-            remaining = max(0.0, box.deadline - time.monotonic())
-            deadline = remaining if deadline is None else min(deadline, remaining)
+        remaining = None if box.deadline is None else max(0.0, box.deadline - time.monotonic())
+        deadline = exec_deadline(timeout, remaining)
         try:
             if self._bwrap is not None:  # a message to the sandbox's starter, which starts it inside
                 starter = box.starter

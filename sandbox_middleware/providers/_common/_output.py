@@ -1,4 +1,4 @@
-"""LocalProvider's command output: read from pipes into a bounded head and tail.
+"""Command output kept in a bounded head and tail (``OutputCapture``), and read from pipes into one.
 
 Neither memory nor host disk grows with what a command prints: each stream keeps its first and last
 bytes up to ``max_output_bytes`` and counts what it dropped between them.
