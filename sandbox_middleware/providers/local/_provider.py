@@ -37,7 +37,7 @@ from ..._errors import (
     SandboxLimitError,
     SandboxNotFoundError,
 )
-from ..._ownership import Owner
+from ..._owner import Owner
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
 from .._common._arguments import (
     DEFAULT_VIEW_ROOT,
