@@ -31,7 +31,7 @@ from ._core import Middleware, ProviderMiddleware, stack
 from ._errors import PUBLIC, ConfigError, SandboxError
 from ._protocol import SandboxProvider
 from ._registry import middleware_registry, provider_registry
-from ._retry import RetryOn
+from .middleware._retry import RetryOn
 
 __all__ = ["ResolvedLayer", "ResolvedStack", "build_provider", "load_config", "resolve_config"]
 

@@ -16,11 +16,11 @@ import anyio.abc
 import anyio.lowlevel
 from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider, UpDownCounter
 
-from ._bounds import AT_LEAST_ONE, POSITIVE, Bounds
-from ._core import Operation, ProviderMiddleware
-from ._protocol import SandboxHandle, SandboxProvider, SandboxSpec
-from ._sandbox import close_shielded
-from ._telemetry import DURATION_BUCKETS_MS, PROVIDER_ATTR, Instruments, safely
+from .._bounds import AT_LEAST_ONE, POSITIVE, Bounds
+from .._core import Operation, ProviderMiddleware
+from .._protocol import SandboxHandle, SandboxProvider, SandboxSpec
+from .._sandbox import close_shielded
+from .._telemetry import DURATION_BUCKETS_MS, PROVIDER_ATTR, Instruments, safely
 
 __all__ = ["INTERCHANGEABLE_FIELDS", "WarmPoolMiddleware", "spec_key"]
 

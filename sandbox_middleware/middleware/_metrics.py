@@ -8,9 +8,9 @@ from typing import TypeVar
 
 from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
 
-from ._core import Operation, ProviderMiddleware
-from ._protocol import SandboxProvider
-from ._telemetry import (
+from .._core import Operation, ProviderMiddleware
+from .._protocol import SandboxProvider
+from .._telemetry import (
     ERROR_TYPE_ATTR,
     OPERATION_ATTR,
     PROVIDER_ATTR,

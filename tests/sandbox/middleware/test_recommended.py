@@ -22,8 +22,8 @@ from sandbox_middleware import (
     resolve_config,
     stack,
 )
-from sandbox_middleware._recommended import recommended_middleware_config
 from sandbox_middleware.cli._main import DEFAULT_CONFIG
+from sandbox_middleware.middleware._recommended import recommended_middleware_config
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests.providers import PlainProvider
 

@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import anyio.to_thread
 
-from ._errors import SandboxAdmissionError
-from ._owner import Owner, boot_id
+from ..._errors import SandboxAdmissionError
+from ..._owner import Owner, boot_id
 
 __all__ = ["Backend", "HostBackend", "Ledger", "ProcessBackend", "owner_key"]
 

@@ -29,16 +29,16 @@ from sandbox_middleware import (
     recommended_middleware,
     stack,
 )
-from sandbox_middleware._warm_pool import spec_key
+from sandbox_middleware.middleware._warm_pool import spec_key
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 
-from .cli.test_cli import CLI
-from .test_admission import RateLimitedProvider, most_in_one_second
+from ..cli.test_cli import CLI
+from .admission.test_admission import RateLimitedProvider, most_in_one_second
 
 pytestmark = pytest.mark.anyio
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 
 
 class SlowStart(ProviderMiddleware):
@@ -123,8 +123,8 @@ async def test_a_pool_on_the_local_provider(telemetry: TelemetryCapture, sandbox
 
 async def test_a_pool_on_the_docker_provider(telemetry: TelemetryCapture) -> None:
     """The same on real containers (the shared dockerd; every container carries this session's label)."""
-    from .providers.docker._support import containers, remove_containers, require_docker
-    from .providers.docker._support import spec as docker_spec
+    from ..providers.docker._support import containers, remove_containers, require_docker
+    from ..providers.docker._support import spec as docker_spec
 
     require_docker()
     docker = DockerProvider()

@@ -19,9 +19,9 @@ import logging
 import uuid
 from typing import Any
 
-from ._core import ProviderMiddleware
-from ._owner import RUN_KEY, Owner
-from ._protocol import SandboxHandle, SandboxProvider, SandboxSpec, SupportsSandboxList
+from .._core import ProviderMiddleware
+from .._owner import RUN_KEY, Owner
+from .._protocol import SandboxHandle, SandboxProvider, SandboxSpec, SupportsSandboxList
 
 __all__ = ["OwnershipMiddleware"]
 

@@ -11,18 +11,18 @@ from typing import Any, ClassVar, Literal, TypeVar, cast
 import anyio
 from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
 
-from ._admission_ledger import BACKEND_TIMEOUT_S, Backend, HostBackend, ProcessBackend, default_host_path, owner_key
-from ._bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
-from ._core import Operation, ProviderMiddleware
-from ._errors import (
+from ..._bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
+from ..._core import Operation, ProviderMiddleware
+from ..._errors import (
     SandboxAdmissionError,
     SandboxArgumentError,
     SandboxQuotaExceededError,
     SandboxRateLimitedError,
 )
-from ._protocol import SandboxHandle, SandboxProvider
+from ..._protocol import SandboxHandle, SandboxProvider
+from ..._telemetry import DURATION_BUCKETS_MS, PROVIDER_ATTR, Instruments, safely
+from ._ledger import BACKEND_TIMEOUT_S, Backend, HostBackend, ProcessBackend, default_host_path, owner_key
 from ._quota import QuotaExhausted, RateLimited, classify
-from ._telemetry import DURATION_BUCKETS_MS, PROVIDER_ATTR, Instruments, safely
 
 __all__ = ["THROTTLE_REASONS", "AdmissionMiddleware"]
 
@@ -146,7 +146,7 @@ class AdmissionMiddleware(ProviderMiddleware):
         if self.shared == "host":
             return HostBackend(self.shared_path or default_host_path(), self.shared_key)
         if self.shared == "ray":
-            from ._admission_ray import RayBackend
+            from ._ray import RayBackend
 
             return RayBackend(self.shared_key)
         return ProcessBackend()

@@ -12,12 +12,12 @@ from typing import Any, ClassVar
 import anyio
 from opentelemetry.metrics import Meter, MeterProvider, UpDownCounter
 
-from ._bounds import AT_LEAST_ONE, POSITIVE, Bounds
-from ._core import ProviderMiddleware
-from ._errors import SandboxError
-from ._protocol import SandboxHandle, SandboxListing, SandboxProvider, SandboxSpec, SupportsSandboxList
-from ._sandbox import close_shielded
-from ._telemetry import PROVIDER_ATTR, Instruments, safely
+from .._bounds import AT_LEAST_ONE, POSITIVE, Bounds
+from .._core import ProviderMiddleware
+from .._errors import SandboxError
+from .._protocol import SandboxHandle, SandboxListing, SandboxProvider, SandboxSpec, SupportsSandboxList
+from .._sandbox import close_shielded
+from .._telemetry import PROVIDER_ATTR, Instruments, safely
 
 __all__ = ["HeldSandbox", "ReleaseAccountingMiddleware"]
 
