@@ -131,6 +131,11 @@ class EngineAPI:
         except httpx.HTTPError as exc:
             raise self.unavailable(what, exc) from exc
 
+    async def inspect(self, container: str, what: str) -> dict[str, Any] | None:
+        """The container's ``/json`` description; None where it is gone."""
+        reply = await self.call("GET", f"/containers/{container}/json", what, ok=(404,))
+        return None if reply.status_code == 404 else dict(reply.json())
+
     def unavailable(self, what: str, exc: Exception) -> DockerUnavailableError:
         return DockerUnavailableError(
             f"{what}: the Docker daemon at {self.socket} did not answer ({type(exc).__name__}: {exc})"

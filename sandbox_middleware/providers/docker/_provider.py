@@ -10,7 +10,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import stat
 import time
 import uuid
@@ -40,6 +39,7 @@ from .._common._deadlines import checked_ttl, exec_deadline
 from .._common._limits import LIMIT_BOUNDS, Limits
 from ._api import EngineAPI, EngineError, message_of, negotiate
 from ._archive import END, TarReader, check_directory, check_stat, located, padding, tar_records, tar_stream
+from ._commands import KILL_TIMEOUT_S, Commands
 from ._container import (
     LABEL,
     Box,
@@ -52,8 +52,6 @@ from ._container import (
     workdir_of,
 )
 from ._descriptors import signed, verified
-from ._exec import KILL, RUN, PidReader, host_victims, new_marker
-from ._streams import Demultiplexer, OutputCapture
 from ._ttl import WatchdogLauncher
 
 __all__ = ["DockerProvider"]
@@ -63,7 +61,6 @@ logger = logging.getLogger("sandbox_middleware")
 _MiB = 1 << 20
 _NOBODY = "65534:65534"
 _ROOT_USERS = ("", "root", "0", "0:0")
-_KILL_TIMEOUT_S = 10.0
 _STATUS = {
     "running": SandboxStatus.RUNNING,
     "paused": SandboxStatus.PAUSED,
@@ -166,6 +163,7 @@ class DockerProvider:
         except PermissionError as exc:  # its lock's directory was made by someone else (_ttl.lock_path)
             raise SandboxError(f"DockerProvider: the TTL watchdog cannot lock safely: {exc}") from None
         self._api = EngineAPI(self._socket, version, request_timeout_s)  # last: nothing can fail after it
+        self._commands = Commands(self._api, max_output_bytes)
         self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, Box] = {}
         self._users: dict[str, tuple[str, tuple[int, int] | None]] = {}
@@ -362,10 +360,6 @@ class DockerProvider:
             )
         return box
 
-    async def _inspect(self, container: str, what: str) -> dict[str, Any] | None:
-        reply = await self._api.call("GET", f"/containers/{container}/json", what, ok=(404,))
-        return None if reply.status_code == 404 else dict(reply.json())
-
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
         sandbox_id = sandbox_id_of(handle)
         box = self._boxes.get(sandbox_id)
@@ -374,7 +368,7 @@ class DockerProvider:
         if box is not None and (box.closed or box.is_expired()):
             return SandboxStatus.STOPPED
         try:
-            info = await self._inspect(sandbox_id, f"status of {sandbox_id[:12]}")
+            info = await self._api.inspect(sandbox_id, f"status of {sandbox_id[:12]}")
         except DockerUnavailableError:
             return SandboxStatus.UNKNOWN
         if info is None or _labels(info).get(LABEL) != "1":
@@ -389,7 +383,7 @@ class DockerProvider:
         if box is None:
             if handle.provider_name != self.name:
                 return
-            info = await self._inspect(sandbox_id, f"close {sandbox_id[:12]}")
+            info = await self._api.inspect(sandbox_id, f"close {sandbox_id[:12]}")
             if info is None or _labels(info).get(LABEL) != "1":
                 return  # gone, or not a sandbox of ours: never touched
             sandbox_id = str(info["Id"])
@@ -414,7 +408,7 @@ class DockerProvider:
                     failures.append(str(exc))
         finally:  # cancelled or not: the connection pool is released
             self._watchdog.reap()
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_TIMEOUT_S):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_TIMEOUT_S):
                 await self._api.aclose()
         if failures:
             raise SandboxError(f"DockerProvider.aclose: {len(failures)} sandboxes not removed: {'; '.join(failures)}")
@@ -435,170 +429,8 @@ class DockerProvider:
         box = self._box(handle)
         workdir = box.cwd if cwd is None else box.cwd / check_text(cwd, "cwd")
         as_user = box.user if user is None else _exec_user(user)
-        marker = new_marker()
         deadline = exec_deadline(timeout, box.remaining())
-        body = {
-            "Cmd": ["/bin/sh", "-c", RUN, "sh", command],
-            "Env": [*(f"{name}={value}" for name, value in call_env.items()), marker],
-            "WorkingDir": str(workdir),
-            "User": as_user,
-            "AttachStdin": False,
-            "AttachStdout": True,
-            "AttachStderr": True,
-            "Tty": False,
-        }
-        exec_id = await self._exec_create(handle, box, body)
-        out, err = OutputCapture(self._max_output), OutputCapture(self._max_output)
-        stderr = PidReader(err)
-        timed_out = False
-        try:
-            with anyio.move_on_after(deadline) as scope:
-                await self._stream(exec_id, Demultiplexer(out, stderr))
-            timed_out = scope.cancelled_caught
-        except BaseException:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_TIMEOUT_S):
-                await self._kill(box, marker, stderr.pid, as_user)
-            raise
-        if timed_out:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_TIMEOUT_S):
-                await self._kill(box, marker, stderr.pid, as_user)
-        code = await self._exit_code(exec_id, box)
-        if box.closed:
-            return SandboxExecResult(out.text(), err.text(), code or -9, error_type="closed")
-        if box.is_expired():
-            return SandboxExecResult(out.text(), err.text(), code or -9, error_type="expired")
-        if timed_out:
-            return SandboxExecResult(out.text(), err.text(), code or -9, error_type="timeout")
-        if code is None:
-            return SandboxExecResult(out.text(), err.text(), -1, error_type="sandbox")
-        if code in (126, 127) and out.text().startswith("OCI runtime exec failed"):
-            raise SandboxError(
-                f"DockerProvider: cannot start the command in sandbox {handle.sandbox_id[:12]} (cwd {str(workdir)!r}, "
-                f"user {as_user!r}): {out.text().strip()[:500]}"
-            )
-        return SandboxExecResult(out.text(), err.text(), code)
-
-    async def _exec_create(self, handle: SandboxHandle, box: Box, body: dict[str, Any]) -> str:
-        what = f"run a command in sandbox {handle.sandbox_id[:12]}"
-        try:
-            reply = await self._api.call("POST", f"/containers/{box.container}/exec", what, body=body)
-        except EngineError as exc:
-            if exc.status == 404:
-                if box.is_expired():
-                    raise SandboxExpiredError(
-                        f"DockerProvider: sandbox {handle.sandbox_id!r} expired (its ttl_s ran out) and its container "
-                        "is removed; create a new one"
-                    ) from exc
-                raise SandboxNotFoundError(
-                    f"DockerProvider: sandbox {handle.sandbox_id!r} was removed from under this provider (closed or "
-                    "reaped by another process); create a new one"
-                ) from exc
-            if exc.status == 409:
-                raise SandboxError(
-                    f"DockerProvider: sandbox {handle.sandbox_id!r} cannot run commands now ({exc.message}); a "
-                    "paused sandbox runs them after resume()"
-                ) from exc
-            raise
-        return str(reply.json()["Id"])
-
-    async def _stream(self, exec_id: str, demux: Demultiplexer) -> None:
-        """Read the exec's output until it ends, or until shortly after its command has exited (a
-        background child holding the streams open must not hold the call)."""
-        what = f"read the output of exec {exec_id[:12]}"
-        start = {"Detach": False, "Tty": False}
-        try:
-            async with (
-                self._api.stream("POST", f"/exec/{exec_id}/start", what, body=start, silent_ok=True) as reply,
-                anyio.create_task_group() as tasks,
-            ):
-                # Neither task lets an error out: the task group would raise it as an ExceptionGroup.
-
-                async def read() -> None:
-                    with contextlib.suppress(httpx.HTTPError):  # the stream broke: the exit code tells
-                        async for chunk in reply.aiter_raw():
-                            demux.feed(chunk)
-                    tasks.cancel_scope.cancel()
-
-                async def watch() -> None:
-                    await anyio.sleep(0.25)
-                    with contextlib.suppress(SandboxError):  # the daemon is going: the read ends by itself
-                        while True:
-                            if not (await self._exec_info(exec_id)).get("Running"):
-                                break
-                            await anyio.sleep(0.1)
-                        await anyio.sleep(0.05)  # what it wrote last is in flight
-                        tasks.cancel_scope.cancel()
-
-                tasks.start_soon(read)
-                tasks.start_soon(watch)
-        except (httpx.HTTPError, DockerUnavailableError):
-            return  # the container went away mid-command (closed, expired, the daemon died): see the exit code
-
-    async def _exec_info(self, exec_id: str) -> dict[str, Any]:
-        reply = await self._api.call("GET", f"/exec/{exec_id}/json", f"inspect exec {exec_id[:12]}", ok=(404,))
-        return {} if reply.status_code == 404 else dict(reply.json())
-
-    async def _exit_code(self, exec_id: str, box: Box) -> int | None:
-        for _ in range(20):
-            try:
-                info = await self._exec_info(exec_id)
-            except DockerUnavailableError:
-                return None
-            if not info.get("Running") and info.get("ExitCode") is not None:
-                return int(info["ExitCode"])
-            if not info or box.closed:
-                return None
-            await anyio.sleep(0.05)
-        return None
-
-    async def _kill(self, box: Box, marker: str, group: int | None, user: str) -> None:
-        """Kill every process of one command: from the host where it can (``_kill_from_host``), else
-        inside the container (``_exec.KILL``), as its user."""
-        try:
-            if await self._kill_from_host(box, marker):
-                return
-        except (EngineError, DockerUnavailableError, KeyError, TypeError, ValueError) as exc:
-            logger.warning("DockerProvider: could not kill a timed-out command from the host: %s", exc)
-        body = {"Cmd": ["/bin/sh", "-c", KILL, "kill", marker, str(group or "")], "User": user, "AttachStdout": True,
-                "AttachStderr": True, "Tty": False}  # fmt: skip
-        try:
-            reply = await self._api.call("POST", f"/containers/{box.container}/exec", "kill a timed-out command",
-                                         body=body, ok=(404, 409))  # fmt: skip
-            if reply.status_code >= 400:
-                return  # gone or paused: nothing runs
-            sink = OutputCapture(4096)
-            await self._stream(str(reply.json()["Id"]), Demultiplexer(sink, sink))
-        except (EngineError, DockerUnavailableError) as exc:
-            logger.warning("DockerProvider: could not kill a timed-out command in %s: %s", box.container[:12], exc)
-
-    async def _kill_from_host(self, box: Box, marker: str) -> bool:
-        """With the container paused (nothing forks or fights back), SIGKILL the command's processes
-        from the host (``_exec.host_victims``), then unpause. False where the provider cannot (not
-        root, a daemon elsewhere, the container paused by its user)."""
-        if os.geteuid() != 0:
-            return False
-        info = await self._inspect(box.container, "inspect a container to kill a command")
-        init = int(((info or {}).get("State") or {}).get("Pid") or 0)
-        if info is None or not init or (info.get("State") or {}).get("Paused"):
-            return info is None  # gone: nothing runs
-        what = f"pause {box.container[:12]} to kill a command"
-        reply = await self._api.call("POST", f"/containers/{box.container}/pause", what, ok=(404, 409))
-        if reply.status_code >= 400:
-            return reply.status_code == 404
-        try:
-            listed = await self._api.call("GET", f"/containers/{box.container}/top", "list a container's processes")
-            top = listed.json()
-            column = list(top["Titles"]).index("PID")
-            pids = [int(row[column]) for row in top.get("Processes") or []]
-            victims = host_victims(box.container, marker, pids, init)
-            for pid in victims or ():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)  # delivered as the freezer thaws them
-        finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_TIMEOUT_S):
-                await self._api.call("POST", f"/containers/{box.container}/unpause", "unpause after a kill",
-                                     ok=(404, 409))  # fmt: skip
-        return victims is not None
+        return await self._commands.run(handle, box, command, call_env, workdir, as_user, deadline)
 
     # --- files -----------------------------------------------------------------------------------
 
@@ -668,7 +500,7 @@ class DockerProvider:
                 f"port {port} was not declared in the spec of sandbox {handle.sandbox_id!r} "
                 f"(declared: {list(box.ports)})"
             )
-        info = await self._inspect(box.container, f"endpoint of {handle.sandbox_id[:12]}") or {}
+        info = await self._api.inspect(box.container, f"endpoint of {handle.sandbox_id[:12]}") or {}
         bindings = ((info.get("NetworkSettings") or {}).get("Ports") or {}).get(f"{port}/tcp") or []
         for binding in bindings:
             if binding.get("HostIp") == "127.0.0.1" and binding.get("HostPort"):
@@ -701,7 +533,7 @@ class DockerProvider:
                 "connect with a provider of that socket"
             )
         sandbox_id = body["sandbox_id"]
-        info = await self._inspect(sandbox_id, f"connect to {sandbox_id[:12]}")
+        info = await self._api.inspect(sandbox_id, f"connect to {sandbox_id[:12]}")
         box = box_of(sandbox_id, _labels(info), None) if info is not None else None
         if box is None or str((info or {}).get("Id")) != sandbox_id:
             raise SandboxNotFoundError(f"DockerProvider.connect: no sandbox container {sandbox_id[:12]} on this daemon")
