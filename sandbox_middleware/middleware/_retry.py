@@ -7,19 +7,26 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from typing import ClassVar, TypeAlias, TypeVar
 
 import anyio
 import stamina
 from opentelemetry import trace
-from opentelemetry.metrics import Counter, Meter, MeterProvider
+from opentelemetry.metrics import Counter, MeterProvider
 
 from .._bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
 from .._core import OPERATIONS, Operation, ProviderMiddleware
 from .._errors import SANDBOX_CREATE_ERRORS, SandboxArgumentError
 from .._protocol import SandboxProvider
-from .._telemetry import OPERATION_ATTR, PROVIDER_ATTR, Instruments, error_type, report_once
+from .._telemetry import (
+    OPERATION_ATTR,
+    PROVIDER_ATTR,
+    InstrumentBundle,
+    Instruments,
+    counter,
+    error_type,
+    report_once,
+)
 
 __all__ = ["DEFAULT_RETRY_ON", "RETRYABLE_OPERATIONS", "RetryBudget", "RetryMiddleware", "RetryOn"]
 
@@ -70,27 +77,14 @@ class RetryBudget:
         self._tokens = min(self.max_tokens, self._tokens + self.token_ratio)
 
 
-@dataclass(frozen=True)
-class _Instruments:
-    create_retries: Counter
-    retries: Counter
-    throttled: Counter
-
-    @classmethod
-    def create(cls, meter: Meter) -> _Instruments:
-        return cls(
-            create_retries=meter.create_counter(
-                "gym.sandbox.create_retry_total", unit="1", description="Sandbox-create attempts a provider retried."
-            ),
-            retries=meter.create_counter(
-                "gym.sandbox.retry_total", unit="1", description="Retried attempts of other sandbox operations."
-            ),
-            throttled=meter.create_counter(
-                "gym.sandbox.retry_throttled_total",
-                unit="1",
-                description="Retries refused by the retry budget; the error propagated at once.",
-            ),
-        )
+class _Instruments(InstrumentBundle):
+    create_retries: Counter = counter(
+        "gym.sandbox.create_retry_total", "1", "Sandbox-create attempts a provider retried."
+    )
+    retries: Counter = counter("gym.sandbox.retry_total", "1", "Retried attempts of other sandbox operations.")
+    throttled: Counter = counter(
+        "gym.sandbox.retry_throttled_total", "1", "Retries refused by the retry budget; the error propagated at once."
+    )
 
 
 class RetryMiddleware(ProviderMiddleware):

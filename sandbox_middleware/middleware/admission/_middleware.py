@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar, cast
 
 import anyio
-from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
+from opentelemetry.metrics import Counter, Histogram, MeterProvider
 
 from ..._bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
 from ..._core import Operation, ProviderMiddleware
@@ -20,7 +19,14 @@ from ..._errors import (
     SandboxRateLimitedError,
 )
 from ..._protocol import SandboxHandle, SandboxProvider
-from ..._telemetry import DURATION_BUCKETS_MS, PROVIDER_ATTR, Instruments, safely
+from ..._telemetry import (
+    PROVIDER_ATTR,
+    InstrumentBundle,
+    Instruments,
+    counter,
+    duration_ms,
+    safely,
+)
 from ._ledger import BACKEND_TIMEOUT_S, Backend, HostBackend, ProcessBackend, default_host_path, owner_key
 from ._quota import QuotaExhausted, RateLimited, classify
 
@@ -36,26 +42,16 @@ _POLL_S = 0.05  # how often a waiter looks at a shared ledger for slots other pr
 _CALL_TIMEOUT_S = BACKEND_TIMEOUT_S + 5  # a backstop: each backend bounds its own operations by BACKEND_TIMEOUT_S
 
 
-@dataclass(frozen=True)
-class _Instruments:
-    wait: Histogram
-    throttled: Counter
-
-    @classmethod
-    def create(cls, meter: Meter) -> _Instruments:
-        return cls(
-            wait=meter.create_histogram(
-                "gym.sandbox.admission.wait_duration_ms",
-                unit="ms",
-                description="Time a sandbox create waited to be admitted (caps, create rate, Retry-After, jitter).",
-                explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS_MS),
-            ),
-            throttled=meter.create_counter(
-                "gym.sandbox.admission.throttled_total",
-                unit="{create}",
-                description="Creates held back or refused by the admission layer, by reason.",
-            ),
-        )
+class _Instruments(InstrumentBundle):
+    wait: Histogram = duration_ms(
+        "gym.sandbox.admission.wait_duration_ms",
+        "Time a sandbox create waited to be admitted (caps, create rate, Retry-After, jitter).",
+    )
+    throttled: Counter = counter(
+        "gym.sandbox.admission.throttled_total",
+        "{create}",
+        "Creates held back or refused by the admission layer, by reason.",
+    )
 
 
 class AdmissionMiddleware(ProviderMiddleware):

@@ -66,7 +66,7 @@ def test_options_reach_their_layers(telemetry: TelemetryCapture) -> None:
     )
     assert tracing._tracing._provider is telemetry.tracer_provider
     assert metrics._instruments._provider is telemetry.meter_provider
-    assert accounting._counter._provider is telemetry.meter_provider
+    assert accounting._instruments._provider is telemetry.meter_provider
     assert retry._instruments._provider is telemetry.meter_provider
     assert retry.attempts == 3 and retry.operations == {"create", "close"} and retry.budget is budget
     own = object()  # a meter provider of Retry's own (not built here)
