@@ -178,9 +178,15 @@ class WarmPoolMiddleware(ProviderMiddleware):
         # Options travel; the pooled sandboxes and the refill task belong to this process.
         if self._meter_provider is not None:
             self._instruments.__reduce__()  # raises the TypeError saying why
-        options = {"size": self.size, "max_age_s": self.max_age_s, "specs": self.specs,
-                   "refill_concurrency": self.refill_concurrency, "max_keys": self.max_keys,
-                   "create_timeout_s": self.create_timeout_s, "close_timeout_s": self.close_timeout_s}  # fmt: skip
+        options = {
+            "size": self.size,
+            "max_age_s": self.max_age_s,
+            "specs": self.specs,
+            "refill_concurrency": self.refill_concurrency,
+            "max_keys": self.max_keys,
+            "create_timeout_s": self.create_timeout_s,
+            "close_timeout_s": self.close_timeout_s,
+        }
         return (_rebuild, (WarmPoolMiddleware, self.inner, options))
 
     def ready(self) -> int:

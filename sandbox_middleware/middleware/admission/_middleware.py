@@ -148,8 +148,11 @@ class AdmissionMiddleware(ProviderMiddleware):
         return ProcessBackend()
 
     def __repr__(self) -> str:
-        limits = {"max_concurrent_creates": self.max_concurrent_creates, "max_held": self.max_held,
-                  "max_create_rate": self.max_create_rate}  # fmt: skip
+        limits = {
+            "max_concurrent_creates": self.max_concurrent_creates,
+            "max_held": self.max_held,
+            "max_create_rate": self.max_create_rate,
+        }
         shown = ", ".join(f"{key}={value!r}" for key, value in limits.items() if value is not None)
         return f"AdmissionMiddleware({self.inner!r}, {shown + ', ' if shown else ''}shared={self.shared!r})"
 
@@ -157,11 +160,18 @@ class AdmissionMiddleware(ProviderMiddleware):
         # Options travel, the state of this process (slots, locks, the backend's connection) does not.
         if self._meter_provider is not None:
             self._instruments.__reduce__()  # raises the TypeError saying why
-        options = {"max_concurrent_creates": self.max_concurrent_creates, "max_held": self.max_held,
-                   "max_create_rate": self.max_create_rate, "burst": self.burst,
-                   "start_jitter_s": self.start_jitter_s, "shared": self.shared, "shared_key": self.shared_key,
-                   "shared_path": self.shared_path, "default_retry_after_s": self.default_retry_after_s,
-                   "max_retry_after_s": self.max_retry_after_s}  # fmt: skip
+        options = {
+            "max_concurrent_creates": self.max_concurrent_creates,
+            "max_held": self.max_held,
+            "max_create_rate": self.max_create_rate,
+            "burst": self.burst,
+            "start_jitter_s": self.start_jitter_s,
+            "shared": self.shared,
+            "shared_key": self.shared_key,
+            "shared_path": self.shared_path,
+            "default_retry_after_s": self.default_retry_after_s,
+            "max_retry_after_s": self.max_retry_after_s,
+        }
         return (_rebuild, (AdmissionMiddleware, self.inner, options))
 
     # -- telemetry ------------------------------------------------------------------------------

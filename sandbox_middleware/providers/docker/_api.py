@@ -115,15 +115,24 @@ class EngineAPI:
         return reply
 
     @asynccontextmanager
-    async def stream(self, method: str, path: str, what: str, *, params: Mapping[str, str] | None = None,
-                     body: Any = None, silent_ok: bool = False) -> AsyncIterator[httpx.Response]:  # fmt: skip
+    async def stream(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        body: Any = None,
+        silent_ok: bool = False,
+    ) -> AsyncIterator[httpx.Response]:
         """A request whose body is read as it arrives (exec output, archives), as sent: never decompressed.
         ``silent_ok``: the body may pause for any time (a command's output), no read timeout."""
         headers = {"Accept-Encoding": "identity"}
         timeout = self._silent_read if silent_ok else httpx.USE_CLIENT_DEFAULT
         try:
-            async with self._client.stream(method, path, params=params, json=body, headers=headers,
-                                           timeout=timeout) as reply:  # fmt: skip
+            async with self._client.stream(
+                method, path, params=params, json=body, headers=headers, timeout=timeout
+            ) as reply:
                 if reply.status_code >= 400:
                     await reply.aread()
                     raise EngineError(reply.status_code, message_of(reply), what)

@@ -171,11 +171,17 @@ class Commands:
                 return
         except (EngineError, DockerUnavailableError, KeyError, TypeError, ValueError) as exc:
             logger.warning("DockerProvider: could not kill a timed-out command from the host: %s", exc)
-        body = {"Cmd": ["/bin/sh", "-c", KILL, "kill", marker, str(group or "")], "User": user, "AttachStdout": True,
-                "AttachStderr": True, "Tty": False}  # fmt: skip
+        body = {
+            "Cmd": ["/bin/sh", "-c", KILL, "kill", marker, str(group or "")],
+            "User": user,
+            "AttachStdout": True,
+            "AttachStderr": True,
+            "Tty": False,
+        }
         try:
-            reply = await self._api.call("POST", f"/containers/{box.container}/exec", "kill a timed-out command",
-                                         body=body, ok=(404, 409))  # fmt: skip
+            reply = await self._api.call(
+                "POST", f"/containers/{box.container}/exec", "kill a timed-out command", body=body, ok=(404, 409)
+            )
             if reply.status_code >= 400:
                 return  # gone or paused: nothing runs
             sink = OutputCapture(4096)
@@ -208,6 +214,7 @@ class Commands:
                     os.kill(pid, signal.SIGKILL)  # delivered as the freezer thaws them
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_TIMEOUT_S):
-                await self._api.call("POST", f"/containers/{box.container}/unpause", "unpause after a kill",
-                                     ok=(404, 409))  # fmt: skip
+                await self._api.call(
+                    "POST", f"/containers/{box.container}/unpause", "unpause after a kill", ok=(404, 409)
+                )
         return victims is not None

@@ -121,12 +121,23 @@ class DockerProvider:
         request_timeout_s: float = 300.0,
     ) -> None:
         self._options: dict[str, Any] = {
-            "socket": socket, "api_version": api_version, "network": network, "user": user,
-            "memory_mib": memory_mib, "pids": pids, "cpu": cpu, "disk_gib": disk_gib, "tmp_mib": tmp_mib,
-            "max_output_bytes": max_output_bytes, "max_transfer_bytes": max_transfer_bytes, "pull": pull,
-            "init": init, "keepalive": None if keepalive is None else tuple(keepalive), "connect_key": connect_key,
+            "socket": socket,
+            "api_version": api_version,
+            "network": network,
+            "user": user,
+            "memory_mib": memory_mib,
+            "pids": pids,
+            "cpu": cpu,
+            "disk_gib": disk_gib,
+            "tmp_mib": tmp_mib,
+            "max_output_bytes": max_output_bytes,
+            "max_transfer_bytes": max_transfer_bytes,
+            "pull": pull,
+            "init": init,
+            "keepalive": None if keepalive is None else tuple(keepalive),
+            "connect_key": connect_key,
             "request_timeout_s": request_timeout_s,
-        }  # fmt: skip
+        }
         self.BOUNDS.check(locals())
         self._socket = check_text(fspath(socket, "socket"), "socket")
         self._network = check_text(network, "network")
@@ -144,8 +155,11 @@ class DockerProvider:
         if not self._keepalive:
             raise SandboxArgumentError("DockerProvider: keepalive must name a command (or be None for the default)")
         self._defaults: dict[str, float | None] = {
-            "memory_mib": memory_mib, "pids": pids, "cpu": cpu, "disk_gib": disk_gib,
-        }  # fmt: skip
+            "memory_mib": memory_mib,
+            "pids": pids,
+            "cpu": cpu,
+            "disk_gib": disk_gib,
+        }
         self._tmp_bytes = None if tmp_mib is None else int(tmp_mib * _MiB)
         self._max_output = max_output_bytes
         self._max_transfer = max_transfer_bytes
@@ -212,8 +226,16 @@ class DockerProvider:
                     f"DockerProvider: cannot start a container of {plan.image!r}: {exc}{left}"
                 ) from exc
             raise
-        box = Box(container, plan.user, plan.cwd, (plan.mount, PurePosixPath("/tmp")), plan.ports, plan.deadline,
-                  plan.metadata, time.time())  # fmt: skip
+        box = Box(
+            container,
+            plan.user,
+            plan.cwd,
+            (plan.mount, PurePosixPath("/tmp")),
+            plan.ports,
+            plan.deadline,
+            plan.metadata,
+            time.time(),
+        )
         self._boxes[container] = box
         if plan.deadline is not None:
             self._watchdog.ensure()
@@ -229,8 +251,11 @@ class DockerProvider:
             raise SandboxLimitError("DockerProvider gives no GPUs: drop spec.resources.gpu")
         ttl = checked_ttl(spec.ttl_s)
         limits = Limits.resolve(self._defaults, spec.resources)
-        refused = [name for name, field in _LIMIT_FIELDS.items()
-                   if getattr(limits, field) is not None and not self._enforceable[name]]  # fmt: skip
+        refused = [
+            name
+            for name, field in _LIMIT_FIELDS.items()
+            if getattr(limits, field) is not None and not self._enforceable[name]
+        ]
         if refused:
             raise SandboxLimitError(
                 f"DockerProvider: the daemon at {self._socket} cannot enforce {', '.join(refused)} (its /info says "
@@ -247,11 +272,22 @@ class DockerProvider:
         user, owner = await self._user_of(image)
         env = {"HOME": str(mount), **env}
         return Plan(
-            image=image, user=user, owner=owner, mount=mount, cwd=cwd, env=env, entrypoint=entrypoint,
-            keepalive=self._keepalive, limits=limits, tmp_bytes=self._tmp_bytes, network=self._network,
-            ports=tuple(spec.ports), deadline=None if ttl is None else time.time() + ttl, metadata=metadata,
+            image=image,
+            user=user,
+            owner=owner,
+            mount=mount,
+            cwd=cwd,
+            env=env,
+            entrypoint=entrypoint,
+            keepalive=self._keepalive,
+            limits=limits,
+            tmp_bytes=self._tmp_bytes,
+            network=self._network,
+            ports=tuple(spec.ports),
+            deadline=None if ttl is None else time.time() + ttl,
+            metadata=metadata,
             init=self._init,
-        )  # fmt: skip
+        )
 
     async def _user_of(self, image: str) -> tuple[str, tuple[int, int] | None]:
         """Who commands run as (``user="auto"``: the image's non-root USER, else uid 65534), and its
@@ -333,16 +369,21 @@ class DockerProvider:
                 chunks += tar_records(parts, plan.owner or (0, 0), None if contents is None else len(contents))
                 chunks += [] if contents is None else [contents, padding(len(contents))]
             if chunks:
-                await self._api.call("PUT", f"/containers/{container}/archive", f"write spec.files to {mount}",
-                                     params={"path": str(mount), "noOverwriteDirNonDir": "true"},
-                                     content=b"".join(chunks) + END)  # fmt: skip
+                await self._api.call(
+                    "PUT",
+                    f"/containers/{container}/archive",
+                    f"write spec.files to {mount}",
+                    params={"path": str(mount), "noOverwriteDirNonDir": "true"},
+                    content=b"".join(chunks) + END,
+                )
 
     async def _remove(self, container: str) -> None:
         """Force-remove ``container`` and its volumes; one already gone, or being removed by another
         process (the TTL watchdog, a reaper, a second close), is done."""
         what = f"remove container {container[:12]}"
-        reply = await self._api.call("DELETE", f"/containers/{container}", what, params={"force": "true", "v": "true"},
-                                     ok=(404, 409))  # fmt: skip
+        reply = await self._api.call(
+            "DELETE", f"/containers/{container}", what, params={"force": "true", "v": "true"}, ok=(404, 409)
+        )
         if reply.status_code == 409 and "already in progress" not in (message := message_of(reply)):
             raise EngineError(409, message, what)
 
@@ -454,9 +495,13 @@ class DockerProvider:
                 )
             os.set_blocking(fd, True)
             owner = _numeric(box.user) or (0, 0)
-            await self._api.call("PUT", f"/containers/{box.container}/archive", what,
-                                 params={"path": str(mount), "noOverwriteDirNonDir": "true"},
-                                 content=tar_stream(fd, info.st_size, parts, owner))  # fmt: skip
+            await self._api.call(
+                "PUT",
+                f"/containers/{box.container}/archive",
+                what,
+                params={"path": str(mount), "noOverwriteDirNonDir": "true"},
+                content=tar_stream(fd, info.st_size, parts, owner),
+            )
         except EngineError as exc:
             if "cannot overwrite non-directory" in exc.message:
                 raise SandboxPathError(

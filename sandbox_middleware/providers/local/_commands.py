@@ -94,9 +94,14 @@ async def run_process(
     """``isolation="none"``: the command as a process of ours, in its own process group."""
     try:
         process = await anyio.open_process(
-            argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=workdir, env=env,
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out_w,
+            stderr=err_w,
+            cwd=workdir,
+            env=env,
             start_new_session=True,
-        )  # fmt: skip
+        )
     except OSError as exc:
         raise SandboxError(f"LocalProvider: cannot start a command in {handle.sandbox_id!r}: {exc}") from exc
     finally:

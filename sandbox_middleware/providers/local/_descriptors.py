@@ -17,9 +17,19 @@ from .._common._descriptors import check_signature, mac, require_mac
 __all__ = ["DESCRIPTOR_KEYS", "sign", "verified_body"]
 
 DESCRIPTOR_KEYS = (
-    "provider", "sandbox_id", "root", "view_root", "env", "cwd", "ports", "expires_at", "limits", "metadata", "created",
+    "provider",
+    "sandbox_id",
+    "root",
+    "view_root",
+    "env",
+    "cwd",
+    "ports",
+    "expires_at",
+    "limits",
+    "metadata",
+    "created",
     "uid",
-)  # fmt: skip
+)
 
 
 def _message(body: Mapping[str, Any]) -> bytes:

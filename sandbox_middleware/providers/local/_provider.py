@@ -145,12 +145,22 @@ class LocalProvider:
     ) -> None:
         # What pickling sends (a Ray actor builds its own provider from it): options, not sandboxes.
         self._options: dict[str, Any] = {
-            "isolation": isolation, "base_dir": base_dir, "pass_env": tuple(pass_env), "memory_mib": memory_mib,
-            "pids": pids, "cpu": cpu, "disk_gib": disk_gib, "max_output_bytes": max_output_bytes,
-            "max_transfer_bytes": max_transfer_bytes, "ro_paths": tuple(ro_paths), "limit_backend": limit_backend,
-            "connect_key": connect_key, "sandbox_uid": sandbox_uid, "nofile": nofile,
+            "isolation": isolation,
+            "base_dir": base_dir,
+            "pass_env": tuple(pass_env),
+            "memory_mib": memory_mib,
+            "pids": pids,
+            "cpu": cpu,
+            "disk_gib": disk_gib,
+            "max_output_bytes": max_output_bytes,
+            "max_transfer_bytes": max_transfer_bytes,
+            "ro_paths": tuple(ro_paths),
+            "limit_backend": limit_backend,
+            "connect_key": connect_key,
+            "sandbox_uid": sandbox_uid,
+            "nofile": nofile,
             "prestart": prestart,
-        }  # fmt: skip
+        }
         if isolation not in ("none", "bwrap"):
             raise SandboxArgumentError(f"LocalProvider: isolation must be 'none' or 'bwrap', not {isolation!r}")
         if limit_backend not in ("auto", "cgroup", "rlimit"):
@@ -168,8 +178,11 @@ class LocalProvider:
             check_text(name, "pass_env entry")
         self._pass_env = tuple(pass_env)
         self._defaults: dict[str, float | None] = {
-            "memory_mib": memory_mib, "pids": pids, "cpu": cpu, "disk_gib": disk_gib
-        }  # fmt: skip
+            "memory_mib": memory_mib,
+            "pids": pids,
+            "cpu": cpu,
+            "disk_gib": disk_gib,
+        }
         self._max_output = max_output_bytes
         self._max_transfer = max_transfer_bytes
         self._ro_paths = tuple(checked_ro_path(path) for path in ro_paths)

@@ -94,9 +94,15 @@ class CommandStarter:
             command = [python, "-I", "-S", "-B", script, str(theirs.fileno()), str(oom_score_adj)]
             argv = build(command, fds)
             process = _SPAWNER.submit(
-                subprocess.Popen, argv, pass_fds=[*fds, theirs.fileno()], stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=err_w, env=env, start_new_session=True,
-            ).result()  # fmt: skip
+                subprocess.Popen,
+                argv,
+                pass_fds=[*fds, theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err_w,
+                env=env,
+                start_new_session=True,
+            ).result()
         except BaseException:
             control.close()
             os.close(err_r)
