@@ -17,18 +17,10 @@ import anyio.lowlevel
 from opentelemetry.metrics import Counter, Histogram, MeterProvider, UpDownCounter
 
 from .._bounds import AT_LEAST_ONE, POSITIVE, Bounds
-from .._core import Operation, ProviderMiddleware
+from .._core import Operation, ProviderMiddleware, reduce_to_options
 from .._protocol import SandboxHandle, SandboxProvider, SandboxSpec
 from .._sandbox import close_shielded
-from .._telemetry import (
-    PROVIDER_ATTR,
-    InstrumentBundle,
-    Instruments,
-    counter,
-    duration_ms,
-    safely,
-    up_down_counter,
-)
+from .._telemetry import PROVIDER_ATTR, InstrumentBundle, Instruments, counter, duration_ms, safely, up_down_counter
 
 __all__ = ["INTERCHANGEABLE_FIELDS", "WarmPoolMiddleware", "spec_key"]
 
@@ -178,16 +170,7 @@ class WarmPoolMiddleware(ProviderMiddleware):
         # Options travel; the pooled sandboxes and the refill task belong to this process.
         if self._meter_provider is not None:
             self._instruments.__reduce__()  # raises the TypeError saying why
-        options = {
-            "size": self.size,
-            "max_age_s": self.max_age_s,
-            "specs": self.specs,
-            "refill_concurrency": self.refill_concurrency,
-            "max_keys": self.max_keys,
-            "create_timeout_s": self.create_timeout_s,
-            "close_timeout_s": self.close_timeout_s,
-        }
-        return (_rebuild, (WarmPoolMiddleware, self.inner, options))
+        return reduce_to_options(WarmPoolMiddleware, self)
 
     def ready(self) -> int:
         """Ready sandboxes in every pool now."""
@@ -403,7 +386,3 @@ def _spawn_system_task(run: Callable[[], Awaitable[None]], tasks: set[asyncio.Ta
     task = loop.create_task(cast("Any", run()))
     tasks.add(task)  # the loop keeps only a weak reference
     task.add_done_callback(tasks.discard)
-
-
-def _rebuild(cls: type[WarmPoolMiddleware], inner: SandboxProvider, options: dict[str, Any]) -> WarmPoolMiddleware:
-    return cls(inner, **options)

@@ -11,7 +11,7 @@ import anyio
 from opentelemetry.metrics import Counter, Histogram, MeterProvider
 
 from ..._bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
-from ..._core import Operation, ProviderMiddleware
+from ..._core import Operation, ProviderMiddleware, reduce_to_options
 from ..._errors import (
     SandboxAdmissionError,
     SandboxArgumentError,
@@ -19,14 +19,7 @@ from ..._errors import (
     SandboxRateLimitedError,
 )
 from ..._protocol import SandboxHandle, SandboxProvider
-from ..._telemetry import (
-    PROVIDER_ATTR,
-    InstrumentBundle,
-    Instruments,
-    counter,
-    duration_ms,
-    safely,
-)
+from ..._telemetry import PROVIDER_ATTR, InstrumentBundle, Instruments, counter, duration_ms, safely
 from ._ledger import BACKEND_TIMEOUT_S, Backend, HostBackend, ProcessBackend, default_host_path, owner_key
 from ._quota import QuotaExhausted, RateLimited, classify
 
@@ -160,19 +153,7 @@ class AdmissionMiddleware(ProviderMiddleware):
         # Options travel, the state of this process (slots, locks, the backend's connection) does not.
         if self._meter_provider is not None:
             self._instruments.__reduce__()  # raises the TypeError saying why
-        options = {
-            "max_concurrent_creates": self.max_concurrent_creates,
-            "max_held": self.max_held,
-            "max_create_rate": self.max_create_rate,
-            "burst": self.burst,
-            "start_jitter_s": self.start_jitter_s,
-            "shared": self.shared,
-            "shared_key": self.shared_key,
-            "shared_path": self.shared_path,
-            "default_retry_after_s": self.default_retry_after_s,
-            "max_retry_after_s": self.max_retry_after_s,
-        }
-        return (_rebuild, (AdmissionMiddleware, self.inner, options))
+        return reduce_to_options(AdmissionMiddleware, self)
 
     # -- telemetry ------------------------------------------------------------------------------
 
@@ -320,7 +301,3 @@ class AdmissionMiddleware(ProviderMiddleware):
     def held_slots(self) -> int:
         """Sandboxes this layer counts as held (created here and not yet closed)."""
         return len(self._held)
-
-
-def _rebuild(cls: type[AdmissionMiddleware], inner: SandboxProvider, options: dict[str, Any]) -> AdmissionMiddleware:
-    return cls(inner, **options)
