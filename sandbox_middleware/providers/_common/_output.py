@@ -1,19 +1,23 @@
 """Command output kept in a bounded head and tail (``OutputCapture``), and read from pipes into one.
 
 Neither memory nor host disk grows with what a command prints: each stream keeps its first and last
-bytes up to ``max_output_bytes`` and counts what it dropped between them.
+bytes up to ``max_output_bytes`` and counts what it dropped between them. ``OutputPump`` reads a
+command's pipes while its caller waits for something else (its answer, its exit), in the caller's
+own task: one epoll set of the pipes, no task group to make and cancel on every command.
 """
 
 from __future__ import annotations
 
 import os
+import select
+from collections.abc import Sequence
 
 import anyio
 
 __all__ = [
     "OutputCapture",
+    "OutputPump",
     "drain",
-    "pump",
 ]
 
 
@@ -47,14 +51,6 @@ class OutputCapture:
         return head + marker + self._tail.decode("utf-8", errors="replace")
 
 
-async def pump(fd: int, capture: OutputCapture) -> None:
-    """Read non-blocking pipe ``fd`` into ``capture`` until end of file."""
-    while True:
-        await anyio.wait_readable(fd)
-        if not drain(fd, capture, budget=1):
-            return
-
-
 def drain(fd: int, capture: OutputCapture, *, budget: int) -> bool:
     """Read what ``fd`` holds now (at most ``budget`` chunks); False at end of file."""
     for _ in range(budget):
@@ -66,3 +62,50 @@ def drain(fd: int, capture: OutputCapture, *, budget: int) -> bool:
             return False
         capture.feed(data)
     return True
+
+
+class OutputPump:
+    """Non-blocking pipes read into their captures, each until end of file, while the caller waits on
+    another descriptor (``wait_readable``) or only for them (``pump``): one epoll set, in the caller's
+    task. Linux only, as LocalProvider is; ``close`` it."""
+
+    def __init__(self, streams: Sequence[tuple[int, OutputCapture]]) -> None:
+        self._captures = dict(streams)
+        self._poller = select.epoll()
+        try:
+            for fd in self._captures:
+                self._poller.register(fd, select.EPOLLIN)
+        except BaseException:
+            self._poller.close()
+            raise
+
+    async def wait_readable(self, fd: int) -> None:
+        """Until ``fd`` is readable; the pipes are read meanwhile."""
+        self._poller.register(fd, select.EPOLLIN)
+        try:
+            while fd not in await self._read():
+                pass
+        finally:
+            self._poller.unregister(fd)
+
+    async def pump(self) -> None:
+        """Read the pipes until each is at end of file."""
+        while self._captures:
+            await self._read()
+
+    async def _read(self) -> set[int]:
+        """Wait until a descriptor of the set is readable, read the pipes that are (``budget=1`` chunk
+        each), and return the others that are."""
+        await anyio.wait_readable(self._poller.fileno())
+        others = set()
+        for fd, _ in self._poller.poll(0):
+            capture = self._captures.get(fd)
+            if capture is None:
+                others.add(fd)
+            elif not drain(fd, capture, budget=1):
+                self._poller.unregister(fd)
+                del self._captures[fd]
+        return others
+
+    def close(self) -> None:
+        self._poller.close()

@@ -18,7 +18,7 @@ import anyio.to_thread
 
 from ..._errors import SandboxError, SandboxNotFoundError
 from ..._protocol import SandboxExecResult, SandboxHandle
-from .._common._output import OutputCapture, drain, pump
+from .._common._output import OutputCapture, OutputPump, drain
 from ._launch import LAUNCH_FAILED
 from ._process import group_alive, kill_group
 from ._records import Box, intact
@@ -29,13 +29,13 @@ __all__ = ["run_command", "run_process"]
 async def run_command(
     handle: SandboxHandle,
     box: Box,
-    start: Callable[[int, int, float | None], Awaitable[tuple[int, bool]]],
+    start: Callable[[int, int, float | None, OutputPump], Awaitable[tuple[int, bool]]],
     deadline: float | None,
     max_output: int,
 ) -> SandboxExecResult:
-    """Run a command with ``start(stdout, stderr, deadline)`` (which owns and closes the two write ends
-    once the command started, and returns its return code and whether it timed out), its output
-    read meanwhile into bounded captures."""
+    """Run a command with ``start(stdout, stderr, deadline, output)`` (which owns and closes the two
+    write ends once the command started, reads their other ends with ``output`` while it waits, and
+    returns the command's return code and whether it timed out) into bounded captures."""
     out, err = OutputCapture(max_output), OutputCapture(max_output)
     out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     try:
@@ -49,17 +49,21 @@ async def run_command(
             os.set_blocking(fd, True)
             with contextlib.suppress(OSError):  # fewer wake-ups per byte when a command floods
                 fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
+        try:
+            output = OutputPump([(out_r, out), (err_r, err)])
+        except BaseException:  # out of descriptors for its epoll, say: start() never owned the write ends
+            os.close(out_w)
+            os.close(err_w)
+            raise
         failure: SandboxError | None = None
-        async with anyio.create_task_group() as readers:
-            readers.start_soon(pump, out_r, out)
-            readers.start_soon(pump, err_r, err)
-            try:
-                code, timed_out = await start(out_w, err_w, deadline)
-            except SandboxError as exc:  # raised below, out of the task group's exception group
-                failure, code, timed_out = exc, -signal.SIGKILL, False
+        try:
+            code, timed_out = await start(out_w, err_w, deadline, output)
+        except SandboxError as exc:  # raised below, once the sandbox's state is known
+            failure, code, timed_out = exc, -signal.SIGKILL, False
+        finally:
             # Whatever the command wrote before it ended is in the pipes now; a background
             # child that still holds them must not hold this call.
-            readers.cancel_scope.cancel()
+            output.close()
         if failure is not None and not (box.closed or box.is_expired()):
             raise failure  # its starter died: the sandbox is broken (status says so)
         drain(out_r, out, budget=64)
@@ -90,8 +94,10 @@ async def run_process(
     out_w: int,
     err_w: int,
     deadline: float | None,
+    output: OutputPump,
 ) -> tuple[int, bool]:
-    """``isolation="none"``: the command as a process of ours, in its own process group."""
+    """``isolation="none"``: the command as a process of ours, in its own process group, its output
+    read by ``output`` until it ends."""
     try:
         process = await anyio.open_process(
             argv,
@@ -110,19 +116,23 @@ async def run_process(
     if not box.cgroups:
         box.groups.add(process.pid)
     timed_out = False
-    try:
-        with anyio.move_on_after(deadline) as scope:
-            await process.wait()
-        if scope.cancelled_caught:
-            timed_out = True
+    async with anyio.create_task_group() as readers:
+        readers.start_soon(output.pump)
+        try:
+            with anyio.move_on_after(deadline) as scope:
+                await process.wait()
+            if scope.cancelled_caught:
+                timed_out = True
+                kill_group(process.pid)
+                with anyio.CancelScope(shield=True):
+                    await process.wait()
+        except BaseException:
             kill_group(process.pid)
             with anyio.CancelScope(shield=True):
                 await process.wait()
-    except BaseException:
-        kill_group(process.pid)
-        with anyio.CancelScope(shield=True):
-            await process.wait()
-        raise
+            raise
+        finally:
+            readers.cancel_scope.cancel()
     if box.cgroups or not group_alive(process.pid):
         box.groups.discard(process.pid)
     return (process.returncode if process.returncode is not None else -signal.SIGKILL), timed_out
