@@ -9,6 +9,7 @@ span processor that throws) is logged once and never reaches the caller.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -16,7 +17,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 from opentelemetry import context, metrics, trace
 from opentelemetry.environment_variables import OTEL_PYTHON_METER_PROVIDER, OTEL_PYTHON_TRACER_PROVIDER
@@ -27,14 +28,18 @@ __all__ = [
     "DURATION_BUCKETS_MS",
     "ERROR_TYPE_ATTR",
     "SCOPE",
+    "InstrumentBundle",
     "Instruments",
     "Tracing",
+    "counter",
+    "duration_ms",
     "error_type",
     "global_gate",
     "guarded_span",
     "record_error",
     "report_once",
     "safely",
+    "up_down_counter",
 ]
 
 try:  # The API's placeholder before an SDK is installed; private, so its absence only costs speed.
@@ -148,6 +153,59 @@ def global_gate(kind: str, provider: object, fallback: G) -> _GlobalGate | G:
     tells an SDK from a no-op one."""
     fast = _FAST_TRACE if kind == "trace" else _FAST_METRICS
     return _GlobalGate(kind) if provider is None and fast else fallback
+
+
+@dataclasses.dataclass(frozen=True)
+class Instrument:
+    """One instrument's declaration: its kind, name, unit and description (and a histogram's buckets).
+
+    ``create(meter)`` makes it; equal declarations are one factory (``Instruments`` caches per meter).
+    """
+
+    kind: str  # "counter", "up_down_counter" or "histogram"
+    name: str
+    unit: str
+    description: str
+    buckets: tuple[float, ...] = ()
+
+    def create(self, meter: Meter) -> Any:
+        if self.kind == "histogram":
+            return meter.create_histogram(
+                self.name,
+                unit=self.unit,
+                description=self.description,
+                explicit_bucket_boundaries_advisory=list(self.buckets),
+            )
+        make = meter.create_counter if self.kind == "counter" else meter.create_up_down_counter
+        return make(self.name, unit=self.unit, description=self.description)
+
+
+# Typed Any: each declares the field of an ``InstrumentBundle`` typed as the instrument it makes.
+def counter(name: str, unit: str, description: str) -> Any:
+    return Instrument("counter", name, unit, description)
+
+
+def up_down_counter(name: str, unit: str, description: str) -> Any:
+    return Instrument("up_down_counter", name, unit, description)
+
+
+def duration_ms(name: str, description: str, buckets: tuple[float, ...] = DURATION_BUCKETS_MS) -> Any:
+    """A histogram of durations in milliseconds (default buckets: ``DURATION_BUCKETS_MS``)."""
+    return Instrument("histogram", name, "ms", description, buckets)
+
+
+class InstrumentBundle:
+    """The base of a class of instruments, each attribute declared by its value (``counter``,
+    ``up_down_counter``, ``duration_ms``): ``create(meter)`` is an instance holding them all made,
+    the factory ``Instruments`` takes."""
+
+    @classmethod
+    def create(cls, meter: Meter) -> Self:
+        bundle = cls()
+        for name, declared in vars(cls).items():
+            if isinstance(declared, Instrument):
+                setattr(bundle, name, declared.create(meter))
+        return bundle
 
 
 class Instruments(Generic[B]):

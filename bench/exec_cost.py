@@ -12,6 +12,8 @@ every round interleaving all of them so machine noise hits all alike:
 - ``exec``: ``true`` in a held ``isolation="bwrap"`` sandbox (RL's path: a command after idle);
 - ``raw``: ``true`` as a raw subprocess started the same way, in the same worker process
   (``anyio.open_process``, stdin ``/dev/null``, stdout and stderr pipes, a session of its own);
+- ``blocking``: a blocking ``subprocess.run(["true"])`` in the same worker process, the reference
+  of issue 31's bound (an async process start is itself slower than this);
 - ``cycle``: create + exec of ``true`` + close of a sandbox (after: the create takes the spare made
   ahead; ``cycle-cold``, after only: the same on a provider with ``prestart=False``, a create that
   finds no spare);
@@ -20,7 +22,8 @@ every round interleaving all of them so machine noise hits all alike:
   root read-only, every capability kept, output to files), the reference of issue 23's bound.
 
 It prints the median of each and the ratios the issues ask for: exec after idle / raw ``true``
-(goal <= 3), cycle before / after (goal >= 2), and hardened / pre-containment exec.
+and exec after idle / blocking ``subprocess.run`` (goal <= 3 each), cycle before / after (goal >= 2),
+and hardened / pre-containment exec.
 """
 
 from __future__ import annotations
@@ -79,12 +82,16 @@ async def _serve(base: Path) -> None:
             async with process:
                 await process.wait()
 
+        async def blocking() -> None:
+            subprocess.run(["true"], check=True)  # noqa: ASYNC221 - the blocking reference, on purpose
+
         operations = {
             "exec": lambda: hardened.exec(held, "true"),
             "none": lambda: plain.exec(held_plain, "true"),
             "cycle": cycle,
             "cycle-cold": lambda: cycle(cold),
             "raw": raw,
+            "blocking": blocking,
             "pre-containment": lambda: _pre_containment(bwrap, old_box, control),
         }
         for operation in operations.values():  # warm-up
@@ -174,7 +181,7 @@ def main(rounds: int, baseline: str) -> None:
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
         before, after = _Worker("before", tree, base / "before"), _Worker("after", None, base / "after")
         plan: list[tuple[_Worker, str]] = [
-            (before, "exec"), (after, "exec"), (after, "raw"), (before, "cycle"), (after, "cycle"),
+            (before, "exec"), (after, "exec"), (after, "raw"), (after, "blocking"), (before, "cycle"), (after, "cycle"),
             (after, "cycle-cold"), (after, "none"), (after, "pre-containment"),
         ]  # fmt: skip
         timings: dict[tuple[str, str], list[float]] = {(w.label, op): [] for w, op in plan}
@@ -191,6 +198,7 @@ def main(rounds: int, baseline: str) -> None:
     print(f"before: {baseline} ({_describe(baseline)}); after: this checkout")
     rows = [
         ("raw subprocess of `true` (after's process)", ("after", "raw")),
+        ("blocking subprocess.run(['true']) (same)", ("after", "blocking")),
         ("exec `true`, bwrap, before", ("before", "exec")),
         ("exec `true`, bwrap, after", ("after", "exec")),
         ("exec `true`, isolation='none', after", ("after", "none")),
@@ -205,6 +213,9 @@ def main(rounds: int, baseline: str) -> None:
     print("ratios:")
     print(f"  exec after idle / raw `true`:  before {medians[('before', 'exec')] / raw:5.2f}x   after "
           f"{medians[('after', 'exec')] / raw:5.2f}x   (goal: after <= 3x)")  # fmt: skip
+    blocking = medians[("after", "blocking")]
+    print(f"  exec after idle / subprocess.run(['true']):  before {medians[('before', 'exec')] / blocking:5.2f}x   "
+          f"after {medians[('after', 'exec')] / blocking:5.2f}x   (issue 31's goal: after <= 3x)")  # fmt: skip
     print(f"  cycle before / after:          {medians[('before', 'cycle')] / medians[('after', 'cycle')]:5.2f}x"
           "   (goal: >= 2x)")  # fmt: skip
     print(f"  cycle before / after, no spare: {medians[('before', 'cycle')] / medians[('after', 'cycle-cold')]:5.2f}x")

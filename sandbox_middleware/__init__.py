@@ -1,7 +1,5 @@
 """Composable middleware for sandbox providers (the NeMo Gym ``SandboxProvider`` protocol)."""
 
-from ._admission import AdmissionMiddleware
-from ._budget import RetryBudget
 from ._config import ResolvedStack, build_provider, load_config, resolve_config
 from ._core import Middleware, Operation, ProviderMiddleware, stack
 from ._errors import (
@@ -27,8 +25,6 @@ from ._errors import (
     SandboxTransferLimitError,
     SandboxValueError,
 )
-from ._metrics import MetricsMiddleware
-from ._ownership import OwnershipMiddleware
 from ._protocol import (
     CAPABILITIES,
     ConnectableProvider,
@@ -54,15 +50,28 @@ from ._protocol import (
     SupportsSandboxRuntimeRequirements,
     SupportsSandboxSharedStorage,
 )
-from ._quota import QUOTA_CLASSIFIERS, QuotaClassifier, QuotaExhausted, RateLimited, register_quota_classifier
 from ._reaper import ReapedSandbox, reap
-from ._recommended import recommended_middleware
 from ._registry import register_middleware, register_provider
-from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
-from ._retry import DEFAULT_RETRY_ON, RetryMiddleware
 from ._sandbox import Sandbox
-from ._tracing import TracingMiddleware
-from ._warm_pool import INTERCHANGEABLE_FIELDS, WarmPoolMiddleware
+from .middleware import (
+    DEFAULT_RETRY_ON,
+    INTERCHANGEABLE_FIELDS,
+    QUOTA_CLASSIFIERS,
+    AdmissionMiddleware,
+    HeldSandbox,
+    MetricsMiddleware,
+    OwnershipMiddleware,
+    QuotaClassifier,
+    QuotaExhausted,
+    RateLimited,
+    ReleaseAccountingMiddleware,
+    RetryBudget,
+    RetryMiddleware,
+    TracingMiddleware,
+    WarmPoolMiddleware,
+    recommended_middleware,
+    register_quota_classifier,
+)
 from .providers import DockerProvider, LocalProvider
 
 __all__ = [

@@ -31,7 +31,7 @@ from ._core import Middleware, ProviderMiddleware, stack
 from ._errors import PUBLIC, ConfigError, SandboxError
 from ._protocol import SandboxProvider
 from ._registry import middleware_registry, provider_registry
-from ._retry import RetryOn
+from .middleware._retry import RetryOn
 
 __all__ = ["ResolvedLayer", "ResolvedStack", "build_provider", "load_config", "resolve_config"]
 
@@ -182,8 +182,10 @@ def resolve_config(config: Mapping[str, Any], *, source: str | Path | None = Non
     if not isinstance(entries, list):
         problems.add(f"middleware: expected a list (first entry outermost), got {type(entries).__name__}")
         entries = []
-    layers = [_resolve_entry(problems, f"middleware[{index}]", entry, is_middleware=True)
-              for index, entry in enumerate(entries)]  # fmt: skip
+    layers = [
+        _resolve_entry(problems, f"middleware[{index}]", entry, is_middleware=True)
+        for index, entry in enumerate(entries)
+    ]
     problems.raise_any()
     assert provider is not None and all(layer is not None for layer in layers)  # else a problem was raised
     return ResolvedStack(provider, [layer for layer in layers if layer is not None])

@@ -311,6 +311,20 @@ def _new_layer(cls: type) -> Any:
     return object.__new__(cls)
 
 
+def reduce_to_options(cls: type[ProviderMiddleware], layer: ProviderMiddleware) -> tuple[Any, ...]:
+    """The ``__reduce_ex__`` of a layer whose state belongs to its process (slots, pools, tasks): a new
+    ``cls`` over the same inner provider, built from the layer's options, each keyword-only parameter
+    of ``cls`` read back from the attribute of its name; ``meter_provider`` stays behind (the receiving
+    process's global one serves)."""
+    parameters = inspect.signature(cls).parameters.values()
+    names = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.name != "meter_provider"]
+    return (_rebuilt, (cls, layer.inner, {name: getattr(layer, name) for name in names}))
+
+
+def _rebuilt(cls: type[ProviderMiddleware], inner: SandboxProvider, options: dict[str, Any]) -> ProviderMiddleware:
+    return cls(inner, **options)
+
+
 class Middleware(Generic[P]):
     """A deferred middleware constructor: the class and its options, without the provider.
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import anyio.lowlevel
 
 from ._errors import SandboxError
-from ._ownership import RUN_KEY, Owner
+from ._owner import RUN_KEY, Owner
 from ._protocol import SandboxListing, SandboxProvider, SupportsSandboxList
 from ._sandbox import close_shielded
 

@@ -178,13 +178,13 @@ def _builtin_middleware() -> dict[str, Callable[[], Any]]:
         return loader
 
     return {
-        "tracing": load("._tracing", "TracingMiddleware"),
-        "metrics": load("._metrics", "MetricsMiddleware"),
-        "release_accounting": load("._release_accounting", "ReleaseAccountingMiddleware"),
-        "retry": load("._retry", "RetryMiddleware"),
-        "ownership": load("._ownership", "OwnershipMiddleware"),
-        "admission": load("._admission", "AdmissionMiddleware"),
-        "warm_pool": load("._warm_pool", "WarmPoolMiddleware"),
+        "tracing": load(".middleware._tracing", "TracingMiddleware"),
+        "metrics": load(".middleware._metrics", "MetricsMiddleware"),
+        "release_accounting": load(".middleware._release_accounting", "ReleaseAccountingMiddleware"),
+        "retry": load(".middleware._retry", "RetryMiddleware"),
+        "ownership": load(".middleware._ownership", "OwnershipMiddleware"),
+        "admission": load(".middleware.admission", "AdmissionMiddleware"),
+        "warm_pool": load(".middleware._warm_pool", "WarmPoolMiddleware"),
     }
 
 

@@ -6,11 +6,9 @@ only the OpenTelemetry API; nothing is created or recorded without an SDK).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from opentelemetry.metrics import Counter, Histogram
 
-from opentelemetry.metrics import Counter, Histogram, Meter
-
-from _shared_telemetry import DURATION_BUCKETS_MS
+from _shared_telemetry import InstrumentBundle, counter, duration_ms
 
 __all__ = ["TokenInstruments"]
 
@@ -18,25 +16,10 @@ SCOPE = "tokens"
 SOURCE_ATTR = "tokens.source"
 
 
-@dataclass(frozen=True)
-class TokenInstruments:
-    sources: Counter
-    errors: Counter
-    tokenize_ms: Histogram
-
-    @classmethod
-    def create(cls, meter: Meter) -> TokenInstruments:
-        return cls(
-            sources=meter.create_counter(
-                "tokens.capture.source_total", unit="{completion}", description="Bundles captured, by source."
-            ),
-            errors=meter.create_counter(
-                "tokens.capture.error_total", unit="{completion}", description="Completions that failed, by error type."
-            ),
-            tokenize_ms=meter.create_histogram(
-                "tokens.tokenize_fallback.duration_ms",
-                unit="ms",
-                description="Time of the /tokenize fallback request (a second awaited round trip per turn).",
-                explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS_MS),
-            ),
-        )
+class TokenInstruments(InstrumentBundle):
+    sources: Counter = counter("tokens.capture.source_total", "{completion}", "Bundles captured, by source.")
+    errors: Counter = counter("tokens.capture.error_total", "{completion}", "Completions that failed, by error type.")
+    tokenize_ms: Histogram = duration_ms(
+        "tokens.tokenize_fallback.duration_ms",
+        "Time of the /tokenize fallback request (a second awaited round trip per turn).",
+    )

@@ -27,8 +27,8 @@ from .._config import ResolvedStack, load_config, resolve_config
 from .._errors import ConfigError, SandboxError, UsageError
 from .._protocol import SandboxProvider
 from .._reaper import reap
-from .._recommended import recommended_middleware_config
-from .._warm_pool import WarmPoolMiddleware
+from ..middleware._recommended import recommended_middleware_config
+from ..middleware._warm_pool import WarmPoolMiddleware
 from ..testing import parse_faults
 from ._export import EXPORTS, start_telemetry
 from ._process import ProcessResult, RunOptions, combine, orphans_row, run_process, with_layer, with_run_id

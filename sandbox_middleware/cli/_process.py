@@ -14,11 +14,11 @@ from typing import Any, TypeVar
 import anyio
 
 from .._config import ResolvedStack, resolve_config
-from .._ownership import OwnershipMiddleware
 from .._protocol import SandboxProvider, SupportsSandboxList
 from .._reaper import ReapedSandbox, close_listed
 from .._registry import middleware_registry
-from .._release_accounting import ReleaseAccountingMiddleware
+from ..middleware._ownership import OwnershipMiddleware
+from ..middleware._release_accounting import ReleaseAccountingMiddleware
 from ._export import Telemetry
 from ._report import Points, draw, merge, progress, snapshot
 from ._workload import CLOSE_TIMEOUT_S, RunState, workload

@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 
-from .._release_accounting import ReleaseAccountingMiddleware
+from ..middleware._release_accounting import ReleaseAccountingMiddleware
 from ._workload import RunState
 
 __all__ = ["Points", "configure_logging", "draw", "merge", "progress", "snapshot", "table"]

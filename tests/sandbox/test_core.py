@@ -40,7 +40,7 @@ from sandbox_middleware import (
     stack,
 )
 from sandbox_middleware._registry import provider_registry
-from sandbox_middleware._retry import RETRYABLE_OPERATIONS
+from sandbox_middleware.middleware._retry import RETRYABLE_OPERATIONS
 from sandbox_middleware.testing import FaultInjectingProvider
 from tests.providers import ConnectProvider, EndpointProvider, PlainProvider, scripted_provider
 

@@ -115,21 +115,35 @@ class EngineAPI:
         return reply
 
     @asynccontextmanager
-    async def stream(self, method: str, path: str, what: str, *, params: Mapping[str, str] | None = None,
-                     body: Any = None, silent_ok: bool = False) -> AsyncIterator[httpx.Response]:  # fmt: skip
+    async def stream(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        body: Any = None,
+        silent_ok: bool = False,
+    ) -> AsyncIterator[httpx.Response]:
         """A request whose body is read as it arrives (exec output, archives), as sent: never decompressed.
         ``silent_ok``: the body may pause for any time (a command's output), no read timeout."""
         headers = {"Accept-Encoding": "identity"}
         timeout = self._silent_read if silent_ok else httpx.USE_CLIENT_DEFAULT
         try:
-            async with self._client.stream(method, path, params=params, json=body, headers=headers,
-                                           timeout=timeout) as reply:  # fmt: skip
+            async with self._client.stream(
+                method, path, params=params, json=body, headers=headers, timeout=timeout
+            ) as reply:
                 if reply.status_code >= 400:
                     await reply.aread()
                     raise EngineError(reply.status_code, message_of(reply), what)
                 yield reply
         except httpx.HTTPError as exc:
             raise self.unavailable(what, exc) from exc
+
+    async def inspect(self, container: str, what: str) -> dict[str, Any] | None:
+        """The container's ``/json`` description; None where it is gone."""
+        reply = await self.call("GET", f"/containers/{container}/json", what, ok=(404,))
+        return None if reply.status_code == 404 else dict(reply.json())
 
     def unavailable(self, what: str, exc: Exception) -> DockerUnavailableError:
         return DockerUnavailableError(

@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 
 from ..._errors import SandboxError, SandboxPathError, SandboxTransferLimitError
-from ..local._arguments import check_text, sandbox_parts
+from .._common._arguments import check_text, sandbox_parts
 
 __all__ = ["END", "TarReader", "check_directory", "check_stat", "located", "padding", "tar_records", "tar_stream"]
 

@@ -15,8 +15,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from ..._errors import SandboxArgumentError
-from ..local._arguments import check_text, checked_view_root
-from ..local._limits import Limits
+from .._common._arguments import check_text, checked_view_root
+from .._common._limits import Limits
 from ._ttl import EXPIRES
 
 __all__ = [

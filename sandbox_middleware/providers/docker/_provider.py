@@ -10,7 +10,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import stat
 import time
 import uuid
@@ -35,10 +34,12 @@ from ..._errors import (
     SandboxTransferLimitError,
 )
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
-from ..local._arguments import check_text, checked_env, checked_timeout, fspath, positive_number, sandbox_id_of
-from ..local._limits import LIMIT_BOUNDS, Limits
+from .._common._arguments import check_text, checked_env, checked_exec, fspath, sandbox_id_of
+from .._common._deadlines import checked_ttl, exec_deadline
+from .._common._limits import LIMIT_BOUNDS, Limits
 from ._api import EngineAPI, EngineError, message_of, negotiate
 from ._archive import END, TarReader, check_directory, check_stat, located, padding, tar_records, tar_stream
+from ._commands import KILL_TIMEOUT_S, Commands
 from ._container import (
     LABEL,
     Box,
@@ -51,19 +52,15 @@ from ._container import (
     workdir_of,
 )
 from ._descriptors import signed, verified
-from ._exec import KILL, RUN, PidReader, host_victims, new_marker
-from ._streams import Demultiplexer, OutputCapture
 from ._ttl import WatchdogLauncher
 
 __all__ = ["DockerProvider"]
 
 logger = logging.getLogger("sandbox_middleware")
 
-_MAX_TTL_S = 30 * 24 * 3600.0
 _MiB = 1 << 20
 _NOBODY = "65534:65534"
 _ROOT_USERS = ("", "root", "0", "0:0")
-_KILL_TIMEOUT_S = 10.0
 _STATUS = {
     "running": SandboxStatus.RUNNING,
     "paused": SandboxStatus.PAUSED,
@@ -124,12 +121,23 @@ class DockerProvider:
         request_timeout_s: float = 300.0,
     ) -> None:
         self._options: dict[str, Any] = {
-            "socket": socket, "api_version": api_version, "network": network, "user": user,
-            "memory_mib": memory_mib, "pids": pids, "cpu": cpu, "disk_gib": disk_gib, "tmp_mib": tmp_mib,
-            "max_output_bytes": max_output_bytes, "max_transfer_bytes": max_transfer_bytes, "pull": pull,
-            "init": init, "keepalive": None if keepalive is None else tuple(keepalive), "connect_key": connect_key,
+            "socket": socket,
+            "api_version": api_version,
+            "network": network,
+            "user": user,
+            "memory_mib": memory_mib,
+            "pids": pids,
+            "cpu": cpu,
+            "disk_gib": disk_gib,
+            "tmp_mib": tmp_mib,
+            "max_output_bytes": max_output_bytes,
+            "max_transfer_bytes": max_transfer_bytes,
+            "pull": pull,
+            "init": init,
+            "keepalive": None if keepalive is None else tuple(keepalive),
+            "connect_key": connect_key,
             "request_timeout_s": request_timeout_s,
-        }  # fmt: skip
+        }
         self.BOUNDS.check(locals())
         self._socket = check_text(fspath(socket, "socket"), "socket")
         self._network = check_text(network, "network")
@@ -147,8 +155,11 @@ class DockerProvider:
         if not self._keepalive:
             raise SandboxArgumentError("DockerProvider: keepalive must name a command (or be None for the default)")
         self._defaults: dict[str, float | None] = {
-            "memory_mib": memory_mib, "pids": pids, "cpu": cpu, "disk_gib": disk_gib,
-        }  # fmt: skip
+            "memory_mib": memory_mib,
+            "pids": pids,
+            "cpu": cpu,
+            "disk_gib": disk_gib,
+        }
         self._tmp_bytes = None if tmp_mib is None else int(tmp_mib * _MiB)
         self._max_output = max_output_bytes
         self._max_transfer = max_transfer_bytes
@@ -166,6 +177,7 @@ class DockerProvider:
         except PermissionError as exc:  # its lock's directory was made by someone else (_ttl.lock_path)
             raise SandboxError(f"DockerProvider: the TTL watchdog cannot lock safely: {exc}") from None
         self._api = EngineAPI(self._socket, version, request_timeout_s)  # last: nothing can fail after it
+        self._commands = Commands(self._api, max_output_bytes)
         self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, Box] = {}
         self._users: dict[str, tuple[str, tuple[int, int] | None]] = {}
@@ -214,8 +226,16 @@ class DockerProvider:
                     f"DockerProvider: cannot start a container of {plan.image!r}: {exc}{left}"
                 ) from exc
             raise
-        box = Box(container, plan.user, plan.cwd, (plan.mount, PurePosixPath("/tmp")), plan.ports, plan.deadline,
-                  plan.metadata, time.time())  # fmt: skip
+        box = Box(
+            container,
+            plan.user,
+            plan.cwd,
+            (plan.mount, PurePosixPath("/tmp")),
+            plan.ports,
+            plan.deadline,
+            plan.metadata,
+            time.time(),
+        )
         self._boxes[container] = box
         if plan.deadline is not None:
             self._watchdog.ensure()
@@ -229,10 +249,13 @@ class DockerProvider:
         metadata = checked_metadata(spec.metadata, "spec.metadata")
         if getattr(spec.resources, "gpu", None):
             raise SandboxLimitError("DockerProvider gives no GPUs: drop spec.resources.gpu")
-        ttl = positive_number(spec.ttl_s, "spec.ttl_s", maximum=_MAX_TTL_S)
+        ttl = checked_ttl(spec.ttl_s)
         limits = Limits.resolve(self._defaults, spec.resources)
-        refused = [name for name, field in _LIMIT_FIELDS.items()
-                   if getattr(limits, field) is not None and not self._enforceable[name]]  # fmt: skip
+        refused = [
+            name
+            for name, field in _LIMIT_FIELDS.items()
+            if getattr(limits, field) is not None and not self._enforceable[name]
+        ]
         if refused:
             raise SandboxLimitError(
                 f"DockerProvider: the daemon at {self._socket} cannot enforce {', '.join(refused)} (its /info says "
@@ -249,11 +272,22 @@ class DockerProvider:
         user, owner = await self._user_of(image)
         env = {"HOME": str(mount), **env}
         return Plan(
-            image=image, user=user, owner=owner, mount=mount, cwd=cwd, env=env, entrypoint=entrypoint,
-            keepalive=self._keepalive, limits=limits, tmp_bytes=self._tmp_bytes, network=self._network,
-            ports=tuple(spec.ports), deadline=None if ttl is None else time.time() + ttl, metadata=metadata,
+            image=image,
+            user=user,
+            owner=owner,
+            mount=mount,
+            cwd=cwd,
+            env=env,
+            entrypoint=entrypoint,
+            keepalive=self._keepalive,
+            limits=limits,
+            tmp_bytes=self._tmp_bytes,
+            network=self._network,
+            ports=tuple(spec.ports),
+            deadline=None if ttl is None else time.time() + ttl,
+            metadata=metadata,
             init=self._init,
-        )  # fmt: skip
+        )
 
     async def _user_of(self, image: str) -> tuple[str, tuple[int, int] | None]:
         """Who commands run as (``user="auto"``: the image's non-root USER, else uid 65534), and its
@@ -335,16 +369,21 @@ class DockerProvider:
                 chunks += tar_records(parts, plan.owner or (0, 0), None if contents is None else len(contents))
                 chunks += [] if contents is None else [contents, padding(len(contents))]
             if chunks:
-                await self._api.call("PUT", f"/containers/{container}/archive", f"write spec.files to {mount}",
-                                     params={"path": str(mount), "noOverwriteDirNonDir": "true"},
-                                     content=b"".join(chunks) + END)  # fmt: skip
+                await self._api.call(
+                    "PUT",
+                    f"/containers/{container}/archive",
+                    f"write spec.files to {mount}",
+                    params={"path": str(mount), "noOverwriteDirNonDir": "true"},
+                    content=b"".join(chunks) + END,
+                )
 
     async def _remove(self, container: str) -> None:
         """Force-remove ``container`` and its volumes; one already gone, or being removed by another
         process (the TTL watchdog, a reaper, a second close), is done."""
         what = f"remove container {container[:12]}"
-        reply = await self._api.call("DELETE", f"/containers/{container}", what, params={"force": "true", "v": "true"},
-                                     ok=(404, 409))  # fmt: skip
+        reply = await self._api.call(
+            "DELETE", f"/containers/{container}", what, params={"force": "true", "v": "true"}, ok=(404, 409)
+        )
         if reply.status_code == 409 and "already in progress" not in (message := message_of(reply)):
             raise EngineError(409, message, what)
 
@@ -362,10 +401,6 @@ class DockerProvider:
             )
         return box
 
-    async def _inspect(self, container: str, what: str) -> dict[str, Any] | None:
-        reply = await self._api.call("GET", f"/containers/{container}/json", what, ok=(404,))
-        return None if reply.status_code == 404 else dict(reply.json())
-
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
         sandbox_id = sandbox_id_of(handle)
         box = self._boxes.get(sandbox_id)
@@ -374,7 +409,7 @@ class DockerProvider:
         if box is not None and (box.closed or box.is_expired()):
             return SandboxStatus.STOPPED
         try:
-            info = await self._inspect(sandbox_id, f"status of {sandbox_id[:12]}")
+            info = await self._api.inspect(sandbox_id, f"status of {sandbox_id[:12]}")
         except DockerUnavailableError:
             return SandboxStatus.UNKNOWN
         if info is None or _labels(info).get(LABEL) != "1":
@@ -389,7 +424,7 @@ class DockerProvider:
         if box is None:
             if handle.provider_name != self.name:
                 return
-            info = await self._inspect(sandbox_id, f"close {sandbox_id[:12]}")
+            info = await self._api.inspect(sandbox_id, f"close {sandbox_id[:12]}")
             if info is None or _labels(info).get(LABEL) != "1":
                 return  # gone, or not a sandbox of ours: never touched
             sandbox_id = str(info["Id"])
@@ -414,7 +449,7 @@ class DockerProvider:
                     failures.append(str(exc))
         finally:  # cancelled or not: the connection pool is released
             self._watchdog.reap()
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_TIMEOUT_S):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_TIMEOUT_S):
                 await self._api.aclose()
         if failures:
             raise SandboxError(f"DockerProvider.aclose: {len(failures)} sandboxes not removed: {'; '.join(failures)}")
@@ -431,179 +466,12 @@ class DockerProvider:
         timeout_s: int | float | None = None,
         user: str | int | None = None,
     ) -> SandboxExecResult:
-        check_text(command, "command")
-        call_env = checked_env(env or {}, "env")
-        timeout = checked_timeout(timeout_s)
+        call_env, timeout = checked_exec(command, env, timeout_s)
         box = self._box(handle)
         workdir = box.cwd if cwd is None else box.cwd / check_text(cwd, "cwd")
         as_user = box.user if user is None else _exec_user(user)
-        marker = new_marker()
-        deadline = timeout
-        remaining = box.remaining()
-        if remaining is not None:
-            deadline = remaining if deadline is None else min(deadline, remaining)
-        body = {
-            "Cmd": ["/bin/sh", "-c", RUN, "sh", command],
-            "Env": [*(f"{name}={value}" for name, value in call_env.items()), marker],
-            "WorkingDir": str(workdir),
-            "User": as_user,
-            "AttachStdin": False,
-            "AttachStdout": True,
-            "AttachStderr": True,
-            "Tty": False,
-        }
-        exec_id = await self._exec_create(handle, box, body)
-        out, err = OutputCapture(self._max_output), OutputCapture(self._max_output)
-        stderr = PidReader(err)
-        timed_out = False
-        try:
-            with anyio.move_on_after(deadline) as scope:
-                await self._stream(exec_id, Demultiplexer(out, stderr))
-            timed_out = scope.cancelled_caught
-        except BaseException:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_TIMEOUT_S):
-                await self._kill(box, marker, stderr.pid, as_user)
-            raise
-        if timed_out:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_TIMEOUT_S):
-                await self._kill(box, marker, stderr.pid, as_user)
-        code = await self._exit_code(exec_id, box)
-        if box.closed:
-            return SandboxExecResult(out.text(), err.text(), code or -9, error_type="closed")
-        if box.is_expired():
-            return SandboxExecResult(out.text(), err.text(), code or -9, error_type="expired")
-        if timed_out:
-            return SandboxExecResult(out.text(), err.text(), code or -9, error_type="timeout")
-        if code is None:
-            return SandboxExecResult(out.text(), err.text(), -1, error_type="sandbox")
-        if code in (126, 127) and out.text().startswith("OCI runtime exec failed"):
-            raise SandboxError(
-                f"DockerProvider: cannot start the command in sandbox {handle.sandbox_id[:12]} (cwd {str(workdir)!r}, "
-                f"user {as_user!r}): {out.text().strip()[:500]}"
-            )
-        return SandboxExecResult(out.text(), err.text(), code)
-
-    async def _exec_create(self, handle: SandboxHandle, box: Box, body: dict[str, Any]) -> str:
-        what = f"run a command in sandbox {handle.sandbox_id[:12]}"
-        try:
-            reply = await self._api.call("POST", f"/containers/{box.container}/exec", what, body=body)
-        except EngineError as exc:
-            if exc.status == 404:
-                if box.is_expired():
-                    raise SandboxExpiredError(
-                        f"DockerProvider: sandbox {handle.sandbox_id!r} expired (its ttl_s ran out) and its container "
-                        "is removed; create a new one"
-                    ) from exc
-                raise SandboxNotFoundError(
-                    f"DockerProvider: sandbox {handle.sandbox_id!r} was removed from under this provider (closed or "
-                    "reaped by another process); create a new one"
-                ) from exc
-            if exc.status == 409:
-                raise SandboxError(
-                    f"DockerProvider: sandbox {handle.sandbox_id!r} cannot run commands now ({exc.message}); a "
-                    "paused sandbox runs them after resume()"
-                ) from exc
-            raise
-        return str(reply.json()["Id"])
-
-    async def _stream(self, exec_id: str, demux: Demultiplexer) -> None:
-        """Read the exec's output until it ends, or until shortly after its command has exited (a
-        background child holding the streams open must not hold the call)."""
-        what = f"read the output of exec {exec_id[:12]}"
-        start = {"Detach": False, "Tty": False}
-        try:
-            async with (
-                self._api.stream("POST", f"/exec/{exec_id}/start", what, body=start, silent_ok=True) as reply,
-                anyio.create_task_group() as tasks,
-            ):
-                # Neither task lets an error out: the task group would raise it as an ExceptionGroup.
-
-                async def read() -> None:
-                    with contextlib.suppress(httpx.HTTPError):  # the stream broke: the exit code tells
-                        async for chunk in reply.aiter_raw():
-                            demux.feed(chunk)
-                    tasks.cancel_scope.cancel()
-
-                async def watch() -> None:
-                    await anyio.sleep(0.25)
-                    with contextlib.suppress(SandboxError):  # the daemon is going: the read ends by itself
-                        while True:
-                            if not (await self._exec_info(exec_id)).get("Running"):
-                                break
-                            await anyio.sleep(0.1)
-                        await anyio.sleep(0.05)  # what it wrote last is in flight
-                        tasks.cancel_scope.cancel()
-
-                tasks.start_soon(read)
-                tasks.start_soon(watch)
-        except (httpx.HTTPError, DockerUnavailableError):
-            return  # the container went away mid-command (closed, expired, the daemon died): see the exit code
-
-    async def _exec_info(self, exec_id: str) -> dict[str, Any]:
-        reply = await self._api.call("GET", f"/exec/{exec_id}/json", f"inspect exec {exec_id[:12]}", ok=(404,))
-        return {} if reply.status_code == 404 else dict(reply.json())
-
-    async def _exit_code(self, exec_id: str, box: Box) -> int | None:
-        for _ in range(20):
-            try:
-                info = await self._exec_info(exec_id)
-            except DockerUnavailableError:
-                return None
-            if not info.get("Running") and info.get("ExitCode") is not None:
-                return int(info["ExitCode"])
-            if not info or box.closed:
-                return None
-            await anyio.sleep(0.05)
-        return None
-
-    async def _kill(self, box: Box, marker: str, group: int | None, user: str) -> None:
-        """Kill every process of one command: from the host where it can (``_kill_from_host``), else
-        inside the container (``_exec.KILL``), as its user."""
-        try:
-            if await self._kill_from_host(box, marker):
-                return
-        except (EngineError, DockerUnavailableError, KeyError, TypeError, ValueError) as exc:
-            logger.warning("DockerProvider: could not kill a timed-out command from the host: %s", exc)
-        body = {"Cmd": ["/bin/sh", "-c", KILL, "kill", marker, str(group or "")], "User": user, "AttachStdout": True,
-                "AttachStderr": True, "Tty": False}  # fmt: skip
-        try:
-            reply = await self._api.call("POST", f"/containers/{box.container}/exec", "kill a timed-out command",
-                                         body=body, ok=(404, 409))  # fmt: skip
-            if reply.status_code >= 400:
-                return  # gone or paused: nothing runs
-            sink = OutputCapture(4096)
-            await self._stream(str(reply.json()["Id"]), Demultiplexer(sink, sink))
-        except (EngineError, DockerUnavailableError) as exc:
-            logger.warning("DockerProvider: could not kill a timed-out command in %s: %s", box.container[:12], exc)
-
-    async def _kill_from_host(self, box: Box, marker: str) -> bool:
-        """With the container paused (nothing forks or fights back), SIGKILL the command's processes
-        from the host (``_exec.host_victims``), then unpause. False where the provider cannot (not
-        root, a daemon elsewhere, the container paused by its user)."""
-        if os.geteuid() != 0:
-            return False
-        info = await self._inspect(box.container, "inspect a container to kill a command")
-        init = int(((info or {}).get("State") or {}).get("Pid") or 0)
-        if info is None or not init or (info.get("State") or {}).get("Paused"):
-            return info is None  # gone: nothing runs
-        what = f"pause {box.container[:12]} to kill a command"
-        reply = await self._api.call("POST", f"/containers/{box.container}/pause", what, ok=(404, 409))
-        if reply.status_code >= 400:
-            return reply.status_code == 404
-        try:
-            listed = await self._api.call("GET", f"/containers/{box.container}/top", "list a container's processes")
-            top = listed.json()
-            column = list(top["Titles"]).index("PID")
-            pids = [int(row[column]) for row in top.get("Processes") or []]
-            victims = host_victims(box.container, marker, pids, init)
-            for pid in victims or ():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)  # delivered as the freezer thaws them
-        finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_KILL_TIMEOUT_S):
-                await self._api.call("POST", f"/containers/{box.container}/unpause", "unpause after a kill",
-                                     ok=(404, 409))  # fmt: skip
-        return victims is not None
+        deadline = exec_deadline(timeout, box.remaining())
+        return await self._commands.run(handle, box, command, call_env, workdir, as_user, deadline)
 
     # --- files -----------------------------------------------------------------------------------
 
@@ -627,9 +495,13 @@ class DockerProvider:
                 )
             os.set_blocking(fd, True)
             owner = _numeric(box.user) or (0, 0)
-            await self._api.call("PUT", f"/containers/{box.container}/archive", what,
-                                 params={"path": str(mount), "noOverwriteDirNonDir": "true"},
-                                 content=tar_stream(fd, info.st_size, parts, owner))  # fmt: skip
+            await self._api.call(
+                "PUT",
+                f"/containers/{box.container}/archive",
+                what,
+                params={"path": str(mount), "noOverwriteDirNonDir": "true"},
+                content=tar_stream(fd, info.st_size, parts, owner),
+            )
         except EngineError as exc:
             if "cannot overwrite non-directory" in exc.message:
                 raise SandboxPathError(
@@ -673,7 +545,7 @@ class DockerProvider:
                 f"port {port} was not declared in the spec of sandbox {handle.sandbox_id!r} "
                 f"(declared: {list(box.ports)})"
             )
-        info = await self._inspect(box.container, f"endpoint of {handle.sandbox_id[:12]}") or {}
+        info = await self._api.inspect(box.container, f"endpoint of {handle.sandbox_id[:12]}") or {}
         bindings = ((info.get("NetworkSettings") or {}).get("Ports") or {}).get(f"{port}/tcp") or []
         for binding in bindings:
             if binding.get("HostIp") == "127.0.0.1" and binding.get("HostPort"):
@@ -706,7 +578,7 @@ class DockerProvider:
                 "connect with a provider of that socket"
             )
         sandbox_id = body["sandbox_id"]
-        info = await self._inspect(sandbox_id, f"connect to {sandbox_id[:12]}")
+        info = await self._api.inspect(sandbox_id, f"connect to {sandbox_id[:12]}")
         box = box_of(sandbox_id, _labels(info), None) if info is not None else None
         if box is None or str((info or {}).get("Id")) != sandbox_id:
             raise SandboxNotFoundError(f"DockerProvider.connect: no sandbox container {sandbox_id[:12]} on this daemon")

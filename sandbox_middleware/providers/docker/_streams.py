@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..local._output import OutputCapture
+from .._common._output import OutputCapture
 
 __all__ = ["Demultiplexer", "OutputCapture", "Sink"]
 

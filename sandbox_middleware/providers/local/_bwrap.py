@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from ..._errors import BwrapUnavailableError
+from .._common._arguments import SYSTEM_DIRS
 from ._launch import Launch
 from ._seccomp import seccomp_program
 
@@ -25,7 +26,6 @@ __all__ = [
     "HOST_ENV",
     "OWN_ETC",
     "STARTER_CAPS",
-    "SYSTEM_DIRS",
     "BwrapCommand",
     "memfd",
 ]
@@ -33,7 +33,6 @@ __all__ = [
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STARTER_CAPS = ("CAP_SYS_ADMIN", "CAP_SETPCAP", "CAP_NET_ADMIN")  # the starter's, in the sandbox's user namespace
 HOST_ENV = {"PATH": BASE_PATH}  # all the host-side helpers (sh, setpriv, bwrap) ever get
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC_FILES = (
     "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime",
     "/etc/nsswitch.conf", "/etc/os-release", "/etc/mime.types",

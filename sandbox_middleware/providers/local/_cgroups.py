@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..._errors import SandboxLimitError
-from ._limits import Limits
+from .._common._limits import Limits
 
 __all__ = ["MEMORY_RESERVE", "CgroupBackend", "MemoryBudget", "file_max"]
 

@@ -8,18 +8,15 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
-import fcntl
 import json
 import logging
 import os
-import signal
-import subprocess
 import tempfile
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar, Literal
@@ -37,28 +34,30 @@ from ..._errors import (
     SandboxLimitError,
     SandboxNotFoundError,
 )
-from ..._ownership import Owner
+from ..._owner import Owner
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
-from ._arguments import (
+from .._common._arguments import (
     DEFAULT_VIEW_ROOT,
+    SYSTEM_DIRS,
     check_text,
     checked_env,
+    checked_exec,
     checked_ro_path,
-    checked_timeout,
     checked_view_root,
     fspath,
     positive_number,
     sandbox_id_of,
     sandbox_parts,
 )
-from ._bwrap import BASE_PATH, HOST_ENV, SYSTEM_DIRS, BwrapCommand
-from ._cgroups import CgroupBackend, file_max
+from .._common._deadlines import checked_ttl, exec_deadline
+from .._common._limits import LIMIT_BOUNDS, Limits
+from ._bwrap import BASE_PATH, HOST_ENV, BwrapCommand
+from ._cgroups import CgroupBackend
+from ._commands import run_command, run_process
 from ._descriptors import DESCRIPTOR_KEYS, sign, verified_body
-from ._launch import LAUNCH_FAILED, OOM_SCORE_ADJ, STARTER_OOM_SCORE_ADJ, Launch
-from ._limits import LIMIT_BOUNDS, Limits
+from ._enforcement import Enforcement
+from ._launch import OOM_SCORE_ADJ, STARTER_OOM_SCORE_ADJ, Launch
 from ._mounts import bind_nosuid, is_mount_point, mount_tmpfs, probe_tmpfs
-from ._output import OutputCapture, drain, pump
-from ._process import group_alive, kill_group
 from ._records import (
     RECORD,
     SANDBOX_ID,
@@ -78,7 +77,7 @@ from ._records import (
 from ._spares import Spares
 from ._supervisor import CommandStarter, find_python
 from ._transfers import check_directory, download, open_directory, upload
-from ._uids import UidLease, lease_uid
+from ._uids import UidLease
 from ._watchdog import Watchdog
 
 __all__ = [
@@ -90,9 +89,6 @@ LimitBackend = Literal["auto", "cgroup", "rlimit"]
 
 Shape = tuple[Limits, PurePosixPath]  # what makes sandboxes interchangeable for a spare (_spares.py)
 logger = logging.getLogger("sandbox_middleware")
-
-_MAX_TTL_S = 30 * 24 * 3600.0
-_FILE_SHARE = 4  # all sandboxes' open files together: at most a quarter of the host's file table
 
 
 class LocalProvider:
@@ -149,12 +145,22 @@ class LocalProvider:
     ) -> None:
         # What pickling sends (a Ray actor builds its own provider from it): options, not sandboxes.
         self._options: dict[str, Any] = {
-            "isolation": isolation, "base_dir": base_dir, "pass_env": tuple(pass_env), "memory_mib": memory_mib,
-            "pids": pids, "cpu": cpu, "disk_gib": disk_gib, "max_output_bytes": max_output_bytes,
-            "max_transfer_bytes": max_transfer_bytes, "ro_paths": tuple(ro_paths), "limit_backend": limit_backend,
-            "connect_key": connect_key, "sandbox_uid": sandbox_uid, "nofile": nofile,
+            "isolation": isolation,
+            "base_dir": base_dir,
+            "pass_env": tuple(pass_env),
+            "memory_mib": memory_mib,
+            "pids": pids,
+            "cpu": cpu,
+            "disk_gib": disk_gib,
+            "max_output_bytes": max_output_bytes,
+            "max_transfer_bytes": max_transfer_bytes,
+            "ro_paths": tuple(ro_paths),
+            "limit_backend": limit_backend,
+            "connect_key": connect_key,
+            "sandbox_uid": sandbox_uid,
+            "nofile": nofile,
             "prestart": prestart,
-        }  # fmt: skip
+        }
         if isolation not in ("none", "bwrap"):
             raise SandboxArgumentError(f"LocalProvider: isolation must be 'none' or 'bwrap', not {isolation!r}")
         if limit_backend not in ("auto", "cgroup", "rlimit"):
@@ -172,8 +178,11 @@ class LocalProvider:
             check_text(name, "pass_env entry")
         self._pass_env = tuple(pass_env)
         self._defaults: dict[str, float | None] = {
-            "memory_mib": memory_mib, "pids": pids, "cpu": cpu, "disk_gib": disk_gib
-        }  # fmt: skip
+            "memory_mib": memory_mib,
+            "pids": pids,
+            "cpu": cpu,
+            "disk_gib": disk_gib,
+        }
         self._max_output = max_output_bytes
         self._max_transfer = max_transfer_bytes
         self._ro_paths = tuple(checked_ro_path(path) for path in ro_paths)
@@ -189,13 +198,14 @@ class LocalProvider:
                 for path in map(Path, self._ro_paths):
                     check_reachable(path)
                 check_reachable(self._base)
-        self._sandbox_uid = sandbox_uid
         prepare_base(self._base)
-        self._nofile = nofile
         self._cgroups = CgroupBackend(nofile=nofile) if limit_backend != "rlimit" else None
         if limit_backend == "cgroup" and (self._cgroups is None or not self._cgroups.resources):
             raise SandboxLimitError("LocalProvider(limit_backend='cgroup'): no writable cgroup controllers here")
         self._tmpfs = probe_tmpfs()
+        self._enforcement = Enforcement(
+            self._cgroups, self._tmpfs, self._bwrap, sandbox_uid, nofile, self._defaults, max_output_bytes
+        )
         self._python: str | None = None
         self._starting = threading.Lock()  # one starter per sandbox adopted from another process
         self._sweep_spares()
@@ -224,43 +234,6 @@ class LocalProvider:
         sandbox; with the same ``connect_key`` (only if one was given) it can ``connect`` to ours."""
         return (_restore, (self._options,))
 
-    @property
-    def _shared_uid(self) -> bool:
-        """Whether all sandboxes' commands run as one uid (this process's, or ``sandbox_uid``)."""
-        return self._bwrap is None or not self._bwrap.drops_privileges or self._sandbox_uid is not None
-
-    @property
-    def _commands_run_as_root(self) -> bool:
-        """Whether commands run as host root (RLIMIT_NPROC does not bind root)."""
-        return os.geteuid() == 0 and not (self._bwrap is not None and self._bwrap.drops_privileges)
-
-    def _new_uid(self) -> tuple[int | None, UidLease | None]:
-        """The host uid a new sandbox's commands run as, and its lease: its own (leased host-wide, so
-        no two live sandboxes and no host account share it), ``sandbox_uid`` if given (shared by all,
-        no lease); None: this process's."""
-        if self._bwrap is None or not self._bwrap.drops_privileges:
-            return None, None
-        if self._sandbox_uid is not None:
-            return self._sandbox_uid, None
-        lease = lease_uid()
-        return lease.uid, lease
-
-    def _launch(self, limits: Limits, cgroups: Sequence[Path], uid: int | None) -> Launch:
-        """How the commands of a sandbox with these limits and groups start (see ``_launch.py``)."""
-        cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
-        nofile = self._nofile
-        if limits.pids is not None and "pids" not in cgroup:  # RLIMIT_NPROC (per uid) bounds the processes
-            nofile = max(16, min(nofile, file_max() // (_FILE_SHARE * limits.pids)))
-        rlimits = [("nofile", nofile)]
-        if limits.memory_bytes is not None and "memory" not in cgroup:
-            rlimits.append(("as", limits.memory_bytes))
-        if limits.pids is not None and "pids" not in cgroup and not self._commands_run_as_root:
-            rlimits.append(("nproc", limits.pids))
-        if limits.disk_bytes is not None and not self._tmpfs:
-            rlimits.append(("fsize", limits.disk_bytes))
-        joins = self._cgroups.join_files(cgroups) if self._cgroups is not None else ()
-        return Launch(tuple(rlimits), joins, pty=False, uid=uid)
-
     def _probe(self) -> None:
         """Start a command starter under bwrap now (it makes its first command's namespaces before it
         answers), so a machine where commands cannot start fails here: in the first spare, when spares
@@ -269,7 +242,7 @@ class LocalProvider:
         if self._spares is not None:
             with contextlib.suppress(SandboxError):  # a create of the defaults fails the same way, and says why
                 limits = Limits.resolve(self._defaults, None)
-                self._refuse_unenforceable(limits)
+                self._enforcement.refuse_unenforceable(limits)
                 self._spares.offer((limits, view_root), self._make_spare((limits, view_root)))
                 return
         try:
@@ -310,91 +283,7 @@ class LocalProvider:
     def mechanisms(self) -> dict[str, str]:
         """How each limit is enforced on this machine: only what is enforced, and where a limit is off
         by default (None), that it is."""
-        cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
-        version = f"cgroup {self._cgroups.version}" if self._cgroups is not None else ""
-        root = self._commands_run_as_root
-
-        def limit(name: str, mechanism: str) -> str:
-            if self._defaults[name] is not None or mechanism == "not enforced":
-                return mechanism
-            return f"not limited by default ({name}=None); {mechanism} when spec.resources sets it"
-
-        memory = version if "memory" in cgroup else "rlimit RLIMIT_AS (per process)"
-        report = {
-            "memory": limit("memory_mib", memory),
-            "pids": limit(
-                "pids",
-                version if "pids" in cgroup else ("not enforced" if root else "rlimit RLIMIT_NPROC (per uid)"),
-            ),
-            "cpu": limit("cpu", version if "cpu" in cgroup else "not enforced"),
-            "disk": limit("disk_gib", self._disk_report()),
-            "memory budget": self._budget_report(),
-            "tcp buffers": {
-                "v1": "cgroup v1 memory.kmem.tcp.limit_in_bytes, memory_mib per sandbox (besides its memory)",
-                "v2": "cgroup v2 memory.max (socket buffers are charged to the sandbox's memory)",
-            }.get(self._cgroups.version or "", "not limited")
-            if "memory" in cgroup and self._cgroups is not None
-            else "not limited",
-            "open files": self._files_report(),
-            "oom": (
-                f"oom_score_adj {OOM_SCORE_ADJ}: the kernel kills a sandbox's processes before the trainer"
-                + (f" (its command starter: {STARTER_OOM_SCORE_ADJ})" if self._bwrap is not None else "")
-            ),
-            "ttl": "watchdog thread (SIGKILL)",
-            "output": f"pipes, {self._max_output} bytes kept per stream",
-            "isolation": self._isolation_report(),
-        }
-        if self._bwrap is not None:
-            report["pty"] = "none: no /dev/pts, no /dev/ptmx"
-        return report
-
-    def _disk_report(self) -> str:
-        if not self._tmpfs:
-            return "rlimit RLIMIT_FSIZE (per file)"
-        if self._bwrap is None:
-            return "tmpfs size: the sandbox directory and its TMPDIR (not the host's /tmp, which commands can reach)"
-        return "tmpfs size: the sandbox directory, its /tmp and /dev/shm"
-
-    def _budget_report(self) -> str:
-        budget = self._cgroups.memory_budget() if self._cgroups is not None else None
-        if budget is None:
-            return "none (no memory cgroup): sandboxes together are not bounded"
-        return f"{budget.describe()}; a create beyond it is refused"
-
-    def _files_report(self) -> str:
-        cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
-        if self._cgroups is not None and "pids" in cgroup:
-            together = self._cgroups.all_pids
-            how = f"all sandboxes together at most {together} processes (cgroup {self._cgroups.version} pids)"
-        elif self._defaults["pids"] is not None and not self._commands_run_as_root and self._shared_uid:
-            together = int(self._defaults["pids"])
-            how = f"all sandboxes and this user together at most {together} processes (RLIMIT_NPROC, per uid)"
-        elif self._defaults["pids"] is not None and not self._commands_run_as_root:
-            per = int(self._defaults["pids"])
-            nofile = self._launch(Limits(None, per, None, None), (), None).rlimits[0][1]
-            return (
-                f"RLIMIT_NOFILE {nofile} per process, RLIMIT_NPROC {per} per sandbox uid: at most {nofile * per} "
-                "open files per sandbox; not bounded for all sandboxes together (no pids cgroup)"
-            )
-        else:
-            return f"RLIMIT_NOFILE {self._nofile} per process; processes not bounded, so files are not either"
-        nofile = self._launch(Limits(None, together, None, None), (), None).rlimits[0][1]
-        return (
-            f"RLIMIT_NOFILE {nofile} per process; {how}: at most {nofile * together} open files, "
-            f"of fs.file-max {file_max()}"
-        )
-
-    def _isolation_report(self) -> str:
-        if self._bwrap is None:
-            return "none (not a security boundary)"
-        if not self._bwrap.drops_privileges:
-            who = "this process's uid"
-        elif self._sandbox_uid is not None:
-            who = f"host uid {self._sandbox_uid}"
-        else:
-            who = "an unprivileged host uid of its own per sandbox"
-        seccomp = "seccomp filter" if self._bwrap.seccomp else "no seccomp filter (unknown architecture)"
-        return f"bubblewrap as {who}, no capabilities, {seccomp}"
+        return self._enforcement.mechanisms
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -408,9 +297,9 @@ class LocalProvider:
             )
         if getattr(spec.resources, "gpu", None):
             raise SandboxLimitError("LocalProvider has no GPUs to give: drop spec.resources.gpu")
-        ttl = positive_number(spec.ttl_s, "spec.ttl_s", maximum=_MAX_TTL_S)
+        ttl = checked_ttl(spec.ttl_s)
         limits = Limits.resolve(self._defaults, spec.resources)
-        self._refuse_unenforceable(limits)
+        self._enforcement.refuse_unenforceable(limits)
         workdir = check_text(spec.workdir, "spec.workdir") if spec.workdir is not None else None
         cwd: tuple[str, ...] = ()
         if workdir is not None and PurePosixPath(workdir).is_absolute():
@@ -428,21 +317,6 @@ class LocalProvider:
         if box.deadline is not None:
             self._watchdog.add(box.deadline, sandbox_id)
         return SandboxHandle(sandbox_id, self.name, {"root": str(box.root)})
-
-    def _refuse_unenforceable(self, limits: Limits) -> None:
-        cgroup = self._cgroups.resources if self._cgroups is not None else frozenset()
-        refused = []
-        if limits.cpu is not None and "cpu" not in cgroup:
-            refused.append("cpu (needs the cgroup cpu controller)")
-        if limits.pids is not None and "pids" not in cgroup and self._commands_run_as_root:
-            refused.append("pids (needs the cgroup pids controller when running as root; or pass pids=None)")
-        if limits.disk_bytes is not None and not self._tmpfs and "disk_gib" in limits.explicit:
-            refused.append("disk_gib (needs permission to mount a tmpfs)")
-        if refused:
-            raise SandboxLimitError(
-                f"LocalProvider cannot enforce {', '.join(refused)} on this machine; drop the limit or run where "
-                f"it can be enforced (in force here: {self.mechanisms})"
-            )
 
     def _make_box(
         self,
@@ -486,7 +360,7 @@ class LocalProvider:
         mounted = False
         lease: UidLease | None = None
         try:
-            uid, lease = self._new_uid()
+            uid, lease = self._enforcement.new_uid()
             outer = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=self._base))
             if self._cgroups is not None:
                 cgroups = self._cgroups.create(sandbox_id, limits)
@@ -510,7 +384,7 @@ class LocalProvider:
                 limits=limits,
                 metadata={},
                 created=time.time(),
-                launch=self._launch(limits, cgroups, uid),
+                launch=self._enforcement.launch(limits, cgroups, uid),
                 lease=lease,
             )
             if self._bwrap is not None:
@@ -628,9 +502,7 @@ class LocalProvider:
         timeout_s: int | float | None = None,
         user: str | int | None = None,
     ) -> SandboxExecResult:
-        check_text(command, "command")
-        call_env = checked_env(env or {}, "env")
-        timeout_s = checked_timeout(timeout_s)
+        call_env, timeout = checked_exec(command, env, timeout_s)
         box = self._box(handle)
         if user is not None:
             raise SandboxError("LocalProvider runs commands as the current user; user= is not supported")
@@ -645,10 +517,8 @@ class LocalProvider:
                     f"create it first ({exc})"
                 ) from exc
         child_env = {**self._base_env(box), **box.env, **call_env}
-        deadline = timeout_s
-        if box.deadline is not None:
-            remaining = max(0.0, box.deadline - time.monotonic())
-            deadline = remaining if deadline is None else min(deadline, remaining)
+        remaining = None if box.deadline is None else max(0.0, box.deadline - time.monotonic())
+        deadline = exec_deadline(timeout, remaining)
         try:
             if self._bwrap is not None:  # a message to the sandbox's starter, which starts it inside
                 starter = box.starter
@@ -658,8 +528,8 @@ class LocalProvider:
                 start = partial(starter.run, ["bash", "-c", command], child_env, inside)
             else:
                 argv = box.launch.argv(["bash", "-c", command])
-                start = partial(self._run_process, box, handle, argv, box.root.joinpath(*parts), child_env)
-            return await self._run(handle, box, start, deadline)
+                start = partial(run_process, box, handle, argv, box.root.joinpath(*parts), child_env)
+            return await run_command(handle, box, start, deadline, self._max_output)
         except OSError as exc:  # out of descriptors or memory for pipes and memfds, say
             raise SandboxError(f"LocalProvider: cannot run a command in {handle.sandbox_id!r}: {exc}") from exc
 
@@ -670,102 +540,6 @@ class LocalProvider:
             env["TMPDIR"] = str(box.outer / "tmp")
         env.update({name: os.environ[name] for name in self._pass_env if name in os.environ})
         return env
-
-    async def _run(
-        self,
-        handle: SandboxHandle,
-        box: Box,
-        start: Callable[[int, int, float | None], Awaitable[tuple[int, bool]]],
-        deadline: float | None,
-    ) -> SandboxExecResult:
-        """Run a command with ``start(stdout, stderr, deadline)`` (which owns and closes the two write ends
-        once the command started, and returns its return code and whether it timed out), its output
-        read meanwhile into bounded captures."""
-        out, err = OutputCapture(self._max_output), OutputCapture(self._max_output)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        try:
-            err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            os.close(out_r)
-            os.close(out_w)
-            raise
-        try:
-            for fd in (out_w, err_w):
-                os.set_blocking(fd, True)
-                with contextlib.suppress(OSError):  # fewer wake-ups per byte when a command floods
-                    fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
-            failure: SandboxError | None = None
-            async with anyio.create_task_group() as readers:
-                readers.start_soon(pump, out_r, out)
-                readers.start_soon(pump, err_r, err)
-                try:
-                    code, timed_out = await start(out_w, err_w, deadline)
-                except SandboxError as exc:  # raised below, out of the task group's exception group
-                    failure, code, timed_out = exc, -signal.SIGKILL, False
-                # Whatever the command wrote before it ended is in the pipes now; a background
-                # child that still holds them must not hold this call.
-                readers.cancel_scope.cancel()
-            if failure is not None and not (box.closed or box.is_expired()):
-                raise failure  # its starter died: the sandbox is broken (status says so)
-            drain(out_r, out, budget=64)
-            drain(err_r, err, budget=64)
-        finally:
-            os.close(out_r)
-            os.close(err_r)
-        if box.closed:
-            return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="closed")
-        if code == LAUNCH_FAILED and box.cgroups and not await anyio.to_thread.run_sync(intact, box):
-            raise SandboxNotFoundError(
-                f"LocalProvider: sandbox {handle.sandbox_id!r} was removed from under this provider (closed or "
-                "reaped by another process); create a new one"
-            )
-        if box.is_expired():
-            return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="expired")
-        if timed_out:
-            return SandboxExecResult(out.text(), err.text(), code or -signal.SIGKILL, error_type="timeout")
-        return SandboxExecResult(out.text(), err.text(), code)
-
-    async def _run_process(
-        self,
-        box: Box,
-        handle: SandboxHandle,
-        argv: list[str],
-        workdir: Path,
-        env: dict[str, str],
-        out_w: int,
-        err_w: int,
-        deadline: float | None,
-    ) -> tuple[int, bool]:
-        """``isolation="none"``: the command as a process of ours, in its own process group."""
-        try:
-            process = await anyio.open_process(
-                argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=workdir, env=env,
-                start_new_session=True,
-            )  # fmt: skip
-        except OSError as exc:
-            raise SandboxError(f"LocalProvider: cannot start a command in {handle.sandbox_id!r}: {exc}") from exc
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        if not box.cgroups:
-            box.groups.add(process.pid)
-        timed_out = False
-        try:
-            with anyio.move_on_after(deadline) as scope:
-                await process.wait()
-            if scope.cancelled_caught:
-                timed_out = True
-                kill_group(process.pid)
-                with anyio.CancelScope(shield=True):
-                    await process.wait()
-        except BaseException:
-            kill_group(process.pid)
-            with anyio.CancelScope(shield=True):
-                await process.wait()
-            raise
-        if box.cgroups or not group_alive(process.pid):
-            box.groups.discard(process.pid)
-        return (process.returncode if process.returncode is not None else -signal.SIGKILL), timed_out
 
     # --- files -----------------------------------------------------------------------------------
 
@@ -858,7 +632,7 @@ class LocalProvider:
             },
             created=positive_number(created, "recorded created") or 0.0,
             # Its uid stays leased by the process that made it (the lease is that process's).
-            launch=self._launch(
+            launch=self._enforcement.launch(
                 limits, cgroups, uid if self._bwrap is not None and self._bwrap.drops_privileges else None
             ),
         )

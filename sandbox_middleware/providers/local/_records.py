@@ -20,10 +20,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..._errors import SandboxArgumentError, SandboxError
+from .._common._limits import Limits
 from ._bwrap import OWN_ETC
 from ._cgroups import CgroupBackend
 from ._launch import Launch
-from ._limits import Limits
 from ._mounts import is_mount_point, unmount
 from ._process import kill_group
 from ._supervisor import CommandStarter

@@ -23,6 +23,7 @@ from pathlib import Path
 import anyio
 
 from ..._errors import SandboxError
+from .._common._output import OutputPump
 from . import _starter
 from ._bwrap import memfd
 from ._starter import CODE, EXEC, EXIT, FAIL, KILL, READY, encode_spec, rights
@@ -94,9 +95,15 @@ class CommandStarter:
             command = [python, "-I", "-S", "-B", script, str(theirs.fileno()), str(oom_score_adj)]
             argv = build(command, fds)
             process = _SPAWNER.submit(
-                subprocess.Popen, argv, pass_fds=[*fds, theirs.fileno()], stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=err_w, env=env, start_new_session=True,
-            ).result()  # fmt: skip
+                subprocess.Popen,
+                argv,
+                pass_fds=[*fds, theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err_w,
+                env=env,
+                start_new_session=True,
+            ).result()
         except BaseException:
             control.close()
             os.close(err_r)
@@ -144,12 +151,20 @@ class CommandStarter:
         )
 
     async def run(
-        self, argv: list[str], env: dict[str, str], cwd: str, out: int, err: int, deadline: float | None
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        out: int,
+        err: int,
+        deadline: float | None,
+        output: OutputPump,
     ) -> tuple[int, bool]:
         """Run one command; its return code (``-9`` when killed) and whether ``deadline`` (seconds) ran out.
 
         ``out`` and ``err`` are the write ends of its output pipes, closed here once the command is
-        handed over. A cancelled call kills the command before it ends.
+        handed over; ``output`` reads their other ends while this waits. A cancelled call kills the
+        command before it ends.
         """
         try:
             if not self.alive:
@@ -179,13 +194,13 @@ class CommandStarter:
             answer: bytes | None
             try:
                 with anyio.move_on_after(deadline) as scope:
-                    answer = await _receive(mine)
+                    answer = await _receive(mine, output)
                 if scope.cancelled_caught:
                     timed_out = True
-                    answer = await self._kill(mine)
+                    answer = await self._kill(mine, output)
             except BaseException:
                 with anyio.CancelScope(shield=True):
-                    await self._kill(mine)
+                    await self._kill(mine, output)
                 raise
         finally:
             mine.close()
@@ -202,12 +217,12 @@ class CommandStarter:
             except OSError as exc:
                 raise self._gone(f"is gone ({exc.strerror})") from exc
 
-    async def _kill(self, mine: socket.socket) -> bytes | None:
+    async def _kill(self, mine: socket.socket, output: OutputPump) -> bytes | None:
         """Ask for the command's death and wait (bounded) for the starter to confirm it; None if it does not."""
         with contextlib.suppress(OSError):
             mine.send(KILL)
         with anyio.move_on_after(_KILL_GRACE_S):
-            return await _receive(mine)
+            return await _receive(mine, output)
         return None
 
     def _code(self, answer: bytes | None, *, killed: bool) -> int:
@@ -242,10 +257,10 @@ class CommandStarter:
             self._stderr = -1
 
 
-async def _receive(sock: socket.socket) -> bytes:
-    """The next message on ``sock``; ``b""`` when the other end is gone."""
+async def _receive(sock: socket.socket, output: OutputPump) -> bytes:
+    """The next message on ``sock`` (``output`` read meanwhile); ``b""`` when the other end is gone."""
     while True:
-        await anyio.wait_readable(sock.fileno())
+        await output.wait_readable(sock.fileno())
         try:
             return sock.recv(64)
         except BlockingIOError:

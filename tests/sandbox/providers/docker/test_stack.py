@@ -14,10 +14,10 @@ from sandbox_middleware import (
     Middleware,
     OwnershipMiddleware,
     SandboxStatus,
-    _ownership,
     recommended_middleware,
     stack,
 )
+from sandbox_middleware.middleware import _ownership
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests.providers import PlainProvider
 

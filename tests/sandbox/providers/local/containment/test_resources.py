@@ -142,8 +142,8 @@ async def test_rlimit_backend_reports_and_refuses(
 def test_cgroup_v2_layout(tmp_path: Path) -> None:
     """On a cgroup v2 machine the same limits land in v2's files (checked on a v2-shaped directory:
     this machine's controllers are all on v1, so the real v2 path cannot run here)."""
+    from sandbox_middleware.providers._common._limits import Limits
     from sandbox_middleware.providers.local._cgroups import CgroupBackend
-    from sandbox_middleware.providers.local._limits import Limits
 
     (tmp_path / "cgroup.controllers").write_text("cpu memory pids io\n")
     own = next(
@@ -227,8 +227,8 @@ def test_memory_budget_from_the_tightest_ancestor_v2(tmp_path: Path, monkeypatch
     beyond what live sandboxes leave of it is refused naming the budget (checked on a v2-shaped
     directory: this machine is v1)."""
     from sandbox_middleware import SandboxLimitError
+    from sandbox_middleware.providers._common._limits import Limits
     from sandbox_middleware.providers.local import _cgroups
-    from sandbox_middleware.providers.local._limits import Limits
 
     monkeypatch.setattr(_cgroups, "_own_cgroups", lambda: {"": "/pod/job"})
     monkeypatch.setattr(_cgroups, "_meminfo", lambda: (64 << 30, 60 << 30))  # the machine is not the tightest

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from ._errors import SandboxQuotaExceededError, SandboxRateLimitedError
-from ._telemetry import report_once
+from ..._errors import SandboxQuotaExceededError, SandboxRateLimitedError
+from ..._telemetry import report_once
 
 __all__ = [
     "QUOTA_CLASSIFIERS",

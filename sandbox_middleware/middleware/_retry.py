@@ -1,4 +1,5 @@
-"""``RetryMiddleware``: bounded, attributed, budgeted retries on stamina."""
+"""``RetryMiddleware``: bounded, attributed, budgeted retries on stamina; ``RetryBudget``: gRPC-style retry
+throttling shared by every call through one retry layer."""
 
 from __future__ import annotations
 
@@ -6,22 +7,28 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from typing import ClassVar, TypeAlias, TypeVar
 
 import anyio
 import stamina
 from opentelemetry import trace
-from opentelemetry.metrics import Counter, Meter, MeterProvider
+from opentelemetry.metrics import Counter, MeterProvider
 
-from ._bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
-from ._budget import RetryBudget
-from ._core import OPERATIONS, Operation, ProviderMiddleware
-from ._errors import SANDBOX_CREATE_ERRORS, SandboxArgumentError
-from ._protocol import SandboxProvider
-from ._telemetry import OPERATION_ATTR, PROVIDER_ATTR, Instruments, error_type, report_once
+from .._bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
+from .._core import OPERATIONS, Operation, ProviderMiddleware
+from .._errors import SANDBOX_CREATE_ERRORS, SandboxArgumentError
+from .._protocol import SandboxProvider
+from .._telemetry import (
+    OPERATION_ATTR,
+    PROVIDER_ATTR,
+    InstrumentBundle,
+    Instruments,
+    counter,
+    error_type,
+    report_once,
+)
 
-__all__ = ["DEFAULT_RETRY_ON", "RETRYABLE_OPERATIONS", "RetryMiddleware", "RetryOn"]
+__all__ = ["DEFAULT_RETRY_ON", "RETRYABLE_OPERATIONS", "RetryBudget", "RetryMiddleware", "RetryOn"]
 
 T = TypeVar("T")
 
@@ -33,27 +40,51 @@ DEFAULT_RETRY_ON: tuple[type[Exception], ...] = (*SANDBOX_CREATE_ERRORS, Connect
 """Create failures of this package and of NeMo Gym (its providers' ``SandboxCreateError``), and connection errors."""
 
 
-@dataclass(frozen=True)
-class _Instruments:
-    create_retries: Counter
-    retries: Counter
-    throttled: Counter
+class RetryBudget:
+    """A token bucket that stops retries while a provider keeps failing.
 
-    @classmethod
-    def create(cls, meter: Meter) -> _Instruments:
-        return cls(
-            create_retries=meter.create_counter(
-                "gym.sandbox.create_retry_total", unit="1", description="Sandbox-create attempts a provider retried."
-            ),
-            retries=meter.create_counter(
-                "gym.sandbox.retry_total", unit="1", description="Retried attempts of other sandbox operations."
-            ),
-            throttled=meter.create_counter(
-                "gym.sandbox.retry_throttled_total",
-                unit="1",
-                description="Retries refused by the retry budget; the error propagated at once.",
-            ),
-        )
+    Each retryable failure spends one token, each success earns ``token_ratio`` back (capped at
+    ``max_tokens``), and a retry is allowed only while more than half of ``max_tokens`` remain,
+    as in gRPC's retry throttling. Under a sustained outage at most about ``max_tokens / 2``
+    retries happen in all, however many callers there are; retries resume once enough successes
+    have refilled the bucket.
+    """
+
+    __slots__ = ("_tokens", "max_tokens", "token_ratio")
+    BOUNDS: ClassVar[Bounds] = Bounds("RetryBudget", max_tokens=POSITIVE, token_ratio=POSITIVE)
+
+    def __init__(self, max_tokens: float = 100.0, token_ratio: float = 0.1) -> None:
+        self.BOUNDS.check(locals())
+        if token_ratio > max_tokens:
+            raise SandboxArgumentError(f"RetryBudget: token_ratio must be in (0, max_tokens], not {token_ratio!r}")
+        self.max_tokens = float(max_tokens)
+        self.token_ratio = float(token_ratio)
+        self._tokens = self.max_tokens
+
+    def __repr__(self) -> str:
+        return f"RetryBudget(max_tokens={self.max_tokens:g}, token_ratio={self.token_ratio:g}, tokens={self._tokens:g})"
+
+    @property
+    def tokens(self) -> float:
+        return self._tokens
+
+    def on_failure(self) -> bool:
+        """Spend a token for a retryable failure; return whether a retry is allowed now."""
+        self._tokens = max(0.0, self._tokens - 1.0)
+        return self._tokens > self.max_tokens / 2
+
+    def on_success(self) -> None:
+        self._tokens = min(self.max_tokens, self._tokens + self.token_ratio)
+
+
+class _Instruments(InstrumentBundle):
+    create_retries: Counter = counter(
+        "gym.sandbox.create_retry_total", "1", "Sandbox-create attempts a provider retried."
+    )
+    retries: Counter = counter("gym.sandbox.retry_total", "1", "Retried attempts of other sandbox operations.")
+    throttled: Counter = counter(
+        "gym.sandbox.retry_throttled_total", "1", "Retries refused by the retry budget; the error propagated at once."
+    )
 
 
 class RetryMiddleware(ProviderMiddleware):

@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar, cast
 
 import anyio
-from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
+from opentelemetry.metrics import Counter, Histogram, MeterProvider
 
-from ._admission_ledger import BACKEND_TIMEOUT_S, Backend, HostBackend, ProcessBackend, default_host_path, owner_key
-from ._bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
-from ._core import Operation, ProviderMiddleware
-from ._errors import (
+from ..._bounds import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Bounds
+from ..._core import Operation, ProviderMiddleware, reduce_to_options
+from ..._errors import (
     SandboxAdmissionError,
     SandboxArgumentError,
     SandboxQuotaExceededError,
     SandboxRateLimitedError,
 )
-from ._protocol import SandboxHandle, SandboxProvider
+from ..._protocol import SandboxHandle, SandboxProvider
+from ..._telemetry import PROVIDER_ATTR, InstrumentBundle, Instruments, counter, duration_ms, safely
+from ._ledger import BACKEND_TIMEOUT_S, Backend, HostBackend, ProcessBackend, default_host_path, owner_key
 from ._quota import QuotaExhausted, RateLimited, classify
-from ._telemetry import DURATION_BUCKETS_MS, PROVIDER_ATTR, Instruments, safely
 
 __all__ = ["THROTTLE_REASONS", "AdmissionMiddleware"]
 
@@ -36,26 +35,16 @@ _POLL_S = 0.05  # how often a waiter looks at a shared ledger for slots other pr
 _CALL_TIMEOUT_S = BACKEND_TIMEOUT_S + 5  # a backstop: each backend bounds its own operations by BACKEND_TIMEOUT_S
 
 
-@dataclass(frozen=True)
-class _Instruments:
-    wait: Histogram
-    throttled: Counter
-
-    @classmethod
-    def create(cls, meter: Meter) -> _Instruments:
-        return cls(
-            wait=meter.create_histogram(
-                "gym.sandbox.admission.wait_duration_ms",
-                unit="ms",
-                description="Time a sandbox create waited to be admitted (caps, create rate, Retry-After, jitter).",
-                explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS_MS),
-            ),
-            throttled=meter.create_counter(
-                "gym.sandbox.admission.throttled_total",
-                unit="{create}",
-                description="Creates held back or refused by the admission layer, by reason.",
-            ),
-        )
+class _Instruments(InstrumentBundle):
+    wait: Histogram = duration_ms(
+        "gym.sandbox.admission.wait_duration_ms",
+        "Time a sandbox create waited to be admitted (caps, create rate, Retry-After, jitter).",
+    )
+    throttled: Counter = counter(
+        "gym.sandbox.admission.throttled_total",
+        "{create}",
+        "Creates held back or refused by the admission layer, by reason.",
+    )
 
 
 class AdmissionMiddleware(ProviderMiddleware):
@@ -146,14 +135,17 @@ class AdmissionMiddleware(ProviderMiddleware):
         if self.shared == "host":
             return HostBackend(self.shared_path or default_host_path(), self.shared_key)
         if self.shared == "ray":
-            from ._admission_ray import RayBackend
+            from ._ray import RayBackend
 
             return RayBackend(self.shared_key)
         return ProcessBackend()
 
     def __repr__(self) -> str:
-        limits = {"max_concurrent_creates": self.max_concurrent_creates, "max_held": self.max_held,
-                  "max_create_rate": self.max_create_rate}  # fmt: skip
+        limits = {
+            "max_concurrent_creates": self.max_concurrent_creates,
+            "max_held": self.max_held,
+            "max_create_rate": self.max_create_rate,
+        }
         shown = ", ".join(f"{key}={value!r}" for key, value in limits.items() if value is not None)
         return f"AdmissionMiddleware({self.inner!r}, {shown + ', ' if shown else ''}shared={self.shared!r})"
 
@@ -161,12 +153,7 @@ class AdmissionMiddleware(ProviderMiddleware):
         # Options travel, the state of this process (slots, locks, the backend's connection) does not.
         if self._meter_provider is not None:
             self._instruments.__reduce__()  # raises the TypeError saying why
-        options = {"max_concurrent_creates": self.max_concurrent_creates, "max_held": self.max_held,
-                   "max_create_rate": self.max_create_rate, "burst": self.burst,
-                   "start_jitter_s": self.start_jitter_s, "shared": self.shared, "shared_key": self.shared_key,
-                   "shared_path": self.shared_path, "default_retry_after_s": self.default_retry_after_s,
-                   "max_retry_after_s": self.max_retry_after_s}  # fmt: skip
-        return (_rebuild, (AdmissionMiddleware, self.inner, options))
+        return reduce_to_options(AdmissionMiddleware, self)
 
     # -- telemetry ------------------------------------------------------------------------------
 
@@ -314,7 +301,3 @@ class AdmissionMiddleware(ProviderMiddleware):
     def held_slots(self) -> int:
         """Sandboxes this layer counts as held (created here and not yet closed)."""
         return len(self._held)
-
-
-def _rebuild(cls: type[AdmissionMiddleware], inner: SandboxProvider, options: dict[str, Any]) -> AdmissionMiddleware:
-    return cls(inner, **options)

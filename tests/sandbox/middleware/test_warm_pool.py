@@ -29,16 +29,16 @@ from sandbox_middleware import (
     recommended_middleware,
     stack,
 )
-from sandbox_middleware._warm_pool import spec_key
+from sandbox_middleware.middleware._warm_pool import spec_key
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 
-from .cli.test_cli import CLI
-from .test_admission import RateLimitedProvider, most_in_one_second
+from ..cli.test_cli import CLI
+from .admission.test_admission import RateLimitedProvider, most_in_one_second
 
 pytestmark = pytest.mark.anyio
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 
 
 class SlowStart(ProviderMiddleware):
@@ -123,8 +123,8 @@ async def test_a_pool_on_the_local_provider(telemetry: TelemetryCapture, sandbox
 
 async def test_a_pool_on_the_docker_provider(telemetry: TelemetryCapture) -> None:
     """The same on real containers (the shared dockerd; every container carries this session's label)."""
-    from .providers.docker._support import containers, remove_containers, require_docker
-    from .providers.docker._support import spec as docker_spec
+    from ..providers.docker._support import containers, remove_containers, require_docker
+    from ..providers.docker._support import spec as docker_spec
 
     require_docker()
     docker = DockerProvider()
@@ -165,9 +165,17 @@ def test_which_fields_make_sandboxes_interchangeable() -> None:
     base = SandboxSpec(image="img", env={"A": "1", "B": "2"}, resources={"cpu": 1})
     assert spec_key(base) == spec_key(SandboxSpec(image="img", env={"B": "2", "A": "1"}, resources={"cpu": 1.0}))
     assert spec_key(base) == spec_key(dataclasses.replace(base, files={"x": "y"}, ready_timeout_s=5))
-    for name, value in [("image", "other"), ("env", {"A": "9"}), ("resources", {"cpu": 2}), ("workdir", "/w"),
-                        ("entrypoint", ["sh"]), ("ports", [8080]), ("ttl_s", 60), ("metadata", {"task": "7"}),
-                        ("provider_options", {"gpu": True})]:  # fmt: skip
+    for name, value in [
+        ("image", "other"),
+        ("env", {"A": "9"}),
+        ("resources", {"cpu": 2}),
+        ("workdir", "/w"),
+        ("entrypoint", ["sh"]),
+        ("ports", [8080]),
+        ("ttl_s", 60),
+        ("metadata", {"task": "7"}),
+        ("provider_options", {"gpu": True}),
+    ]:
         assert name in INTERCHANGEABLE_FIELDS
         assert spec_key(base) != spec_key(dataclasses.replace(base, **{name: value})), name
 
@@ -245,8 +253,12 @@ def _listed(base: Path) -> list[Any]:
 
 
 def test_a_crashed_pools_sandboxes_are_reaped_by_run(tmp_path: Path, sandbox_base: Path) -> None:
-    process = subprocess.Popen([sys.executable, "-c", POOL_PROCESS, str(sandbox_base), "crashed-pool"],
-                               stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", POOL_PROCESS, str(sandbox_base), "crashed-pool"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         assert process.stdout is not None and process.stdout.readline() == "ready\n"
         os.kill(process.pid, signal.SIGKILL)
@@ -257,8 +269,9 @@ def test_a_crashed_pools_sandboxes_are_reaped_by_run(tmp_path: Path, sandbox_bas
     assert len(listed) == 4 and {item.metadata["sandbox_middleware.run_id"] for item in listed} == {"crashed-pool"}
     config = tmp_path / "stack.yaml"
     config.write_text(f'provider: {{local: {{isolation: none, base_dir: "{sandbox_base}"}}}}\n')
-    reaped = subprocess.run([*CLI, "reap", str(config), "--run", "crashed-pool"], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT)  # fmt: skip
+    reaped = subprocess.run(
+        [*CLI, "reap", str(config), "--run", "crashed-pool"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert reaped.returncode == 0, reaped.stderr
     assert {line.split()[0] for line in reaped.stdout.splitlines()} == {item.handle.sandbox_id for item in listed}
     assert _listed(sandbox_base) == []

@@ -22,8 +22,8 @@ from sandbox_middleware import (
     resolve_config,
     stack,
 )
-from sandbox_middleware._recommended import recommended_middleware_config
 from sandbox_middleware.cli._main import DEFAULT_CONFIG
+from sandbox_middleware.middleware._recommended import recommended_middleware_config
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests.providers import PlainProvider
 
@@ -66,7 +66,7 @@ def test_options_reach_their_layers(telemetry: TelemetryCapture) -> None:
     )
     assert tracing._tracing._provider is telemetry.tracer_provider
     assert metrics._instruments._provider is telemetry.meter_provider
-    assert accounting._counter._provider is telemetry.meter_provider
+    assert accounting._instruments._provider is telemetry.meter_provider
     assert retry._instruments._provider is telemetry.meter_provider
     assert retry.attempts == 3 and retry.operations == {"create", "close"} and retry.budget is budget
     own = object()  # a meter provider of Retry's own (not built here)
@@ -128,8 +128,14 @@ def test_admission_and_the_pool_go_where_the_docstring_says(telemetry: Telemetry
     middleware = recommended_middleware(
         meter_provider=telemetry.meter_provider, warm_pool={"size": 3}, admission={"max_create_rate": 5}
     )
-    order = [TracingMiddleware, WarmPoolMiddleware, MetricsMiddleware, ReleaseAccountingMiddleware,
-             RetryMiddleware, AdmissionMiddleware]  # fmt: skip
+    order = [
+        TracingMiddleware,
+        WarmPoolMiddleware,
+        MetricsMiddleware,
+        ReleaseAccountingMiddleware,
+        RetryMiddleware,
+        AdmissionMiddleware,
+    ]
     assert [entry.cls for entry in middleware] == order
     built = layers(stack(PlainProvider(), middleware))
     pool, admission = built[1], built[5]
@@ -137,8 +143,14 @@ def test_admission_and_the_pool_go_where_the_docstring_says(telemetry: Telemetry
     assert pool._instruments._provider is admission._instruments._provider is telemetry.meter_provider
     assert [entry.cls for entry in recommended_middleware(admission={})] == [*ORDER, AdmissionMiddleware]
     config = recommended_middleware_config(warm_pool={"size": 3}, admission={"max_create_rate": 5})
-    assert config == ["tracing", {"warm_pool": {"size": 3}}, "metrics", "release_accounting", "retry",
-                      {"admission": {"max_create_rate": 5}}]  # fmt: skip
+    assert config == [
+        "tracing",
+        {"warm_pool": {"size": 3}},
+        "metrics",
+        "release_accounting",
+        "retry",
+        {"admission": {"max_create_rate": 5}},
+    ]
     resolved = resolve_config({"provider": "local", "middleware": config})
     assert [layer.cls for layer in resolved.middleware] == order
 

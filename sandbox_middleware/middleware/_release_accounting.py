@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import anyio
-from opentelemetry.metrics import Meter, MeterProvider, UpDownCounter
+from opentelemetry.metrics import MeterProvider, UpDownCounter
 
-from ._bounds import AT_LEAST_ONE, POSITIVE, Bounds
-from ._core import ProviderMiddleware
-from ._errors import SandboxError
-from ._protocol import SandboxHandle, SandboxListing, SandboxProvider, SandboxSpec, SupportsSandboxList
-from ._sandbox import close_shielded
-from ._telemetry import PROVIDER_ATTR, Instruments, safely
+from .._bounds import AT_LEAST_ONE, POSITIVE, Bounds
+from .._core import ProviderMiddleware
+from .._errors import SandboxError
+from .._protocol import SandboxHandle, SandboxListing, SandboxProvider, SandboxSpec, SupportsSandboxList
+from .._sandbox import close_shielded
+from .._telemetry import PROVIDER_ATTR, InstrumentBundle, Instruments, safely, up_down_counter
 
 __all__ = ["HeldSandbox", "ReleaseAccountingMiddleware"]
 
@@ -37,11 +37,9 @@ class HeldSandbox:
     handle: SandboxHandle
 
 
-def _active_counter(meter: Meter) -> UpDownCounter:
-    return meter.create_up_down_counter(
-        "gym.sandbox.active",
-        unit="{sandbox}",
-        description="Sandboxes this process currently holds, from provider create to release.",
+class _Instruments(InstrumentBundle):
+    active: UpDownCounter = up_down_counter(
+        "gym.sandbox.active", "{sandbox}", "Sandboxes this process currently holds, from provider create to release."
     )
 
 
@@ -74,7 +72,7 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
     ) -> None:
         super().__init__(inner)
         self.BOUNDS.check(locals())
-        self._counter = Instruments(_active_counter, meter_provider)
+        self._instruments = Instruments(_Instruments.create, meter_provider)
         self._attributes = {PROVIDER_ATTR: inner.name}
         self._ledger: dict[str, HeldSandbox] = {}
         self.peak_held = 0
@@ -88,9 +86,9 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
         return list(self._ledger.values())
 
     def _add(self, delta: int) -> None:
-        counter = self._counter.get()
-        if counter is not None:
-            safely("gym.sandbox.active", counter.add, delta, self._attributes)
+        instruments = self._instruments.get()
+        if instruments is not None:
+            safely("gym.sandbox.active", instruments.active.add, delta, self._attributes)
 
     async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
         handle = await self.inner.create(spec, **extensions)

@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import anyio.to_thread
 
-from ._errors import SandboxAdmissionError
-from ._ownership import Owner, _boot_id
+from ..._errors import SandboxAdmissionError
+from ..._owner import Owner, boot_id
 
 __all__ = ["Backend", "HostBackend", "Ledger", "ProcessBackend", "owner_key"]
 
@@ -168,7 +168,7 @@ class HostBackend:
     def __init__(self, path: Path, key: str) -> None:
         self.path = path
         self.key = key
-        self._boot = _boot_id()
+        self._boot = boot_id()
         self._lock = threading.Lock()
         self._connection: sqlite3.Connection | None = None
 

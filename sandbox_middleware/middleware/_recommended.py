@@ -8,13 +8,13 @@ from typing import Any
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
-from ._admission import AdmissionMiddleware
-from ._core import Middleware, ProviderMiddleware
+from .._core import Middleware, ProviderMiddleware
 from ._metrics import MetricsMiddleware
 from ._release_accounting import ReleaseAccountingMiddleware
 from ._retry import RetryMiddleware
 from ._tracing import TracingMiddleware
 from ._warm_pool import WarmPoolMiddleware
+from .admission._middleware import AdmissionMiddleware
 
 __all__ = ["recommended_middleware", "recommended_middleware_config"]
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import anyio
 
-from sandbox_middleware._admission_ray import ACTOR_NAMESPACE, actor_name
+from sandbox_middleware.middleware.admission._ray import ACTOR_NAMESPACE, actor_name
 
-from .cli.test_ray import ray_address  # noqa: F401 - the fixture
+from ...cli.test_ray import ray_address  # noqa: F401 - the fixture
 from .test_admission import most_in_one_second, shared_creates
 
 KEY = "two-ray-workers"

@@ -12,8 +12,8 @@ from typing import Any
 
 import anyio.to_thread
 
-from ._admission_ledger import BACKEND_TIMEOUT_S, Ledger, apply
-from ._errors import SandboxAdmissionError
+from ..._errors import SandboxAdmissionError
+from ._ledger import BACKEND_TIMEOUT_S, Ledger, apply
 
 __all__ = ["ACTOR_NAMESPACE", "RayBackend", "actor_name"]
 

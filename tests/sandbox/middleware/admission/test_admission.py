@@ -31,13 +31,13 @@ from sandbox_middleware import (
     register_quota_classifier,
     stack,
 )
-from sandbox_middleware._quota import QUOTA_CLASSIFIERS, classify, retry_after_seconds
+from sandbox_middleware.middleware.admission._quota import QUOTA_CLASSIFIERS, classify, retry_after_seconds
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 
 pytestmark = pytest.mark.anyio
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[4]
 
 
 class TooManyRequests(Exception):
@@ -280,7 +280,10 @@ def test_two_processes_share_one_limit(tmp_path: Path) -> None:
     """Two processes, 250 creates each at concurrency 100, one limit of 125/s through one SQLite file:
     the provider (both processes together) never sees more than 126 in any second."""
     ledger = tmp_path / "admission.sqlite"
-    code = "import sys; from tests.sandbox.test_admission import _worker; _worker(sys.argv[1], 250, 125, sys.argv[2])"
+    code = (
+        "import sys; from tests.sandbox.middleware.admission.test_admission import _worker; "
+        "_worker(sys.argv[1], 250, 125, sys.argv[2])"
+    )
     outs = [tmp_path / f"seen-{n}.json" for n in range(2)]
     workers = [subprocess.Popen([sys.executable, "-c", code, str(ledger), str(out)], cwd=ROOT) for out in outs]
     try:
@@ -320,7 +323,7 @@ class _StuckBackend:
 
 async def test_a_ledger_that_does_not_answer_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """It was a bare TimeoutError out of create."""
-    monkeypatch.setattr("sandbox_middleware._admission._CALL_TIMEOUT_S", 0.2)
+    monkeypatch.setattr("sandbox_middleware.middleware.admission._middleware._CALL_TIMEOUT_S", 0.2)
     inner = FaultInjectingProvider()
     admission = AdmissionMiddleware(inner)
     admission._backend = _StuckBackend("take")

@@ -10,10 +10,10 @@ from opentelemetry import context, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, TracerProvider
 
-from ._bounds import NON_NEGATIVE_WHOLE, Bounds
-from ._core import Operation, ProviderMiddleware
-from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider
-from ._telemetry import PROVIDER_ATTR, SANDBOX_ID_ATTR, Tracing, global_gate, record_error, report_once, safely
+from .._bounds import NON_NEGATIVE_WHOLE, Bounds
+from .._core import Operation, ProviderMiddleware
+from .._protocol import SandboxExecResult, SandboxHandle, SandboxProvider
+from .._telemetry import PROVIDER_ATTR, SANDBOX_ID_ATTR, Tracing, global_gate, record_error, report_once, safely
 
 __all__ = ["TracingMiddleware"]
 

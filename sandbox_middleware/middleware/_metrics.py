@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TypeVar
 
-from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
+from opentelemetry.metrics import Counter, Histogram, MeterProvider
 
-from ._core import Operation, ProviderMiddleware
-from ._protocol import SandboxProvider
-from ._telemetry import (
+from .._core import Operation, ProviderMiddleware
+from .._protocol import SandboxProvider
+from .._telemetry import (
     ERROR_TYPE_ATTR,
     OPERATION_ATTR,
     PROVIDER_ATTR,
     SANDBOX_DURATION_BOUNDARIES_MS,
+    InstrumentBundle,
     Instruments,
+    counter,
+    duration_ms,
     error_type,
     global_gate,
     safely,
@@ -32,33 +34,18 @@ _DURATIONS = {
 }
 
 
-@dataclass(frozen=True)
-class _Instruments:
-    startup: Histogram
-    exec: Histogram
-    failures: Counter
-
-    @classmethod
-    def create(cls, meter: Meter) -> _Instruments:
-        return cls(
-            startup=meter.create_histogram(
-                "gym.sandbox.startup_duration_ms",
-                unit="ms",
-                description="Wall-clock time to provision one sandbox.",
-                explicit_bucket_boundaries_advisory=list(SANDBOX_DURATION_BOUNDARIES_MS),
-            ),
-            exec=meter.create_histogram(
-                "gym.sandbox.exec_duration_ms",
-                unit="ms",
-                description="Wall-clock time to run one command inside a sandbox.",
-                explicit_bucket_boundaries_advisory=list(SANDBOX_DURATION_BOUNDARIES_MS),
-            ),
-            failures=meter.create_counter(
-                "gym.sandbox.failure_total",
-                unit="{failure}",
-                description="Sandbox operations that raised, by operation and error type.",
-            ),
-        )
+class _Instruments(InstrumentBundle):
+    startup: Histogram = duration_ms(
+        "gym.sandbox.startup_duration_ms", "Wall-clock time to provision one sandbox.", SANDBOX_DURATION_BOUNDARIES_MS
+    )
+    exec: Histogram = duration_ms(
+        "gym.sandbox.exec_duration_ms",
+        "Wall-clock time to run one command inside a sandbox.",
+        SANDBOX_DURATION_BOUNDARIES_MS,
+    )
+    failures: Counter = counter(
+        "gym.sandbox.failure_total", "{failure}", "Sandbox operations that raised, by operation and error type."
+    )
 
 
 class MetricsMiddleware(ProviderMiddleware):

@@ -1,10 +1,8 @@
-"""The limits of one LocalProvider sandbox: the provider's defaults overridden by ``spec.resources``.
+"""The limits of one sandbox: the provider's defaults overridden by ``spec.resources``, and their ranges.
 
-How each is enforced is chosen once per provider from what the machine allows, and reported
-(``mechanisms``): cgroups v1 or v2 (``_cgroups.py``) or rlimits for memory, processes and CPU; a
-bounded tmpfs (``_mounts.py``) or RLIMIT_FSIZE for disk; the TTL watchdog (``_watchdog.py``). A
-limit the chosen mechanism cannot enforce is refused with ``SandboxLimitError`` when asked for
-explicitly.
+How each is enforced is the provider's own (LocalProvider: cgroups, rlimits, a bounded tmpfs, its
+``mechanisms``; DockerProvider: the container's HostConfig). A limit the chosen mechanism cannot
+enforce is refused with ``SandboxLimitError`` when asked for explicitly.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""LocalProvider's checks of what callers pass: text, numbers, sandbox paths, environments, workdirs.
+"""The providers' checks of what callers pass: text, numbers, sandbox paths, environments, workdirs.
 
 Each check returns the value it accepts or raises a ``SandboxArgumentError`` (``SandboxPathError``
 for a path that would leave the sandbox) naming the argument, never a raw ``ValueError`` or
@@ -14,13 +14,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 
 from ..._errors import SandboxArgumentError, SandboxPathError
-from ._bwrap import SYSTEM_DIRS
 
 __all__ = [
     "DEFAULT_VIEW_ROOT",
+    "SYSTEM_DIRS",
     "as_float",
     "check_text",
     "checked_env",
+    "checked_exec",
     "checked_ro_path",
     "checked_timeout",
     "checked_view_root",
@@ -31,6 +32,8 @@ __all__ = [
 ]
 
 DEFAULT_VIEW_ROOT = "/workspace"
+# The host's system directories: what commands need (LocalProvider shows them read-only under bwrap).
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # Absolute workdirs that would hide what commands need, or show the host's own.
 _RESERVED_VIEWS = ("/", "/proc", "/dev", "/sys", "/etc", "/tmp", *SYSTEM_DIRS)
 _MAX_ENV_NAME = 1024
@@ -162,3 +165,11 @@ def checked_env(env: Mapping[str, str], what: str) -> dict[str, str]:
             raise SandboxArgumentError(f"{what} name {name!r:.80} is not a valid variable name")
         checked[name] = check_text(value, f"{what}[{name!r}]")
     return checked
+
+
+def checked_exec(
+    command: object, env: Mapping[str, str] | None, timeout_s: object
+) -> tuple[dict[str, str], float | None]:
+    """``exec``'s own arguments checked: the command's text, then its environment and its timeout (None: none)."""
+    check_text(command, "command")
+    return checked_env(env or {}, "env"), checked_timeout(timeout_s)

@@ -14,13 +14,13 @@ from typing import Any, ClassVar, TypeVar, cast
 import anyio
 import anyio.abc
 import anyio.lowlevel
-from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider, UpDownCounter
+from opentelemetry.metrics import Counter, Histogram, MeterProvider, UpDownCounter
 
-from ._bounds import AT_LEAST_ONE, POSITIVE, Bounds
-from ._core import Operation, ProviderMiddleware
-from ._protocol import SandboxHandle, SandboxProvider, SandboxSpec
-from ._sandbox import close_shielded
-from ._telemetry import DURATION_BUCKETS_MS, PROVIDER_ATTR, Instruments, safely
+from .._bounds import AT_LEAST_ONE, POSITIVE, Bounds
+from .._core import Operation, ProviderMiddleware, reduce_to_options
+from .._protocol import SandboxHandle, SandboxProvider, SandboxSpec
+from .._sandbox import close_shielded
+from .._telemetry import PROVIDER_ATTR, InstrumentBundle, Instruments, counter, duration_ms, safely, up_down_counter
 
 __all__ = ["INTERCHANGEABLE_FIELDS", "WarmPoolMiddleware", "spec_key"]
 
@@ -62,34 +62,20 @@ def spec_key(spec: SandboxSpec) -> tuple[Any, ...]:
     return tuple(_canonical(getattr(spec, name)) for name in INTERCHANGEABLE_FIELDS)
 
 
-@dataclass(frozen=True)
-class _Instruments:
-    handout: Histogram
-    handouts: Counter
-    ready: UpDownCounter
-    recycled: Counter
-
-    @classmethod
-    def create(cls, meter: Meter) -> _Instruments:
-        return cls(
-            handout=meter.create_histogram(
-                "gym.sandbox.pool.handout_duration_ms",
-                unit="ms",
-                description="Time create took through the warm pool: a ready sandbox (hit) or a provider start (miss).",
-                explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS_MS),
-            ),
-            handouts=meter.create_counter(
-                "gym.sandbox.pool.handout_total", unit="{create}", description="Creates through the pool, by result."
-            ),
-            ready=meter.create_up_down_counter(
-                "gym.sandbox.pool.ready", unit="{sandbox}", description="Ready sandboxes waiting in the pool."
-            ),
-            recycled=meter.create_counter(
-                "gym.sandbox.pool.recycled_total",
-                unit="{sandbox}",
-                description="Pooled sandboxes closed without being handed out, by reason (max_age, drain).",
-            ),
-        )
+class _Instruments(InstrumentBundle):
+    handout: Histogram = duration_ms(
+        "gym.sandbox.pool.handout_duration_ms",
+        "Time create took through the warm pool: a ready sandbox (hit) or a provider start (miss).",
+    )
+    handouts: Counter = counter("gym.sandbox.pool.handout_total", "{create}", "Creates through the pool, by result.")
+    ready: UpDownCounter = up_down_counter(
+        "gym.sandbox.pool.ready", "{sandbox}", "Ready sandboxes waiting in the pool."
+    )
+    recycled: Counter = counter(
+        "gym.sandbox.pool.recycled_total",
+        "{sandbox}",
+        "Pooled sandboxes closed without being handed out, by reason (max_age, drain).",
+    )
 
 
 @dataclass
@@ -184,10 +170,7 @@ class WarmPoolMiddleware(ProviderMiddleware):
         # Options travel; the pooled sandboxes and the refill task belong to this process.
         if self._meter_provider is not None:
             self._instruments.__reduce__()  # raises the TypeError saying why
-        options = {"size": self.size, "max_age_s": self.max_age_s, "specs": self.specs,
-                   "refill_concurrency": self.refill_concurrency, "max_keys": self.max_keys,
-                   "create_timeout_s": self.create_timeout_s, "close_timeout_s": self.close_timeout_s}  # fmt: skip
-        return (_rebuild, (WarmPoolMiddleware, self.inner, options))
+        return reduce_to_options(WarmPoolMiddleware, self)
 
     def ready(self) -> int:
         """Ready sandboxes in every pool now."""
@@ -403,7 +386,3 @@ def _spawn_system_task(run: Callable[[], Awaitable[None]], tasks: set[asyncio.Ta
     task = loop.create_task(cast("Any", run()))
     tasks.add(task)  # the loop keeps only a weak reference
     task.add_done_callback(tasks.discard)
-
-
-def _rebuild(cls: type[WarmPoolMiddleware], inner: SandboxProvider, options: dict[str, Any]) -> WarmPoolMiddleware:
-    return cls(inner, **options)

@@ -1,0 +1,220 @@
+"""How DockerProvider runs one command: an exec of ``_exec.RUN`` in the container, its multiplexed output
+read into bounded captures until it ends or its deadline passes, and then the kill of what it left
+(from the host where the provider can, else inside the container: ``_exec.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from pathlib import PurePosixPath
+from typing import Any
+
+import anyio
+import httpx
+
+from ..._errors import DockerUnavailableError, SandboxError, SandboxExpiredError, SandboxNotFoundError
+from ..._protocol import SandboxExecResult, SandboxHandle
+from ._api import EngineAPI, EngineError
+from ._container import Box
+from ._exec import KILL, RUN, PidReader, host_victims, new_marker
+from ._streams import Demultiplexer, OutputCapture
+
+__all__ = ["KILL_TIMEOUT_S", "Commands"]
+
+logger = logging.getLogger("sandbox_middleware")
+
+KILL_TIMEOUT_S = 10.0
+
+
+class Commands:
+    """The command runs of one provider's sandboxes, over its daemon connection; output kept at most
+    ``max_output`` bytes per stream."""
+
+    def __init__(self, api: EngineAPI, max_output: int) -> None:
+        self._api = api
+        self._max_output = max_output
+
+    async def run(
+        self,
+        handle: SandboxHandle,
+        box: Box,
+        command: str,
+        env: dict[str, str],
+        workdir: PurePosixPath,
+        as_user: str,
+        deadline: float | None,
+    ) -> SandboxExecResult:
+        """``command`` in ``box`` as ``as_user`` in ``workdir``, for at most ``deadline`` seconds (None: no limit)."""
+        marker = new_marker()
+        body = {
+            "Cmd": ["/bin/sh", "-c", RUN, "sh", command],
+            "Env": [*(f"{name}={value}" for name, value in env.items()), marker],
+            "WorkingDir": str(workdir),
+            "User": as_user,
+            "AttachStdin": False,
+            "AttachStdout": True,
+            "AttachStderr": True,
+            "Tty": False,
+        }
+        exec_id = await self._create(handle, box, body)
+        out, err = OutputCapture(self._max_output), OutputCapture(self._max_output)
+        stderr = PidReader(err)
+        timed_out = False
+        try:
+            with anyio.move_on_after(deadline) as scope:
+                await self._stream(exec_id, Demultiplexer(out, stderr))
+            timed_out = scope.cancelled_caught
+        except BaseException:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_TIMEOUT_S):
+                await self._kill(box, marker, stderr.pid, as_user)
+            raise
+        if timed_out:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_TIMEOUT_S):
+                await self._kill(box, marker, stderr.pid, as_user)
+        code = await self._exit_code(exec_id, box)
+        if box.closed:
+            return SandboxExecResult(out.text(), err.text(), code or -9, error_type="closed")
+        if box.is_expired():
+            return SandboxExecResult(out.text(), err.text(), code or -9, error_type="expired")
+        if timed_out:
+            return SandboxExecResult(out.text(), err.text(), code or -9, error_type="timeout")
+        if code is None:
+            return SandboxExecResult(out.text(), err.text(), -1, error_type="sandbox")
+        if code in (126, 127) and out.text().startswith("OCI runtime exec failed"):
+            raise SandboxError(
+                f"DockerProvider: cannot start the command in sandbox {handle.sandbox_id[:12]} (cwd {str(workdir)!r}, "
+                f"user {as_user!r}): {out.text().strip()[:500]}"
+            )
+        return SandboxExecResult(out.text(), err.text(), code)
+
+    async def _create(self, handle: SandboxHandle, box: Box, body: dict[str, Any]) -> str:
+        what = f"run a command in sandbox {handle.sandbox_id[:12]}"
+        try:
+            reply = await self._api.call("POST", f"/containers/{box.container}/exec", what, body=body)
+        except EngineError as exc:
+            if exc.status == 404:
+                if box.is_expired():
+                    raise SandboxExpiredError(
+                        f"DockerProvider: sandbox {handle.sandbox_id!r} expired (its ttl_s ran out) and its container "
+                        "is removed; create a new one"
+                    ) from exc
+                raise SandboxNotFoundError(
+                    f"DockerProvider: sandbox {handle.sandbox_id!r} was removed from under this provider (closed or "
+                    "reaped by another process); create a new one"
+                ) from exc
+            if exc.status == 409:
+                raise SandboxError(
+                    f"DockerProvider: sandbox {handle.sandbox_id!r} cannot run commands now ({exc.message}); a "
+                    "paused sandbox runs them after resume()"
+                ) from exc
+            raise
+        return str(reply.json()["Id"])
+
+    async def _stream(self, exec_id: str, demux: Demultiplexer) -> None:
+        """Read the exec's output until it ends, or until shortly after its command has exited (a
+        background child holding the streams open must not hold the call)."""
+        what = f"read the output of exec {exec_id[:12]}"
+        start = {"Detach": False, "Tty": False}
+        try:
+            async with (
+                self._api.stream("POST", f"/exec/{exec_id}/start", what, body=start, silent_ok=True) as reply,
+                anyio.create_task_group() as tasks,
+            ):
+                # Neither task lets an error out: the task group would raise it as an ExceptionGroup.
+
+                async def read() -> None:
+                    with contextlib.suppress(httpx.HTTPError):  # the stream broke: the exit code tells
+                        async for chunk in reply.aiter_raw():
+                            demux.feed(chunk)
+                    tasks.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    await anyio.sleep(0.25)
+                    with contextlib.suppress(SandboxError):  # the daemon is going: the read ends by itself
+                        while True:
+                            if not (await self._info(exec_id)).get("Running"):
+                                break
+                            await anyio.sleep(0.1)
+                        await anyio.sleep(0.05)  # what it wrote last is in flight
+                        tasks.cancel_scope.cancel()
+
+                tasks.start_soon(read)
+                tasks.start_soon(watch)
+        except (httpx.HTTPError, DockerUnavailableError):
+            return  # the container went away mid-command (closed, expired, the daemon died): see the exit code
+
+    async def _info(self, exec_id: str) -> dict[str, Any]:
+        reply = await self._api.call("GET", f"/exec/{exec_id}/json", f"inspect exec {exec_id[:12]}", ok=(404,))
+        return {} if reply.status_code == 404 else dict(reply.json())
+
+    async def _exit_code(self, exec_id: str, box: Box) -> int | None:
+        for _ in range(20):
+            try:
+                info = await self._info(exec_id)
+            except DockerUnavailableError:
+                return None
+            if not info.get("Running") and info.get("ExitCode") is not None:
+                return int(info["ExitCode"])
+            if not info or box.closed:
+                return None
+            await anyio.sleep(0.05)
+        return None
+
+    async def _kill(self, box: Box, marker: str, group: int | None, user: str) -> None:
+        """Kill every process of one command: from the host where it can (``_kill_from_host``), else
+        inside the container (``_exec.KILL``), as its user."""
+        try:
+            if await self._kill_from_host(box, marker):
+                return
+        except (EngineError, DockerUnavailableError, KeyError, TypeError, ValueError) as exc:
+            logger.warning("DockerProvider: could not kill a timed-out command from the host: %s", exc)
+        body = {
+            "Cmd": ["/bin/sh", "-c", KILL, "kill", marker, str(group or "")],
+            "User": user,
+            "AttachStdout": True,
+            "AttachStderr": True,
+            "Tty": False,
+        }
+        try:
+            reply = await self._api.call(
+                "POST", f"/containers/{box.container}/exec", "kill a timed-out command", body=body, ok=(404, 409)
+            )
+            if reply.status_code >= 400:
+                return  # gone or paused: nothing runs
+            sink = OutputCapture(4096)
+            await self._stream(str(reply.json()["Id"]), Demultiplexer(sink, sink))
+        except (EngineError, DockerUnavailableError) as exc:
+            logger.warning("DockerProvider: could not kill a timed-out command in %s: %s", box.container[:12], exc)
+
+    async def _kill_from_host(self, box: Box, marker: str) -> bool:
+        """With the container paused (nothing forks or fights back), SIGKILL the command's processes
+        from the host (``_exec.host_victims``), then unpause. False where the provider cannot (not
+        root, a daemon elsewhere, the container paused by its user)."""
+        if os.geteuid() != 0:
+            return False
+        info = await self._api.inspect(box.container, "inspect a container to kill a command")
+        init = int(((info or {}).get("State") or {}).get("Pid") or 0)
+        if info is None or not init or (info.get("State") or {}).get("Paused"):
+            return info is None  # gone: nothing runs
+        what = f"pause {box.container[:12]} to kill a command"
+        reply = await self._api.call("POST", f"/containers/{box.container}/pause", what, ok=(404, 409))
+        if reply.status_code >= 400:
+            return reply.status_code == 404
+        try:
+            listed = await self._api.call("GET", f"/containers/{box.container}/top", "list a container's processes")
+            top = listed.json()
+            column = list(top["Titles"]).index("PID")
+            pids = [int(row[column]) for row in top.get("Processes") or []]
+            victims = host_victims(box.container, marker, pids, init)
+            for pid in victims or ():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)  # delivered as the freezer thaws them
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_TIMEOUT_S):
+                await self._api.call(
+                    "POST", f"/containers/{box.container}/unpause", "unpause after a kill", ok=(404, 409)
+                )
+        return victims is not None
