@@ -36,16 +36,8 @@ class PlainProvider:
         self.alive.add(sandbox_id)
         return SandboxHandle(sandbox_id, self.name, None)
 
-    async def exec(
-        self,
-        handle: SandboxHandle,
-        command: str,
-        *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout_s: int | float | None = None,
-        user: str | int | None = None,
-    ) -> SandboxExecResult:
+    async def exec(self, handle: SandboxHandle, command: str, **options: object) -> SandboxExecResult:
+        """The protocol's keyword options (cwd, env, timeout_s, user) are accepted and ignored."""
         self.calls.append(("exec", handle.sandbox_id))
         return SandboxExecResult(command, "", 0)
 
