@@ -42,7 +42,8 @@ e.g. ``sandbox_middleware.SandboxCreateError``; config's ``on:`` names are looke
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Callable
+from typing import ClassVar, cast
 
 from ._nemo import NEMO_GYM, NemoCreateError, NemoCreateVerificationError, NemoPtyError
 
@@ -103,7 +104,21 @@ class SandboxCreateVerificationError(SandboxCreateError, NemoCreateVerificationE
     """A newly created sandbox failed the provider's readiness checks."""
 
 
-class SandboxRateLimitedError(SandboxCreateError):
+class _KeywordFields:
+    """Pickled as ``type(error)(message, **fields)``: ``BaseException`` pickles ``args`` only, from which
+    a class whose fields are keyword-only cannot be made again (``_keywords`` names those fields)."""
+
+    _keywords: ClassVar[tuple[str, ...]]
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuilt, (type(self), str(self), {name: getattr(self, name) for name in self._keywords}))
+
+
+def _rebuilt(cls: Callable[..., BaseException], message: str, fields: dict[str, object]) -> BaseException:
+    return cls(message, **fields)
+
+
+class SandboxRateLimitedError(_KeywordFields, SandboxCreateError):
     """The provider refused a create as rate-limited (HTTP 429 or its SDK's rate-limit error).
 
     A ``SandboxCreateError``, so a retry layer above retries it; the admission layer that raised it
@@ -111,16 +126,15 @@ class SandboxRateLimitedError(SandboxCreateError):
     first. ``provider`` names the provider; the provider's own error is ``__cause__``.
     """
 
+    _keywords = ("provider", "retry_after_s")
+
     def __init__(self, message: str, *, provider: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.provider = provider
         self.retry_after_s = retry_after_s
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_rate_limited, (str(self), self.provider, self.retry_after_s))
 
-
-class SandboxQuotaExceededError(SandboxError):
+class SandboxQuotaExceededError(_KeywordFields, SandboxError):
     """A hard quota of the provider account is exhausted (disk, CPU, sandboxes): asking again cannot
     succeed until something is freed or the quota raised, so it is never retried.
 
@@ -128,26 +142,17 @@ class SandboxQuotaExceededError(SandboxError):
     does not say), ``provider`` the provider; the provider's own error is ``__cause__``.
     """
 
+    _keywords = ("provider", "quota")
+
     def __init__(self, message: str, *, provider: str, quota: str) -> None:
         super().__init__(message)
         self.provider = provider
         self.quota = quota
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_quota_exceeded, (str(self), self.provider, self.quota))
-
 
 class SandboxAdmissionError(SandboxError):
     """The admission layer could not consult its shared limiter (the host's SQLite file, the Ray
     actor): the create was not attempted. The message names the limiter and what failed."""
-
-
-def _rate_limited(message: str, provider: str, retry_after_s: float) -> SandboxRateLimitedError:
-    return SandboxRateLimitedError(message, provider=provider, retry_after_s=retry_after_s)
-
-
-def _quota_exceeded(message: str, provider: str, quota: str) -> SandboxQuotaExceededError:
-    return SandboxQuotaExceededError(message, provider=provider, quota=quota)
 
 
 class SandboxPtyError(SandboxError, NemoPtyError):

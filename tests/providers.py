@@ -36,16 +36,8 @@ class PlainProvider:
         self.alive.add(sandbox_id)
         return SandboxHandle(sandbox_id, self.name, None)
 
-    async def exec(
-        self,
-        handle: SandboxHandle,
-        command: str,
-        *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout_s: int | float | None = None,
-        user: str | int | None = None,
-    ) -> SandboxExecResult:
+    async def exec(self, handle: SandboxHandle, command: str, **options: object) -> SandboxExecResult:
+        """The protocol's keyword options (cwd, env, timeout_s, user) are accepted and ignored."""
         self.calls.append(("exec", handle.sandbox_id))
         return SandboxExecResult(command, "", 0)
 
@@ -129,6 +121,20 @@ def recommended_stack(inner: Any, telemetry: Any = None, **retry: Any) -> Any:
     meters = None if telemetry is None else telemetry.meter_provider
     tracers = None if telemetry is None else telemetry.tracer_provider
     return stack(inner, recommended_middleware(meter_provider=meters, tracer_provider=tracers, retry=retry))
+
+
+async def round_trip(provider: Any, handle: SandboxHandle, tmp_path: Path, directory: str = "") -> None:
+    """Upload a file into ``directory`` of the sandbox (its working directory by default), transform it
+    there with a command, download the result and check it; the sandbox is still running after."""
+    (tmp_path / "in.txt").write_text("payload")
+    await provider.upload_file(handle, tmp_path / "in.txt", f"{directory}in.txt")
+    result = await provider.exec(
+        handle, f"tr a-z A-Z < {directory}in.txt > {directory}out.txt && cat {directory}out.txt"
+    )
+    assert (result.return_code, result.stdout) == (0, "PAYLOAD")
+    await provider.download_file(handle, f"{directory}out.txt", tmp_path / "out.txt")
+    assert (tmp_path / "out.txt").read_text() == "PAYLOAD"
+    assert await provider.status(handle) == SandboxStatus.RUNNING
 
 
 async def crashed_worker(argv: Sequence[str]) -> set[str]:

@@ -27,6 +27,7 @@ from sandbox_middleware import (  # noqa: E402
 )
 from sandbox_middleware.testing.fixtures import TelemetryCapture  # noqa: E402
 
+from ..providers import round_trip  # noqa: E402
 from ..sandbox.providers.docker._support import (  # noqa: E402
     BUSYBOX,
     SESSION,
@@ -55,13 +56,8 @@ async def inner(request: pytest.FixtureRequest) -> Any:
 async def _workload(provider: Any, tmp_path: Path) -> None:
     spec = SandboxSpec(image=BUSYBOX, env={"TASK": "t1"}, metadata={SESSION_KEY: SESSION}, ttl_s=600)
     handle = await provider.create(spec)
-    (tmp_path / "in.txt").write_text("payload\n")
-    await provider.upload_file(handle, tmp_path / "in.txt", "/tmp/in.txt")
-    result = await provider.exec(handle, "tr a-z A-Z < /tmp/in.txt > /tmp/out.txt && cat /tmp/out.txt && echo $TASK")
-    assert (result.return_code, result.stdout) == (0, "PAYLOAD\nt1\n")
-    await provider.download_file(handle, "/tmp/out.txt", tmp_path / "out.txt")
-    assert (tmp_path / "out.txt").read_text() == "PAYLOAD\n"
-    assert await provider.status(handle) == SandboxStatus.RUNNING
+    await round_trip(provider, handle, tmp_path, "/tmp/")
+    assert (await provider.exec(handle, "echo $TASK")).stdout == "t1\n"
     timed_out = await provider.exec(handle, "sleep 30", timeout_s=1)
     assert timed_out.error_type == "timeout"
     await provider.close(handle)
@@ -78,7 +74,7 @@ async def test_the_same_workload_through_both(inner: Any, tmp_path: Path, teleme
     await _workload(provider, tmp_path)
     attrs = {"nemo__gym__sandbox__provider": "docker"}
     assert telemetry.histogram_count("gym.sandbox.startup_duration_ms", **attrs) == 1
-    assert telemetry.histogram_count("gym.sandbox.exec_duration_ms", **attrs) == 2
+    assert telemetry.histogram_count("gym.sandbox.exec_duration_ms", **attrs) == 3
     assert telemetry.value("gym.sandbox.active", **attrs) == 0
     assert telemetry.value("gym.sandbox.failure_total") == 0
 

@@ -32,7 +32,7 @@ from sandbox_middleware import (  # noqa: E402
 )
 from sandbox_middleware.testing.fixtures import TelemetryCapture  # noqa: E402
 
-from ..providers import recommended_stack  # noqa: E402
+from ..providers import recommended_stack, round_trip  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -76,13 +76,7 @@ async def test_nemo_local_provider_through_the_recommended_stack(tmp_path: Path,
     with our telemetry counting each exactly once."""
     provider = recommended(NemoLocalProvider(workspace_root=str(tmp_path / "boxes")), telemetry)
     handle = await provider.create(SandboxSpec())
-    (tmp_path / "in.txt").write_text("payload")
-    await provider.upload_file(handle, tmp_path / "in.txt", "in.txt")
-    result = await provider.exec(handle, "tr a-z A-Z < in.txt > out.txt && cat out.txt")
-    assert (result.return_code, result.stdout) == (0, "PAYLOAD")
-    await provider.download_file(handle, "out.txt", tmp_path / "out.txt")
-    assert (tmp_path / "out.txt").read_text() == "PAYLOAD"
-    assert await provider.status(handle) == SandboxStatus.RUNNING
+    await round_trip(provider, handle, tmp_path)
     await provider.close(handle)
     assert await provider.status(handle) == SandboxStatus.STOPPED
     await provider.aclose()
