@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
@@ -27,7 +25,7 @@ from opentelemetry import trace
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import Span, TracerProvider
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -39,20 +37,18 @@ from .._exchange import Exchange
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body, strip_credentials
 from .._transport import TokenCaptureTransport
 from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_request
-from ..records import CoordinateError, Coordinates, Custody
-from ..records._coordinates import check_id, check_weight_version
+from ..records import Custody
 from ..records._writer import UNRECORDED
 from ._chat import chunks_of
 from ._dialects import CHAT, Dialect, dialects
 from ._errors import (
     CaptureFailedError,
-    ClientTimeoutError,
     ProxyError,
     RequestRejectedError,
-    RequestTooLargeError,
     upstream_error,
 )
 from ._event_stream import EventStream
+from ._intake import Call, call_headers, call_of, read_json
 from ._records import Recorder, StreamRecord, completion_of
 from ._sink import TokenSink
 from ._telemetry import DIALECT_ATTR, OUTCOME_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyInstruments
@@ -64,34 +60,9 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 
 SCOPE = "tokens.proxy"
 logger = logging.getLogger("tokens.proxy")
-ROLLOUT_HEADER, CALL_HEADER, PARENT_HEADER, WEIGHT_HEADER = (
-    "x-rollout-id",
-    "x-model-call-id",
-    "x-parent-call-id",
-    "x-weight-version",
-)
 _DECODE = msgspec.json.Decoder(dict[str, Any])
 _ENCODE = msgspec.json.Encoder()
 _JSON = {"content-type": "application/json"}
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One request's call: its id (always answered in ``X-Model-Call-Id``) and, with a rollout id,
-    where it is recorded."""
-
-    model_call_id: str
-    coordinates: Coordinates | None
-
-
-def _coordinate(value: str | None, where: str) -> str | None:
-    """A header's (or the URL's) id, None when absent; ``RequestRejectedError`` naming ``where`` when not an id."""
-    if value is None or value == "":
-        return None
-    try:
-        return check_id(value, where)
-    except CoordinateError as exc:
-        raise RequestRejectedError(str(exc), param=where) from None
 
 
 class _Upstream:
@@ -179,9 +150,9 @@ class _App:
         started = time.perf_counter()
         stream = False
         try:
-            body = await self.read_json(request)
+            body = await read_json(request, self.max_request_bytes, self.client_timeout)
             stream = bool(body.get("stream"))
-            call = self.call(request, rollout)
+            call = call_of(request, rollout)
             response = await self.serve(dialect, body, call, started)
         except ProxyError as exc:
             self.finished(dialect, stream, started, exc)
@@ -195,50 +166,7 @@ class _App:
             return self.error_response(dialect, failure)
         return response
 
-    async def read_json(self, request: Request) -> dict[str, Any]:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_request_bytes:
-            raise RequestTooLargeError(self._too_large(f"it declares {int(declared):,} bytes"))
-        parts: list[bytes] = []
-        size = 0
-        try:
-            with anyio.fail_after(self.client_timeout):
-                async for part in request.stream():
-                    size += len(part)
-                    if size > self.max_request_bytes:
-                        raise RequestTooLargeError(self._too_large("the body is larger"))
-                    parts.append(part)
-        except TimeoutError:
-            raise ClientTimeoutError(
-                f"the request body did not arrive within client_timeout={self.client_timeout:g} s; send it whole"
-            ) from None
-        except ClientDisconnect:
-            raise RequestRejectedError("the client went away before its request body was complete") from None
-        try:
-            return _DECODE.decode(b"".join(parts))
-        except (msgspec.MsgspecError, RecursionError) as exc:
-            raise RequestRejectedError(f"the request body is not a JSON object ({str(exc)[:200]})") from None
-
-    def _too_large(self, detail: str) -> str:
-        return f"the request body is over the proxy's max_request_bytes={self.max_request_bytes:,} ({detail})"
-
-    def call(self, request: Request, rollout: str | None) -> _Call:
-        headers = request.headers
-        rollout_id = _coordinate(rollout, "the URL's rollout id") or _coordinate(
-            headers.get(ROLLOUT_HEADER), "X-Rollout-Id"
-        )
-        call_id = _coordinate(headers.get(CALL_HEADER), "X-Model-Call-Id") or f"call_{secrets.token_hex(12)}"
-        parent = _coordinate(headers.get(PARENT_HEADER), "X-Parent-Call-Id")
-        weight = headers.get(WEIGHT_HEADER) or None
-        if weight is not None:
-            try:
-                check_weight_version(weight, "X-Weight-Version")
-            except CoordinateError as exc:
-                raise RequestRejectedError(str(exc), param="X-Weight-Version") from None
-        coordinates = None if rollout_id is None else Coordinates(rollout_id, call_id, parent, weight)
-        return _Call(call_id, coordinates)
-
-    def custody(self, call: _Call, chat: Mapping[str, Any]) -> Custody:
+    def custody(self, call: Call, chat: Mapping[str, Any]) -> Custody:
         return UNRECORDED if self.recorder is None else self.recorder.custody(call.coordinates, chat)
 
     def upstream(self, body: Mapping[str, Any]) -> _Upstream:
@@ -262,12 +190,12 @@ class _App:
 
     # -- serving ------------------------------------------------------------------------------
 
-    async def serve(self, dialect: Dialect, body: dict[str, Any], call: _Call, started: float) -> Response:
+    async def serve(self, dialect: Dialect, body: dict[str, Any], call: Call, started: float) -> Response:
         stream = bool(body.get("stream"))
         upstream = self.upstream(body)
         history, parent = dialect.history(body)
         if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
-            call = _Call(call.model_call_id, dataclasses.replace(call.coordinates, parent_call_id=parent))
+            call = Call(call.model_call_id, dataclasses.replace(call.coordinates, parent_call_id=parent))
         if dialect.native and self.via_responses(upstream, body):
             served = await self.serve_responses(dialect, upstream, body, history, call, started)
             if served is not None:
@@ -287,7 +215,7 @@ class _App:
                     await custody.write_chat(chat, completion_of(completion, completion["choices"][0]["message"]))
                 answer = dialect.answer(completion, body, history, call.model_call_id)
                 self.finished(dialect, False, started, None, span)
-        return JSONResponse(answer, headers=_call_headers(call))
+        return JSONResponse(answer, headers=call_headers(call))
 
     def via_responses(self, upstream: _Upstream, body: Mapping[str, Any]) -> bool:
         """Whether to ask vLLM's own ``/v1/responses`` (it has no log probabilities for tool calls)."""
@@ -312,7 +240,7 @@ class _App:
         upstream: _Upstream,
         body: dict[str, Any],
         history: list[Any],
-        call: _Call,
+        call: Call,
         started: float,
     ) -> Response | None:
         """A Responses request through vLLM's ``/v1/responses``; None when the upstream does not serve it."""
@@ -365,7 +293,7 @@ class _App:
                     await custody.write_chat(chat, completion_of(as_chat, output[-1]))
                 dialect.remember(body, answer, history, call.model_call_id)
                 self.finished(dialect, False, started, None, span)
-        return JSONResponse(answer, headers=_call_headers(call))
+        return JSONResponse(answer, headers=call_headers(call))
 
     async def serve_stream(
         self,
@@ -374,7 +302,7 @@ class _App:
         chat: dict[str, Any],
         body: Mapping[str, Any],
         history: list[Any],
-        call: _Call,
+        call: Call,
         started: float,
         attributes: dict[str, Any],
         custody: Custody,
@@ -446,7 +374,7 @@ class _App:
             finally:
                 await close(error)
 
-        return EventStream(events(), self.client_timeout, _call_headers(call), closing=gone)
+        return EventStream(events(), self.client_timeout, call_headers(call), closing=gone)
 
     # -- errors and telemetry ------------------------------------------------------------------
 
@@ -508,13 +436,6 @@ def _output_text(output: Sequence[Any]) -> str:
     messages = [item for item in output if isinstance(item, dict) and item.get("type") == "message"]
     parts = [part for item in messages for part in item.get("content") or () if isinstance(part, dict)]
     return "".join(str(part.get("text", "")) for part in parts if part.get("type") == "output_text")
-
-
-def _call_headers(call: _Call) -> dict[str, str]:
-    headers = {CALL_HEADER: call.model_call_id}
-    if call.coordinates is not None:
-        headers[ROLLOUT_HEADER] = call.coordinates.rollout_id
-    return headers
 
 
 def create_app(
