@@ -15,7 +15,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any, Literal
 
 import anyio
@@ -23,13 +23,13 @@ import httpx
 import msgspec
 from opentelemetry import trace
 from opentelemetry.metrics import MeterProvider
-from opentelemetry.trace import Span, TracerProvider
+from opentelemetry.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from _shared_telemetry import ERROR_TYPE_ATTR, Instruments, Tracing, error_type, guarded_span, safely
+from _shared_telemetry import error_type
 
 from .._chain import DEFAULT_CHAIN, ChainEntry, build_chain
 from .._errors import TokensError
@@ -42,23 +42,20 @@ from ..records._writer import UNRECORDED
 from ._chat import chunks_of
 from ._dialects import CHAT, Dialect, dialects
 from ._errors import (
-    CaptureFailedError,
     ProxyError,
     RequestRejectedError,
-    upstream_error,
 )
 from ._event_stream import EventStream
 from ._intake import Call, call_headers, call_of, read_json
 from ._records import Recorder, StreamRecord, completion_of
 from ._sink import TokenSink
-from ._telemetry import DIALECT_ATTR, OUTCOME_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyInstruments
+from ._telemetry import DIALECT_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyTelemetry
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "create_app"]
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 """32 MiB: a 128K-token conversation as JSON is a few MiB; room for images as data URLs."""
 
-SCOPE = "tokens.proxy"
 logger = logging.getLogger("tokens.proxy")
 _DECODE = msgspec.json.Decoder(dict[str, Any])
 _ENCODE = msgspec.json.Encoder()
@@ -120,8 +117,7 @@ class _App:
         self.responses_upstream = responses_upstream
         self.dialects = dialects(previous)
         self.chain = build_chain(DEFAULT_CHAIN if middleware is None else middleware)
-        self.instruments = Instruments(ProxyInstruments.create, meter_provider, SCOPE)
-        self.tracing = Tracing(tracer_provider, SCOPE)
+        self.telemetry = ProxyTelemetry(meter_provider, tracer_provider)
 
     async def aclose(self) -> None:
         """Close every upstream's client, each whatever the others did, shielded and bounded."""
@@ -155,14 +151,14 @@ class _App:
             call = call_of(request, rollout)
             response = await self.serve(dialect, body, call, started)
         except ProxyError as exc:
-            self.finished(dialect, stream, started, exc)
+            self.telemetry.finished(dialect, stream, started, exc)
             return self.error_response(dialect, exc)
         except Exception as exc:  # a defect of ours: logged, and still an answer the client's SDK parses
             logger.error(
                 "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
             )
             failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
-            self.finished(dialect, stream, started, failure)
+            self.telemetry.finished(dialect, stream, started, failure)
             return self.error_response(dialect, failure)
         return response
 
@@ -185,7 +181,7 @@ class _App:
             response = await upstream.client.get(upstream.base + "/models")
             data = await read_body(response, "models", 2**20)
         except (TokensError, httpx.HTTPError) as exc:
-            return self.error_response(CHAT, self.upstream_error(exc))
+            return self.error_response(CHAT, self.telemetry.upstream_error(exc))
         return Response(data, media_type="application/json")
 
     # -- serving ------------------------------------------------------------------------------
@@ -209,12 +205,12 @@ class _App:
                 dialect, upstream, chat, body, history, call, started, span_attributes, custody
             )
         async with custody:
-            with self.span(span_attributes) as span:
+            with self.telemetry.span(span_attributes) as span:
                 completion = await self.post(upstream, chat, dialect)
                 if custody.recorded:
                     await custody.write_chat(chat, completion_of(completion, completion["choices"][0]["message"]))
                 answer = dialect.answer(completion, body, history, call.model_call_id)
-                self.finished(dialect, False, started, None, span)
+                self.telemetry.finished(dialect, False, started, None, span)
         return JSONResponse(answer, headers=call_headers(call))
 
     def via_responses(self, upstream: _Upstream, body: Mapping[str, Any]) -> bool:
@@ -231,7 +227,7 @@ class _App:
             )
             data = await read_body(response, "answer", self.max_response_bytes)
         except (TokensError, httpx.HTTPError) as exc:
-            raise self.upstream_error(exc, dialect) from None
+            raise self.telemetry.upstream_error(exc, dialect) from None
         return _DECODE.decode(data)
 
     async def serve_responses(
@@ -253,7 +249,7 @@ class _App:
         attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: False, UPSTREAM_ATTR: "responses"}
         chat = dialect.to_chat(body, history) if self.recorder is not None and call.coordinates is not None else {}
         async with self.custody(call, chat) as custody:
-            with self.span(attributes) as span:
+            with self.telemetry.span(attributes) as span:
                 try:
                     response = await upstream.client.post(upstream.base + "/responses", json=sent)
                     if response.status_code in (404, 405) and self.responses_upstream == "auto":
@@ -264,7 +260,7 @@ class _App:
                     decoded = decode_responses(data)
                     bundle = await self.chain(Exchange(sent, decoded))
                 except (TokensError, httpx.HTTPError) as exc:
-                    raise self.upstream_error(exc, dialect) from None
+                    raise self.telemetry.upstream_error(exc, dialect) from None
                 upstream.serves_responses = True
                 answer = decoded.answer
                 answer.pop("choices", None)
@@ -292,7 +288,7 @@ class _App:
                     as_chat = {"id": answer.get("id"), "model": answer.get("model"), "choices": [{"message": message}]}
                     await custody.write_chat(chat, completion_of(as_chat, output[-1]))
                 dialect.remember(body, answer, history, call.model_call_id)
-                self.finished(dialect, False, started, None, span)
+                self.telemetry.finished(dialect, False, started, None, span)
         return JSONResponse(answer, headers=call_headers(call))
 
     async def serve_stream(
@@ -307,8 +303,7 @@ class _App:
         attributes: dict[str, Any],
         custody: Custody,
     ) -> Response:
-        tracer = self.tracing.get()
-        span = None if tracer is None else _start_span(tracer, dialect.name, attributes)
+        span = self.telemetry.start_span(dialect, attributes)
         request = upstream.client.build_request(
             "POST", upstream.base + "/chat/completions", content=_ENCODE.encode(chat), headers=_JSON
         )
@@ -318,10 +313,9 @@ class _App:
             if response.status_code >= 400:
                 await read_body(response, "answer", self.max_response_bytes)  # raises the typed error
         except (TokensError, httpx.HTTPError) as exc:
-            error = self.upstream_error(exc, dialect)
+            error = self.telemetry.upstream_error(exc, dialect)
             await custody.end(error)
-            if span is not None:
-                safely("tokens.proxy span", _end_span, span, error)
+            self.telemetry.end_span(span, error)
             raise error from None
 
         closed = False
@@ -333,7 +327,7 @@ class _App:
                 closed = True
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                     await response.aclose()
-                self.finished(dialect, True, started, error, span)
+                self.telemetry.finished(dialect, True, started, error, span)
 
         async def gone() -> None:  # the client went away before the first event was produced
             await close(RequestRejectedError("the client went away before its stream started"))
@@ -365,7 +359,7 @@ class _App:
                         yield out
                     dialect.ended(converter, body, history, call.model_call_id)
             except (TokensError, httpx.HTTPError, ProxyError) as exc:
-                error = self.upstream_error(exc, dialect)
+                error = self.telemetry.upstream_error(exc, dialect)
                 await custody.end(error)
                 yield dialect.error_event(error, converter)
             except anyio.get_cancelled_exc_class() as exc:  # cancelled before its record: the rollout has a hole
@@ -378,58 +372,8 @@ class _App:
 
     # -- errors and telemetry ------------------------------------------------------------------
 
-    def upstream_error(self, exc: BaseException, dialect: Dialect | None = None) -> ProxyError:
-        """The client's view of an upstream failure (``upstream_error``); a capture failure is counted."""
-        error = upstream_error(exc)
-        if error is not exc and isinstance(error, CaptureFailedError):
-            self.count_capture_error(dialect, exc)
-        return error
-
-    def count_capture_error(self, dialect: Dialect | None, exc: BaseException) -> None:
-        instruments = self.instruments.get()
-        if instruments is not None:
-            attributes = {
-                DIALECT_ATTR: "unknown" if dialect is None else dialect.name,
-                ERROR_TYPE_ATTR: error_type(exc),
-            }
-            safely("tokens.proxy.capture_error_total", instruments.capture_errors.add, 1, attributes)
-
     def error_response(self, dialect: Dialect, error: ProxyError) -> Response:
         return JSONResponse(dialect.error_body(error), status_code=error.status)
-
-    def span(self, attributes: dict[str, Any]) -> AbstractContextManager[Span | None]:
-        tracer = self.tracing.get()
-        if tracer is None:
-            return nullcontext()
-        return guarded_span(tracer, f"tokens.proxy {attributes[DIALECT_ATTR]}", attributes)
-
-    def finished(
-        self, dialect: Dialect, stream: bool, started: float, error: ProxyError | None, span: Span | None = None
-    ) -> None:
-        outcome = "ok" if error is None else type(error).__name__
-        instruments = self.instruments.get()
-        if instruments is not None:
-            elapsed = (time.perf_counter() - started) * 1000.0
-            attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, OUTCOME_ATTR: outcome}
-            safely("tokens.proxy.duration_ms", instruments.duration_ms.record, elapsed, attributes)
-        if span is not None and stream:
-            safely("tokens.proxy span", _end_span, span, error)
-        elif span is not None and error is not None:
-            safely("tokens.proxy span", span.set_attribute, OUTCOME_ATTR, outcome)
-
-
-def _start_span(tracer: trace.Tracer, dialect: str, attributes: dict[str, Any]) -> Span | None:
-    try:
-        return tracer.start_span(f"tokens.proxy {dialect}", attributes=attributes)
-    except Exception:  # a broken span processor: no span, the call goes on
-        return None
-
-
-def _end_span(span: Span, error: ProxyError | None) -> None:
-    if error is not None:
-        span.set_attribute(ERROR_TYPE_ATTR, error_type(error))
-        span.set_status(trace.StatusCode.ERROR, type(error).__name__)
-    span.end()
 
 
 def _output_text(output: Sequence[Any]) -> str:
