@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager, nullcontext
+from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 import anyio
 import httpx
 import msgspec
-from opentelemetry import trace
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 from starlette.applications import Starlette
@@ -34,8 +32,7 @@ from _shared_telemetry import error_type
 from .._chain import DEFAULT_CHAIN, ChainEntry, build_chain
 from .._errors import TokensError
 from .._exchange import Exchange
-from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body, strip_credentials
-from .._transport import TokenCaptureTransport
+from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit
 from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_request
 from ..records import Custody
 from ..records._writer import UNRECORDED
@@ -50,6 +47,7 @@ from ._intake import Call, call_headers, call_of, read_json
 from ._records import Recorder, StreamRecord, completion_of
 from ._sink import TokenSink
 from ._telemetry import DIALECT_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyTelemetry
+from ._upstream import Upstream, Upstreams
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "create_app"]
 
@@ -58,50 +56,15 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 
 logger = logging.getLogger("tokens.proxy")
 _DECODE = msgspec.json.Decoder(dict[str, Any])
-_ENCODE = msgspec.json.Encoder()
-_JSON = {"content-type": "application/json"}
-
-
-class _Upstream:
-    """One upstream: its base URL (credentials stripped), its capturing client, what it serves."""
-
-    def __init__(
-        self,
-        url: str,
-        api_key: str | None,
-        transport: httpx.AsyncBaseTransport | None,
-        *,
-        middleware: Sequence[ChainEntry] | None,
-        max_response_bytes: int,
-        timeout: httpx.Timeout,
-        meter_provider: MeterProvider | None,
-        tracer_provider: TracerProvider | None,
-    ) -> None:
-        base, auth = strip_credentials(url.rstrip("/"))
-        self.base = base
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        if transport is None:  # no Nagle delay between a request's headers and its body, nor between events
-            transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        capture = TokenCaptureTransport(
-            transport,
-            request_prompt_and_generation_token_ids=True,
-            middleware=middleware,
-            max_response_bytes=max_response_bytes,
-            meter_provider=meter_provider,
-            tracer_provider=tracer_provider,
-        )
-        self.client = httpx.AsyncClient(transport=capture, auth=auth, headers=headers, timeout=timeout)
-        self.serves_responses: bool | None = None  # unknown until asked
 
 
 class _App:
     def __init__(
         self,
-        upstreams: Mapping[str | None, _Upstream],
+        upstreams: Upstreams,
         *,
         store: TokenSink | None,
         max_request_bytes: int,
-        max_response_bytes: int,
         client_timeout: float,
         responses_upstream: str,
         previous: int,
@@ -112,7 +75,6 @@ class _App:
         self.upstreams = upstreams
         self.recorder = None if store is None else Recorder(store)
         self.max_request_bytes = max_request_bytes
-        self.max_response_bytes = max_response_bytes
         self.client_timeout = client_timeout
         self.responses_upstream = responses_upstream
         self.dialects = dialects(previous)
@@ -120,13 +82,7 @@ class _App:
         self.telemetry = ProxyTelemetry(meter_provider, tracer_provider)
 
     async def aclose(self) -> None:
-        """Close every upstream's client, each whatever the others did, shielded and bounded."""
-        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-            for upstream in self.upstreams.values():
-                try:
-                    await upstream.client.aclose()
-                except Exception as exc:  # the others still close
-                    logger.warning("tokens.proxy: closing an upstream client failed: %s", type(exc).__name__)
+        await self.upstreams.aclose()
 
     # -- the request --------------------------------------------------------------------------
 
@@ -165,21 +121,9 @@ class _App:
     def custody(self, call: Call, chat: Mapping[str, Any]) -> Custody:
         return UNRECORDED if self.recorder is None else self.recorder.custody(call.coordinates, chat)
 
-    def upstream(self, body: Mapping[str, Any]) -> _Upstream:
-        model = body.get("model")
-        found = self.upstreams.get(model if isinstance(model, str) else None) or self.upstreams.get(None)
-        if found is None:
-            served = ", ".join(sorted(str(name) for name in self.upstreams))
-            raise ProxyError(
-                f"model {str(model)[:80]!r} is not served here (models: {served})", param="model", status=404
-            )
-        return found
-
     async def models(self) -> Response:
-        upstream = next(iter(self.upstreams.values()))
         try:
-            response = await upstream.client.get(upstream.base + "/models")
-            data = await read_body(response, "models", 2**20)
+            data = await self.upstreams.first().models()
         except (TokensError, httpx.HTTPError) as exc:
             return self.error_response(CHAT, self.telemetry.upstream_error(exc))
         return Response(data, media_type="application/json")
@@ -188,7 +132,7 @@ class _App:
 
     async def serve(self, dialect: Dialect, body: dict[str, Any], call: Call, started: float) -> Response:
         stream = bool(body.get("stream"))
-        upstream = self.upstream(body)
+        upstream = self.upstreams.pick(body)
         history, parent = dialect.history(body)
         if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
             call = Call(call.model_call_id, dataclasses.replace(call.coordinates, parent_call_id=parent))
@@ -213,19 +157,16 @@ class _App:
                 self.telemetry.finished(dialect, False, started, None, span)
         return JSONResponse(answer, headers=call_headers(call))
 
-    def via_responses(self, upstream: _Upstream, body: Mapping[str, Any]) -> bool:
+    def via_responses(self, upstream: Upstream, body: Mapping[str, Any]) -> bool:
         """Whether to ask vLLM's own ``/v1/responses`` (it has no log probabilities for tool calls)."""
         if self.responses_upstream == "chat" or upstream.serves_responses is False:
             return False
         return self.responses_upstream == "responses" or not (body.get("tools") or body.get("stream"))
 
-    async def post(self, upstream: _Upstream, body: Mapping[str, Any], dialect: Dialect) -> dict[str, Any]:
+    async def post(self, upstream: Upstream, body: Mapping[str, Any], dialect: Dialect) -> dict[str, Any]:
         """A chat completion, whole, from the upstream."""
         try:
-            response = await upstream.client.post(
-                upstream.base + "/chat/completions", content=_ENCODE.encode(body), headers=_JSON
-            )
-            data = await read_body(response, "answer", self.max_response_bytes)
+            data = await upstream.chat(body)
         except (TokensError, httpx.HTTPError) as exc:
             raise self.telemetry.upstream_error(exc, dialect) from None
         return _DECODE.decode(data)
@@ -233,7 +174,7 @@ class _App:
     async def serve_responses(
         self,
         dialect: Dialect,
-        upstream: _Upstream,
+        upstream: Upstream,
         body: dict[str, Any],
         history: list[Any],
         call: Call,
@@ -251,12 +192,9 @@ class _App:
         async with self.custody(call, chat) as custody:
             with self.telemetry.span(attributes) as span:
                 try:
-                    response = await upstream.client.post(upstream.base + "/responses", json=sent)
-                    if response.status_code in (404, 405) and self.responses_upstream == "auto":
-                        await response.aclose()
-                        upstream.serves_responses = False  # remembered: chat completions from now on
+                    data = await upstream.responses(sent, fall_back=self.responses_upstream == "auto")
+                    if data is None:
                         return None
-                    data = await read_body(response, "answer", self.max_response_bytes)
                     decoded = decode_responses(data)
                     bundle = await self.chain(Exchange(sent, decoded))
                 except (TokensError, httpx.HTTPError) as exc:
@@ -294,7 +232,7 @@ class _App:
     async def serve_stream(
         self,
         dialect: Dialect,
-        upstream: _Upstream,
+        upstream: Upstream,
         chat: dict[str, Any],
         body: Mapping[str, Any],
         history: list[Any],
@@ -304,14 +242,8 @@ class _App:
         custody: Custody,
     ) -> Response:
         span = self.telemetry.start_span(dialect, attributes)
-        request = upstream.client.build_request(
-            "POST", upstream.base + "/chat/completions", content=_ENCODE.encode(chat), headers=_JSON
-        )
         try:
-            with trace.use_span(span, end_on_exit=False) if span is not None else nullcontext():
-                response = await upstream.client.send(request, stream=True)
-            if response.status_code >= 400:
-                await read_body(response, "answer", self.max_response_bytes)  # raises the typed error
+            response = await upstream.chat_stream(chat, span)
         except (TokensError, httpx.HTTPError) as exc:
             error = self.telemetry.upstream_error(exc, dialect)
             await custody.end(error)
@@ -440,7 +372,7 @@ def create_app(
             raise ValueError(f"create_app: {where} must be an http(s) URL with a host, e.g. http://host:8000/v1")
     timeout = httpx.Timeout(upstream_timeout, connect=connect_timeout)
     upstreams = {
-        model: _Upstream(
+        model: Upstream(
             url,
             upstream_api_key,
             transport,
@@ -454,7 +386,7 @@ def create_app(
     }
     if not upstreams:
         raise ValueError("create_app: upstream_url names no upstream")
-    proxy = _App(upstreams, store=store, max_request_bytes=max_request_bytes, max_response_bytes=max_response_bytes,
+    proxy = _App(Upstreams(upstreams), store=store, max_request_bytes=max_request_bytes,
                  client_timeout=client_timeout, responses_upstream=responses_upstream, previous=previous_responses,
                  middleware=middleware, meter_provider=meter_provider, tracer_provider=tracer_provider)  # fmt: skip
 
