@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
-import anyio
 import httpx
 import msgspec
 from opentelemetry.metrics import MeterProvider
@@ -36,16 +35,14 @@ from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit
 from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_request
 from ..records import Custody
 from ..records._writer import UNRECORDED
-from ._chat import chunks_of
 from ._dialects import CHAT, Dialect, dialects
 from ._errors import (
     ProxyError,
-    RequestRejectedError,
 )
-from ._event_stream import EventStream
 from ._intake import Call, call_headers, call_of, read_json
-from ._records import Recorder, StreamRecord, completion_of
+from ._records import Recorder, completion_of
 from ._sink import TokenSink
+from ._streaming import serve_stream
 from ._telemetry import DIALECT_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyTelemetry
 from ._upstream import Upstream, Upstreams
 
@@ -145,8 +142,18 @@ class _App:
         span_attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
         if stream:
             await custody.begin()
-            return await self.serve_stream(
-                dialect, upstream, chat, body, history, call, started, span_attributes, custody
+            return await serve_stream(
+                self.telemetry,
+                self.client_timeout,
+                dialect,
+                upstream,
+                chat,
+                body,
+                history,
+                call,
+                started,
+                span_attributes,
+                custody,
             )
         async with custody:
             with self.telemetry.span(span_attributes) as span:
@@ -228,79 +235,6 @@ class _App:
                 dialect.remember(body, answer, history, call.model_call_id)
                 self.telemetry.finished(dialect, False, started, None, span)
         return JSONResponse(answer, headers=call_headers(call))
-
-    async def serve_stream(
-        self,
-        dialect: Dialect,
-        upstream: Upstream,
-        chat: dict[str, Any],
-        body: Mapping[str, Any],
-        history: list[Any],
-        call: Call,
-        started: float,
-        attributes: dict[str, Any],
-        custody: Custody,
-    ) -> Response:
-        span = self.telemetry.start_span(dialect, attributes)
-        try:
-            response = await upstream.chat_stream(chat, span)
-        except (TokensError, httpx.HTTPError) as exc:
-            error = self.telemetry.upstream_error(exc, dialect)
-            await custody.end(error)
-            self.telemetry.end_span(span, error)
-            raise error from None
-
-        closed = False
-
-        async def close(error: ProxyError | None) -> None:
-            """Once, whether the events ran or not: the upstream's stream closed, the call counted."""
-            nonlocal closed
-            if not closed:
-                closed = True
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    await response.aclose()
-                self.telemetry.finished(dialect, True, started, error, span)
-
-        async def gone() -> None:  # the client went away before the first event was produced
-            await close(RequestRejectedError("the client went away before its stream started"))
-
-        async def events() -> AsyncIterator[bytes]:
-            error: ProxyError | None = None
-            converter = dialect.events(body)
-            gathered = StreamRecord() if custody.recorded else None
-            try:
-                if converter is not None:
-                    for event in converter.start():
-                        yield event
-                async for event in response.aiter_raw():
-                    if converter is None and gathered is None:
-                        yield event
-                        continue
-                    for chunk in chunks_of(event):
-                        if chunk is None:
-                            continue
-                        if gathered is not None and gathered.feed(chunk):
-                            await custody.write_chat(chat, gathered.completion())  # before the end goes out
-                        if converter is not None:
-                            for out in converter.feed(chunk):
-                                yield out
-                    if converter is None:
-                        yield event
-                if converter is not None:
-                    for out in converter.finish():
-                        yield out
-                    dialect.ended(converter, body, history, call.model_call_id)
-            except (TokensError, httpx.HTTPError, ProxyError) as exc:
-                error = self.telemetry.upstream_error(exc, dialect)
-                await custody.end(error)
-                yield dialect.error_event(error, converter)
-            except anyio.get_cancelled_exc_class() as exc:  # cancelled before its record: the rollout has a hole
-                await custody.end(exc)
-                raise
-            finally:
-                await close(error)
-
-        return EventStream(events(), self.client_timeout, call_headers(call), closing=gone)
 
     # -- errors and telemetry ------------------------------------------------------------------
 
