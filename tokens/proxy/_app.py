@@ -33,8 +33,6 @@ from .._errors import TokensError
 from .._exchange import Exchange
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit
 from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_request
-from ..records import Custody
-from ..records._writer import UNRECORDED
 from ._dialects import CHAT, Dialect, dialects
 from ._errors import (
     ProxyError,
@@ -70,7 +68,7 @@ class _App:
         tracer_provider: TracerProvider | None,
     ) -> None:
         self.upstreams = upstreams
-        self.recorder = None if store is None else Recorder(store)
+        self.recorder = Recorder(store)
         self.max_request_bytes = max_request_bytes
         self.client_timeout = client_timeout
         self.responses_upstream = responses_upstream
@@ -115,9 +113,6 @@ class _App:
             return self.error_response(dialect, failure)
         return response
 
-    def custody(self, call: Call, chat: Mapping[str, Any]) -> Custody:
-        return UNRECORDED if self.recorder is None else self.recorder.custody(call.coordinates, chat)
-
     async def models(self) -> Response:
         try:
             data = await self.upstreams.first().models()
@@ -138,7 +133,7 @@ class _App:
             if served is not None:
                 return served
         chat = dialect.to_chat(body, history)
-        custody = self.custody(call, chat)
+        custody = self.recorder.custody(call.coordinates, chat)
         span_attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
         if stream:
             await custody.begin()
@@ -195,8 +190,8 @@ class _App:
             else ([*history, {"type": "message", "role": "user", "content": sent.get("input", "")}])
         )
         attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: False, UPSTREAM_ATTR: "responses"}
-        chat = dialect.to_chat(body, history) if self.recorder is not None and call.coordinates is not None else {}
-        async with self.custody(call, chat) as custody:
+        chat = dialect.to_chat(body, history) if self.recorder.records(call.coordinates) else {}
+        async with self.recorder.custody(call.coordinates, chat) as custody:
             with self.telemetry.span(attributes) as span:
                 try:
                     data = await upstream.responses(sent, fall_back=self.responses_upstream == "auto")
