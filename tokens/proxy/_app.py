@@ -30,15 +30,14 @@ from _shared_telemetry import error_type
 
 from .._chain import DEFAULT_CHAIN, ChainEntry, build_chain
 from .._errors import TokensError
-from .._exchange import Exchange
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit
-from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_request
+from ._answers import serve_native, serve_whole
 from ._dialects import CHAT, Dialect, dialects
 from ._errors import (
     ProxyError,
 )
-from ._intake import Call, call_headers, call_of, read_json
-from ._records import Recorder, completion_of
+from ._intake import Call, call_of, read_json
+from ._records import Recorder
 from ._sink import TokenSink
 from ._streaming import serve_stream
 from ._telemetry import DIALECT_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyTelemetry
@@ -129,7 +128,18 @@ class _App:
         if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
             call = Call(call.model_call_id, dataclasses.replace(call.coordinates, parent_call_id=parent))
         if dialect.native and self.via_responses(upstream, body):
-            served = await self.serve_responses(dialect, upstream, body, history, call, started)
+            served = await serve_native(
+                self.telemetry,
+                self.chain,
+                self.recorder,
+                self.responses_upstream == "auto",
+                dialect,
+                upstream,
+                body,
+                history,
+                call,
+                started,
+            )
             if served is not None:
                 return served
         chat = dialect.to_chat(body, history)
@@ -150,14 +160,9 @@ class _App:
                 span_attributes,
                 custody,
             )
-        async with custody:
-            with self.telemetry.span(span_attributes) as span:
-                completion = await self.post(upstream, chat, dialect)
-                if custody.recorded:
-                    await custody.write_chat(chat, completion_of(completion, completion["choices"][0]["message"]))
-                answer = dialect.answer(completion, body, history, call.model_call_id)
-                self.telemetry.finished(dialect, False, started, None, span)
-        return JSONResponse(answer, headers=call_headers(call))
+        return await serve_whole(
+            self.telemetry, dialect, upstream, chat, body, history, call, started, span_attributes, custody
+        )
 
     def via_responses(self, upstream: Upstream, body: Mapping[str, Any]) -> bool:
         """Whether to ask vLLM's own ``/v1/responses`` (it has no log probabilities for tool calls)."""
@@ -165,82 +170,10 @@ class _App:
             return False
         return self.responses_upstream == "responses" or not (body.get("tools") or body.get("stream"))
 
-    async def post(self, upstream: Upstream, body: Mapping[str, Any], dialect: Dialect) -> dict[str, Any]:
-        """A chat completion, whole, from the upstream."""
-        try:
-            data = await upstream.chat(body)
-        except (TokensError, httpx.HTTPError) as exc:
-            raise self.telemetry.upstream_error(exc, dialect) from None
-        return _DECODE.decode(data)
-
-    async def serve_responses(
-        self,
-        dialect: Dialect,
-        upstream: Upstream,
-        body: dict[str, Any],
-        history: list[Any],
-        call: Call,
-        started: float,
-    ) -> Response | None:
-        """A Responses request through vLLM's ``/v1/responses``; None when the upstream does not serve it."""
-        sent = prepare_responses_request({key: value for key, value in body.items() if key != "previous_response_id"})
-        sent["input"] = (
-            [*history, *sent["input"]]
-            if isinstance(sent.get("input"), list)
-            else ([*history, {"type": "message", "role": "user", "content": sent.get("input", "")}])
-        )
-        attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: False, UPSTREAM_ATTR: "responses"}
-        chat = dialect.to_chat(body, history) if self.recorder.records(call.coordinates) else {}
-        async with self.recorder.custody(call.coordinates, chat) as custody:
-            with self.telemetry.span(attributes) as span:
-                try:
-                    data = await upstream.responses(sent, fall_back=self.responses_upstream == "auto")
-                    if data is None:
-                        return None
-                    decoded = decode_responses(data)
-                    bundle = await self.chain(Exchange(sent, decoded))
-                except (TokensError, httpx.HTTPError) as exc:
-                    raise self.telemetry.upstream_error(exc, dialect) from None
-                upstream.serves_responses = True
-                answer = decoded.answer
-                answer.pop("choices", None)
-                output = answer["output"]
-                if not output:
-                    output.append(
-                        {
-                            "id": f"msg_{answer.get('id', '')}",
-                            "type": "message",
-                            "role": "assistant",
-                            "status": "completed",
-                            "content": [],
-                        }
-                    )
-                output[-1].update(
-                    zip(
-                        TOKEN_FIELDS,
-                        (bundle.prompt_token_ids, bundle.generation_token_ids, bundle.generation_log_probs),
-                        strict=True,
-                    )
-                )
-                answer["previous_response_id"] = body.get("previous_response_id")
-                if custody.recorded:
-                    message = {"role": "assistant", "content": _output_text(output)}
-                    as_chat = {"id": answer.get("id"), "model": answer.get("model"), "choices": [{"message": message}]}
-                    await custody.write_chat(chat, completion_of(as_chat, output[-1]))
-                dialect.remember(body, answer, history, call.model_call_id)
-                self.telemetry.finished(dialect, False, started, None, span)
-        return JSONResponse(answer, headers=call_headers(call))
-
     # -- errors and telemetry ------------------------------------------------------------------
 
     def error_response(self, dialect: Dialect, error: ProxyError) -> Response:
         return JSONResponse(dialect.error_body(error), status_code=error.status)
-
-
-def _output_text(output: Sequence[Any]) -> str:
-    messages = [item for item in output if isinstance(item, dict) and item.get("type") == "message"]
-    parts = [part for item in messages for part in item.get("content") or () if isinstance(part, dict)]
-    return "".join(str(part.get("text", "")) for part in parts if part.get("type") == "output_text")
 
 
 def create_app(
