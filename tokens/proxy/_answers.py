@@ -20,7 +20,7 @@ from .._exchange import Exchange, Handler
 from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_request
 from ..records import Custody
 from ._dialects import Dialect
-from ._intake import Call, call_headers
+from ._intake import Call
 from ._records import Recorder, completion_of
 from ._telemetry import DIALECT_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyTelemetry
 from ._upstream import Upstream
@@ -54,7 +54,7 @@ async def serve_whole(
                 await custody.write_chat(chat, completion_of(completion, completion["choices"][0]["message"]))
             answer = dialect.answer(completion, body, history, call.model_call_id)
             telemetry.finished(dialect, False, started, None, span)
-    return JSONResponse(answer, headers=call_headers(call))
+    return JSONResponse(answer, headers=call.headers)
 
 
 async def serve_native(
@@ -116,7 +116,7 @@ async def serve_native(
                 await custody.write_chat(chat, completion_of(as_chat, output[-1]))
             dialect.remember(body, answer, history, call.model_call_id)
             telemetry.finished(dialect, False, started, None, span)
-    return JSONResponse(answer, headers=call_headers(call))
+    return JSONResponse(answer, headers=call.headers)
 
 
 def _output_text(output: Sequence[Any]) -> str:

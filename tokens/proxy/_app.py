@@ -126,7 +126,7 @@ class _App:
         upstream = self.upstreams.pick(body)
         history, parent = dialect.history(body)
         if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
-            call = Call(call.model_call_id, dataclasses.replace(call.coordinates, parent_call_id=parent))
+            call = dataclasses.replace(call, coordinates=dataclasses.replace(call.coordinates, parent_call_id=parent))
         if dialect.native and self.via_responses(upstream, body):
             served = await serve_native(
                 self.telemetry,

@@ -3,7 +3,7 @@
 The body is read with ``max_request_bytes`` and ``client_timeout``; the call's ids come from the
 URL's rollout id and the ``X-Rollout-Id``, ``X-Model-Call-Id``, ``X-Parent-Call-Id`` and
 ``X-Weight-Version`` headers, each checked as the records check it. Every refusal is a typed
-``ProxyError``; ``call_headers`` are the headers every answer carries back.
+``ProxyError``. The call carries the headers every answer gives back.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..records import CoordinateError, Coordinates
 from ..records._coordinates import check_id, check_weight_version
 from ._errors import ClientTimeoutError, RequestRejectedError, RequestTooLargeError
 
-__all__ = ["CALL_HEADER", "ROLLOUT_HEADER", "Call", "call_headers", "call_of", "read_json"]
+__all__ = ["Call", "call_of", "read_json"]
 
 ROLLOUT_HEADER, CALL_HEADER, PARENT_HEADER, WEIGHT_HEADER = (
     "x-rollout-id",
@@ -34,11 +34,12 @@ _DECODE = msgspec.json.Decoder(dict[str, Any])
 
 @dataclass(frozen=True)
 class Call:
-    """One request's call: its id (always answered in ``X-Model-Call-Id``) and, with a rollout id,
-    where it is recorded."""
+    """One request's call: its id (always answered in ``X-Model-Call-Id``), with a rollout id where it
+    is recorded, and the headers its answer carries (its call id and, when recorded, its rollout id)."""
 
     model_call_id: str
     coordinates: Coordinates | None
+    headers: dict[str, str]
 
 
 async def read_json(request: Request, max_request_bytes: int, client_timeout: float) -> dict[str, Any]:
@@ -81,7 +82,8 @@ def call_of(request: Request, rollout: str | None) -> Call:
     parent = _coordinate(headers.get(PARENT_HEADER), "X-Parent-Call-Id", check_id)
     weight = _coordinate(headers.get(WEIGHT_HEADER), "X-Weight-Version", check_weight_version)
     coordinates = None if rollout_id is None else Coordinates(rollout_id, call_id, parent, weight)
-    return Call(call_id, coordinates)
+    answered = {CALL_HEADER: call_id} if rollout_id is None else {CALL_HEADER: call_id, ROLLOUT_HEADER: rollout_id}
+    return Call(call_id, coordinates, answered)
 
 
 def _coordinate(value: str | None, where: str, check: Callable[[Any, str], str]) -> str | None:
@@ -93,11 +95,3 @@ def _coordinate(value: str | None, where: str, check: Callable[[Any, str], str])
         return check(value, where)
     except CoordinateError as exc:
         raise RequestRejectedError(str(exc), param=where) from None
-
-
-def call_headers(call: Call) -> dict[str, str]:
-    """The headers an answer carries: its call id and, when recorded, its rollout id."""
-    headers = {CALL_HEADER: call.model_call_id}
-    if call.coordinates is not None:
-        headers[ROLLOUT_HEADER] = call.coordinates.rollout_id
-    return headers

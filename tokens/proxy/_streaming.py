@@ -21,7 +21,7 @@ from ._chat import chunks_of
 from ._dialects import Dialect
 from ._errors import ProxyError, RequestRejectedError
 from ._event_stream import EventStream
-from ._intake import Call, call_headers
+from ._intake import Call
 from ._records import StreamRecord
 from ._telemetry import ProxyTelemetry
 from ._upstream import Upstream
@@ -101,4 +101,4 @@ async def serve_stream(
         finally:
             await close(error)
 
-    return EventStream(events(), client_timeout, call_headers(call), closing=gone)
+    return EventStream(events(), client_timeout, call.headers, closing=gone)
