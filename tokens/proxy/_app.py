@@ -36,7 +36,7 @@ from ._dialects import CHAT, Dialect, dialects
 from ._errors import (
     ProxyError,
 )
-from ._intake import Call, call_of, read_json
+from ._intake import call_of, read_json
 from ._records import Recorder
 from ._sink import TokenSink
 from ._streaming import serve_stream
@@ -81,8 +81,8 @@ class _App:
     # -- the request --------------------------------------------------------------------------
 
     async def endpoint(self, request: Request) -> Response:
+        """The route: a dialect's POST is served, ``GET /v1/models`` asks the upstream, the rest is a 404."""
         path = request.path_params["path"]
-        rollout = request.path_params.get("rollout")
         dialect = self.dialects.get(path)
         if request.method == "GET" and path == "models":
             return await self.models()
@@ -92,88 +92,80 @@ class _App:
                 "/v1/responses or /v1/messages (or GET /v1/models)",
                 status=404,
             )
-            return self.error_response(CHAT, error)
+            return JSONResponse(CHAT.error_body(error), status_code=error.status)
+        return await self.serve(dialect, request, request.path_params.get("rollout"))
+
+    async def serve(self, dialect: Dialect, request: Request, rollout: str | None) -> Response:
+        """A request's one way through the stages: in (body and call), to its upstream, answered whole
+        (natively or as a chat completion) or streamed; any failure answered in the client's dialect."""
         started = time.perf_counter()
         stream = False
         try:
             body = await read_json(request, self.max_request_bytes, self.client_timeout)
             stream = bool(body.get("stream"))
             call = call_of(request, rollout)
-            response = await self.serve(dialect, body, call, started)
-        except ProxyError as exc:
-            self.telemetry.finished(dialect, stream, started, exc)
-            return self.error_response(dialect, exc)
-        except Exception as exc:  # a defect of ours: logged, and still an answer the client's SDK parses
-            logger.error(
-                "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
+            upstream = self.upstreams.pick(body)
+            native = dialect.native and upstream.asks_responses(body, self.responses_upstream)
+            history, parent = dialect.history(body)
+            if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
+                call = dataclasses.replace(
+                    call, coordinates=dataclasses.replace(call.coordinates, parent_call_id=parent)
+                )
+            if native:
+                served = await serve_native(
+                    self.telemetry,
+                    self.chain,
+                    self.recorder,
+                    self.responses_upstream == "auto",
+                    dialect,
+                    upstream,
+                    body,
+                    history,
+                    call,
+                    started,
+                )
+                if served is not None:
+                    return served
+            chat = dialect.to_chat(body, history)
+            custody = self.recorder.custody(call.coordinates, chat)
+            attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
+            if stream:
+                await custody.begin()
+                return await serve_stream(
+                    self.telemetry,
+                    self.client_timeout,
+                    dialect,
+                    upstream,
+                    chat,
+                    body,
+                    history,
+                    call,
+                    started,
+                    attributes,
+                    custody,
+                )
+            return await serve_whole(
+                self.telemetry, dialect, upstream, chat, body, history, call, started, attributes, custody
             )
-            failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
+        except Exception as exc:
+            failure = exc if isinstance(exc, ProxyError) else None
+            if failure is None:  # a defect of ours: logged, and still an answer the client's SDK parses
+                logger.error(
+                    "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
+                )
+                failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
             self.telemetry.finished(dialect, stream, started, failure)
-            return self.error_response(dialect, failure)
-        return response
+            return JSONResponse(dialect.error_body(failure), status_code=failure.status)
 
     async def models(self) -> Response:
         try:
             data = await self.upstreams.first().models()
         except (TokensError, httpx.HTTPError) as exc:
-            return self.error_response(CHAT, self.telemetry.upstream_error(exc))
+            error = self.telemetry.upstream_error(exc)
+            return JSONResponse(CHAT.error_body(error), status_code=error.status)
         return Response(data, media_type="application/json")
 
     # -- serving ------------------------------------------------------------------------------
-
-    async def serve(self, dialect: Dialect, body: dict[str, Any], call: Call, started: float) -> Response:
-        stream = bool(body.get("stream"))
-        upstream = self.upstreams.pick(body)
-        history, parent = dialect.history(body)
-        if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
-            call = dataclasses.replace(call, coordinates=dataclasses.replace(call.coordinates, parent_call_id=parent))
-        if dialect.native and self.via_responses(upstream, body):
-            served = await serve_native(
-                self.telemetry,
-                self.chain,
-                self.recorder,
-                self.responses_upstream == "auto",
-                dialect,
-                upstream,
-                body,
-                history,
-                call,
-                started,
-            )
-            if served is not None:
-                return served
-        chat = dialect.to_chat(body, history)
-        custody = self.recorder.custody(call.coordinates, chat)
-        span_attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
-        if stream:
-            await custody.begin()
-            return await serve_stream(
-                self.telemetry,
-                self.client_timeout,
-                dialect,
-                upstream,
-                chat,
-                body,
-                history,
-                call,
-                started,
-                span_attributes,
-                custody,
-            )
-        return await serve_whole(
-            self.telemetry, dialect, upstream, chat, body, history, call, started, span_attributes, custody
-        )
-
-    def via_responses(self, upstream: Upstream, body: Mapping[str, Any]) -> bool:
-        """Whether to ask vLLM's own ``/v1/responses`` (it has no log probabilities for tool calls)."""
-        if self.responses_upstream == "chat" or upstream.serves_responses is False:
-            return False
-        return self.responses_upstream == "responses" or not (body.get("tools") or body.get("stream"))
-
-    # -- errors and telemetry ------------------------------------------------------------------
-
-    def error_response(self, dialect: Dialect, error: ProxyError) -> Response:
-        return JSONResponse(dialect.error_body(error), status_code=error.status)
 
 
 def create_app(

@@ -66,6 +66,12 @@ class Upstream:
         self.client = httpx.AsyncClient(transport=capture, auth=auth, headers=headers, timeout=timeout)
         self.serves_responses: bool | None = None  # unknown until asked
 
+    def asks_responses(self, body: Mapping[str, Any], responses_upstream: str) -> bool:
+        """Whether to ask vLLM's own ``/v1/responses`` (it has no log probabilities for tool calls)."""
+        if responses_upstream == "chat" or self.serves_responses is False:
+            return False
+        return responses_upstream == "responses" or not (body.get("tools") or body.get("stream"))
+
     async def models(self) -> bytes:
         """The upstream's ``/models`` answer, as it sent it."""
         response = await self.client.get(self.base + "/models")
