@@ -8,7 +8,7 @@ record the call before the answer is given, inside the call's span.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -19,11 +19,9 @@ from .._errors import TokensError
 from .._exchange import Exchange, Handler
 from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_request
 from ..records import Custody
-from ._dialects import Dialect
-from ._intake import Call
+from ._intake import Turn
 from ._records import Recorder, completion_of
 from ._telemetry import DIALECT_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyTelemetry
-from ._upstream import Upstream
 
 __all__ = ["serve_native", "serve_whole"]
 
@@ -31,18 +29,10 @@ _DECODE = msgspec.json.Decoder(dict[str, Any])
 
 
 async def serve_whole(
-    telemetry: ProxyTelemetry,
-    dialect: Dialect,
-    upstream: Upstream,
-    chat: dict[str, Any],
-    body: Mapping[str, Any],
-    history: list[Any],
-    call: Call,
-    started: float,
-    attributes: dict[str, Any],
-    custody: Custody,
+    telemetry: ProxyTelemetry, turn: Turn, chat: dict[str, Any], attributes: dict[str, Any], custody: Custody
 ) -> Response:
     """A chat completion asked whole, recorded, and answered whole in the client's dialect."""
+    dialect, upstream, body, history, call, started = turn
     async with custody:
         with telemetry.span(attributes) as span:
             try:
@@ -62,14 +52,10 @@ async def serve_native(
     chain: Handler,
     recorder: Recorder,
     fall_back: bool,
-    dialect: Dialect,
-    upstream: Upstream,
-    body: dict[str, Any],
-    history: list[Any],
-    call: Call,
-    started: float,
+    turn: Turn,
 ) -> Response | None:
     """A Responses request through vLLM's ``/v1/responses``; None when the upstream does not serve it."""
+    dialect, upstream, body, history, call, started = turn
     sent = prepare_responses_request({key: value for key, value in body.items() if key != "previous_response_id"})
     sent["input"] = (
         [*history, *sent["input"]]

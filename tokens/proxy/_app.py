@@ -36,7 +36,7 @@ from ._dialects import CHAT, Dialect, dialects
 from ._errors import (
     ProxyError,
 )
-from ._intake import call_of, read_json
+from ._intake import Turn, call_of, read_json
 from ._records import Recorder
 from ._sink import TokenSink
 from ._streaming import serve_stream
@@ -111,18 +111,10 @@ class _App:
                 call = dataclasses.replace(
                     call, coordinates=dataclasses.replace(call.coordinates, parent_call_id=parent)
                 )
+            turn = Turn(dialect, upstream, body, history, call, started)
             if native:
                 served = await serve_native(
-                    self.telemetry,
-                    self.chain,
-                    self.recorder,
-                    self.responses_upstream == "auto",
-                    dialect,
-                    upstream,
-                    body,
-                    history,
-                    call,
-                    started,
+                    self.telemetry, self.chain, self.recorder, self.responses_upstream == "auto", turn
                 )
                 if served is not None:
                     return served
@@ -131,22 +123,8 @@ class _App:
             attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
             if stream:
                 await custody.begin()
-                return await serve_stream(
-                    self.telemetry,
-                    self.client_timeout,
-                    dialect,
-                    upstream,
-                    chat,
-                    body,
-                    history,
-                    call,
-                    started,
-                    attributes,
-                    custody,
-                )
-            return await serve_whole(
-                self.telemetry, dialect, upstream, chat, body, history, call, started, attributes, custody
-            )
+                return await serve_stream(self.telemetry, self.client_timeout, turn, chat, attributes, custody)
+            return await serve_whole(self.telemetry, turn, chat, attributes, custody)
         except Exception as exc:
             failure = exc if isinstance(exc, ProxyError) else None
             if failure is None:  # a defect of ours: logged, and still an answer the client's SDK parses

@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import msgspec
@@ -19,9 +19,11 @@ from starlette.requests import ClientDisconnect, Request
 
 from ..records import CoordinateError, Coordinates
 from ..records._coordinates import check_id, check_weight_version
+from ._dialects import Dialect
 from ._errors import ClientTimeoutError, RequestRejectedError, RequestTooLargeError
+from ._upstream import Upstream
 
-__all__ = ["Call", "call_of", "read_json"]
+__all__ = ["Call", "Turn", "call_of", "read_json"]
 
 ROLLOUT_HEADER, CALL_HEADER, PARENT_HEADER, WEIGHT_HEADER = (
     "x-rollout-id",
@@ -40,6 +42,18 @@ class Call:
     model_call_id: str
     coordinates: Coordinates | None
     headers: dict[str, str]
+
+
+class Turn(NamedTuple):
+    """A request as the stages that serve it see it: its dialect and upstream, its body and the history
+    it continues, its call, and when it came in (``time.perf_counter``)."""
+
+    dialect: Dialect
+    upstream: Upstream
+    body: dict[str, Any]
+    history: list[Any]
+    call: Call
+    started: float
 
 
 async def read_json(request: Request, max_request_bytes: int, client_timeout: float) -> dict[str, Any]:

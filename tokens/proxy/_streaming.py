@@ -8,7 +8,7 @@ closed and the call counted once, whether the events ran or not.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -18,13 +18,11 @@ from starlette.responses import Response
 from .._errors import TokensError
 from ..records import Custody
 from ._chat import chunks_of
-from ._dialects import Dialect
 from ._errors import ProxyError, RequestRejectedError
 from ._event_stream import EventStream
-from ._intake import Call
+from ._intake import Turn
 from ._records import StreamRecord
 from ._telemetry import ProxyTelemetry
-from ._upstream import Upstream
 
 __all__ = ["serve_stream"]
 
@@ -32,16 +30,13 @@ __all__ = ["serve_stream"]
 async def serve_stream(
     telemetry: ProxyTelemetry,
     client_timeout: float,
-    dialect: Dialect,
-    upstream: Upstream,
+    turn: Turn,
     chat: dict[str, Any],
-    body: Mapping[str, Any],
-    history: list[Any],
-    call: Call,
-    started: float,
     attributes: dict[str, Any],
     custody: Custody,
 ) -> Response:
+    """The upstream's chat stream, opened, and answered event by event in the client's dialect."""
+    dialect, upstream, body, history, call, started = turn
     span = telemetry.start_span(dialect, attributes)
     try:
         response = await upstream.chat_stream(chat, span)
