@@ -6,6 +6,10 @@ exact ids (chat completions with inline ids through ``TokenCaptureTransport``, o
 event by event as the upstream produces it; its bundle is complete at its end. Every failure is a
 ``ProxyError`` answered in the client's dialect (a JSON error before a stream starts, an error
 event inside one), and never names the upstream.
+
+This module is the composition: the routes and the app's lifetime, and one request's way through
+the stages, each a module the request enters once: ``_intake`` (its body and call), ``_upstream``
+(which upstream, which API), then one of ``_answers`` (whole) or ``_streaming`` (event by event).
 """
 
 from __future__ import annotations
@@ -15,10 +19,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
-import msgspec
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 from starlette.applications import Starlette
@@ -33,9 +36,7 @@ from .._errors import TokensError
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit
 from ._answers import serve_native, serve_whole
 from ._dialects import CHAT, Dialect, dialects
-from ._errors import (
-    ProxyError,
-)
+from ._errors import ProxyError
 from ._intake import Turn, call_of, read_json
 from ._records import Recorder
 from ._sink import TokenSink
@@ -49,7 +50,6 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 """32 MiB: a 128K-token conversation as JSON is a few MiB; room for images as data URLs."""
 
 logger = logging.getLogger("tokens.proxy")
-_DECODE = msgspec.json.Decoder(dict[str, Any])
 
 
 class _App:

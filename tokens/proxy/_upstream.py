@@ -29,7 +29,6 @@ from ._errors import ProxyError
 __all__ = ["Upstream", "Upstreams"]
 
 logger = logging.getLogger("tokens.proxy")
-_DECODE = msgspec.json.Decoder(dict[str, Any])
 _ENCODE = msgspec.json.Encoder()
 _JSON = {"content-type": "application/json"}
 
