@@ -6,134 +6,59 @@ exact ids (chat completions with inline ids through ``TokenCaptureTransport``, o
 event by event as the upstream produces it; its bundle is complete at its end. Every failure is a
 ``ProxyError`` answered in the client's dialect (a JSON error before a stream starts, an error
 event inside one), and never names the upstream.
+
+This module is the composition: the routes and the app's lifetime, and one request's way through
+the stages, each a module the request enters once: ``_intake`` (its body and call), ``_upstream``
+(which upstream, which API), then one of ``_answers`` (whole) or ``_streaming`` (event by event).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
-import socket
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Any, Literal
+from contextlib import asynccontextmanager
+from typing import Literal
 
-import anyio
 import httpx
-import msgspec
-from opentelemetry import trace
 from opentelemetry.metrics import MeterProvider
-from opentelemetry.trace import Span, TracerProvider
+from opentelemetry.trace import TracerProvider
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from _shared_telemetry import ERROR_TYPE_ATTR, Instruments, Tracing, error_type, guarded_span, safely
+from _shared_telemetry import error_type
 
 from .._chain import DEFAULT_CHAIN, ChainEntry, build_chain
 from .._errors import TokensError
-from .._exchange import Exchange
-from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit, read_body, strip_credentials
-from .._transport import TokenCaptureTransport
-from .._vllm_responses import TOKEN_FIELDS, decode_responses, prepare_responses_request
-from ..records import CoordinateError, Coordinates, Custody
-from ..records._coordinates import check_id, check_weight_version
-from ..records._writer import UNRECORDED
-from ._chat import chunks_of
+from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit
+from ._answers import serve_native, serve_whole
 from ._dialects import CHAT, Dialect, dialects
-from ._errors import (
-    CaptureFailedError,
-    ClientTimeoutError,
-    ProxyError,
-    RequestRejectedError,
-    RequestTooLargeError,
-    upstream_error,
-)
-from ._event_stream import EventStream
-from ._records import Recorder, StreamRecord, completion_of
+from ._errors import ProxyError
+from ._intake import Turn, call_of, read_json
+from ._records import Recorder
 from ._sink import TokenSink
-from ._telemetry import DIALECT_ATTR, OUTCOME_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyInstruments
+from ._streaming import serve_stream
+from ._telemetry import DIALECT_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyTelemetry
+from ._upstream import Upstream, Upstreams
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "create_app"]
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 """32 MiB: a 128K-token conversation as JSON is a few MiB; room for images as data URLs."""
 
-SCOPE = "tokens.proxy"
 logger = logging.getLogger("tokens.proxy")
-ROLLOUT_HEADER, CALL_HEADER, PARENT_HEADER, WEIGHT_HEADER = (
-    "x-rollout-id",
-    "x-model-call-id",
-    "x-parent-call-id",
-    "x-weight-version",
-)
-_DECODE = msgspec.json.Decoder(dict[str, Any])
-_ENCODE = msgspec.json.Encoder()
-_JSON = {"content-type": "application/json"}
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One request's call: its id (always answered in ``X-Model-Call-Id``) and, with a rollout id,
-    where it is recorded."""
-
-    model_call_id: str
-    coordinates: Coordinates | None
-
-
-def _coordinate(value: str | None, where: str) -> str | None:
-    """A header's (or the URL's) id, None when absent; ``RequestRejectedError`` naming ``where`` when not an id."""
-    if value is None or value == "":
-        return None
-    try:
-        return check_id(value, where)
-    except CoordinateError as exc:
-        raise RequestRejectedError(str(exc), param=where) from None
-
-
-class _Upstream:
-    """One upstream: its base URL (credentials stripped), its capturing client, what it serves."""
-
-    def __init__(
-        self,
-        url: str,
-        api_key: str | None,
-        transport: httpx.AsyncBaseTransport | None,
-        *,
-        middleware: Sequence[ChainEntry] | None,
-        max_response_bytes: int,
-        timeout: httpx.Timeout,
-        meter_provider: MeterProvider | None,
-        tracer_provider: TracerProvider | None,
-    ) -> None:
-        base, auth = strip_credentials(url.rstrip("/"))
-        self.base = base
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        if transport is None:  # no Nagle delay between a request's headers and its body, nor between events
-            transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        capture = TokenCaptureTransport(
-            transport,
-            request_prompt_and_generation_token_ids=True,
-            middleware=middleware,
-            max_response_bytes=max_response_bytes,
-            meter_provider=meter_provider,
-            tracer_provider=tracer_provider,
-        )
-        self.client = httpx.AsyncClient(transport=capture, auth=auth, headers=headers, timeout=timeout)
-        self.serves_responses: bool | None = None  # unknown until asked
 
 
 class _App:
     def __init__(
         self,
-        upstreams: Mapping[str | None, _Upstream],
+        upstreams: Upstreams,
         *,
         store: TokenSink | None,
         max_request_bytes: int,
-        max_response_bytes: int,
         client_timeout: float,
         responses_upstream: str,
         previous: int,
@@ -142,30 +67,22 @@ class _App:
         tracer_provider: TracerProvider | None,
     ) -> None:
         self.upstreams = upstreams
-        self.recorder = None if store is None else Recorder(store)
+        self.recorder = Recorder(store)
         self.max_request_bytes = max_request_bytes
-        self.max_response_bytes = max_response_bytes
         self.client_timeout = client_timeout
         self.responses_upstream = responses_upstream
         self.dialects = dialects(previous)
         self.chain = build_chain(DEFAULT_CHAIN if middleware is None else middleware)
-        self.instruments = Instruments(ProxyInstruments.create, meter_provider, SCOPE)
-        self.tracing = Tracing(tracer_provider, SCOPE)
+        self.telemetry = ProxyTelemetry(meter_provider, tracer_provider)
 
     async def aclose(self) -> None:
-        """Close every upstream's client, each whatever the others did, shielded and bounded."""
-        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-            for upstream in self.upstreams.values():
-                try:
-                    await upstream.client.aclose()
-                except Exception as exc:  # the others still close
-                    logger.warning("tokens.proxy: closing an upstream client failed: %s", type(exc).__name__)
+        await self.upstreams.aclose()
 
     # -- the request --------------------------------------------------------------------------
 
     async def endpoint(self, request: Request) -> Response:
+        """The route: a dialect's POST is served, ``GET /v1/models`` asks the upstream, the rest is a 404."""
         path = request.path_params["path"]
-        rollout = request.path_params.get("rollout")
         dialect = self.dialects.get(path)
         if request.method == "GET" and path == "models":
             return await self.models()
@@ -175,346 +92,58 @@ class _App:
                 "/v1/responses or /v1/messages (or GET /v1/models)",
                 status=404,
             )
-            return self.error_response(CHAT, error)
+            return JSONResponse(CHAT.error_body(error), status_code=error.status)
+        return await self.serve(dialect, request, request.path_params.get("rollout"))
+
+    async def serve(self, dialect: Dialect, request: Request, rollout: str | None) -> Response:
+        """A request's one way through the stages: in (body and call), to its upstream, answered whole
+        (natively or as a chat completion) or streamed; any failure answered in the client's dialect."""
         started = time.perf_counter()
         stream = False
         try:
-            body = await self.read_json(request)
+            body = await read_json(request, self.max_request_bytes, self.client_timeout)
             stream = bool(body.get("stream"))
-            call = self.call(request, rollout)
-            response = await self.serve(dialect, body, call, started)
-        except ProxyError as exc:
-            self.finished(dialect, stream, started, exc)
-            return self.error_response(dialect, exc)
-        except Exception as exc:  # a defect of ours: logged, and still an answer the client's SDK parses
-            logger.error(
-                "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
-            )
-            failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
-            self.finished(dialect, stream, started, failure)
-            return self.error_response(dialect, failure)
-        return response
-
-    async def read_json(self, request: Request) -> dict[str, Any]:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_request_bytes:
-            raise RequestTooLargeError(self._too_large(f"it declares {int(declared):,} bytes"))
-        parts: list[bytes] = []
-        size = 0
-        try:
-            with anyio.fail_after(self.client_timeout):
-                async for part in request.stream():
-                    size += len(part)
-                    if size > self.max_request_bytes:
-                        raise RequestTooLargeError(self._too_large("the body is larger"))
-                    parts.append(part)
-        except TimeoutError:
-            raise ClientTimeoutError(
-                f"the request body did not arrive within client_timeout={self.client_timeout:g} s; send it whole"
-            ) from None
-        except ClientDisconnect:
-            raise RequestRejectedError("the client went away before its request body was complete") from None
-        try:
-            return _DECODE.decode(b"".join(parts))
-        except (msgspec.MsgspecError, RecursionError) as exc:
-            raise RequestRejectedError(f"the request body is not a JSON object ({str(exc)[:200]})") from None
-
-    def _too_large(self, detail: str) -> str:
-        return f"the request body is over the proxy's max_request_bytes={self.max_request_bytes:,} ({detail})"
-
-    def call(self, request: Request, rollout: str | None) -> _Call:
-        headers = request.headers
-        rollout_id = _coordinate(rollout, "the URL's rollout id") or _coordinate(
-            headers.get(ROLLOUT_HEADER), "X-Rollout-Id"
-        )
-        call_id = _coordinate(headers.get(CALL_HEADER), "X-Model-Call-Id") or f"call_{secrets.token_hex(12)}"
-        parent = _coordinate(headers.get(PARENT_HEADER), "X-Parent-Call-Id")
-        weight = headers.get(WEIGHT_HEADER) or None
-        if weight is not None:
-            try:
-                check_weight_version(weight, "X-Weight-Version")
-            except CoordinateError as exc:
-                raise RequestRejectedError(str(exc), param="X-Weight-Version") from None
-        coordinates = None if rollout_id is None else Coordinates(rollout_id, call_id, parent, weight)
-        return _Call(call_id, coordinates)
-
-    def custody(self, call: _Call, chat: Mapping[str, Any]) -> Custody:
-        return UNRECORDED if self.recorder is None else self.recorder.custody(call.coordinates, chat)
-
-    def upstream(self, body: Mapping[str, Any]) -> _Upstream:
-        model = body.get("model")
-        found = self.upstreams.get(model if isinstance(model, str) else None) or self.upstreams.get(None)
-        if found is None:
-            served = ", ".join(sorted(str(name) for name in self.upstreams))
-            raise ProxyError(
-                f"model {str(model)[:80]!r} is not served here (models: {served})", param="model", status=404
-            )
-        return found
+            call = call_of(request, rollout)
+            upstream = self.upstreams.pick(body)
+            native = dialect.native and upstream.asks_responses(body, self.responses_upstream)
+            history, parent = dialect.history(body)
+            if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
+                call = dataclasses.replace(
+                    call, coordinates=dataclasses.replace(call.coordinates, parent_call_id=parent)
+                )
+            turn = Turn(dialect, upstream, body, history, call, started)
+            if native:
+                served = await serve_native(
+                    self.telemetry, self.chain, self.recorder, self.responses_upstream == "auto", turn
+                )
+                if served is not None:
+                    return served
+            chat = dialect.to_chat(body, history)
+            custody = self.recorder.custody(call.coordinates, chat)
+            attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
+            if stream:
+                await custody.begin()
+                return await serve_stream(self.telemetry, self.client_timeout, turn, chat, attributes, custody)
+            return await serve_whole(self.telemetry, turn, chat, attributes, custody)
+        except Exception as exc:
+            failure = exc if isinstance(exc, ProxyError) else None
+            if failure is None:  # a defect of ours: logged, and still an answer the client's SDK parses
+                logger.error(
+                    "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
+                )
+                failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
+            self.telemetry.finished(dialect, stream, started, failure)
+            return JSONResponse(dialect.error_body(failure), status_code=failure.status)
 
     async def models(self) -> Response:
-        upstream = next(iter(self.upstreams.values()))
         try:
-            response = await upstream.client.get(upstream.base + "/models")
-            data = await read_body(response, "models", 2**20)
+            data = await self.upstreams.first().models()
         except (TokensError, httpx.HTTPError) as exc:
-            return self.error_response(CHAT, self.upstream_error(exc))
+            error = self.telemetry.upstream_error(exc)
+            return JSONResponse(CHAT.error_body(error), status_code=error.status)
         return Response(data, media_type="application/json")
 
     # -- serving ------------------------------------------------------------------------------
-
-    async def serve(self, dialect: Dialect, body: dict[str, Any], call: _Call, started: float) -> Response:
-        stream = bool(body.get("stream"))
-        upstream = self.upstream(body)
-        history, parent = dialect.history(body)
-        if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
-            call = _Call(call.model_call_id, dataclasses.replace(call.coordinates, parent_call_id=parent))
-        if dialect.native and self.via_responses(upstream, body):
-            served = await self.serve_responses(dialect, upstream, body, history, call, started)
-            if served is not None:
-                return served
-        chat = dialect.to_chat(body, history)
-        custody = self.custody(call, chat)
-        span_attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
-        if stream:
-            await custody.begin()
-            return await self.serve_stream(
-                dialect, upstream, chat, body, history, call, started, span_attributes, custody
-            )
-        async with custody:
-            with self.span(span_attributes) as span:
-                completion = await self.post(upstream, chat, dialect)
-                if custody.recorded:
-                    await custody.write_chat(chat, completion_of(completion, completion["choices"][0]["message"]))
-                answer = dialect.answer(completion, body, history, call.model_call_id)
-                self.finished(dialect, False, started, None, span)
-        return JSONResponse(answer, headers=_call_headers(call))
-
-    def via_responses(self, upstream: _Upstream, body: Mapping[str, Any]) -> bool:
-        """Whether to ask vLLM's own ``/v1/responses`` (it has no log probabilities for tool calls)."""
-        if self.responses_upstream == "chat" or upstream.serves_responses is False:
-            return False
-        return self.responses_upstream == "responses" or not (body.get("tools") or body.get("stream"))
-
-    async def post(self, upstream: _Upstream, body: Mapping[str, Any], dialect: Dialect) -> dict[str, Any]:
-        """A chat completion, whole, from the upstream."""
-        try:
-            response = await upstream.client.post(
-                upstream.base + "/chat/completions", content=_ENCODE.encode(body), headers=_JSON
-            )
-            data = await read_body(response, "answer", self.max_response_bytes)
-        except (TokensError, httpx.HTTPError) as exc:
-            raise self.upstream_error(exc, dialect) from None
-        return _DECODE.decode(data)
-
-    async def serve_responses(
-        self,
-        dialect: Dialect,
-        upstream: _Upstream,
-        body: dict[str, Any],
-        history: list[Any],
-        call: _Call,
-        started: float,
-    ) -> Response | None:
-        """A Responses request through vLLM's ``/v1/responses``; None when the upstream does not serve it."""
-        sent = prepare_responses_request({key: value for key, value in body.items() if key != "previous_response_id"})
-        sent["input"] = (
-            [*history, *sent["input"]]
-            if isinstance(sent.get("input"), list)
-            else ([*history, {"type": "message", "role": "user", "content": sent.get("input", "")}])
-        )
-        attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: False, UPSTREAM_ATTR: "responses"}
-        chat = dialect.to_chat(body, history) if self.recorder is not None and call.coordinates is not None else {}
-        async with self.custody(call, chat) as custody:
-            with self.span(attributes) as span:
-                try:
-                    response = await upstream.client.post(upstream.base + "/responses", json=sent)
-                    if response.status_code in (404, 405) and self.responses_upstream == "auto":
-                        await response.aclose()
-                        upstream.serves_responses = False  # remembered: chat completions from now on
-                        return None
-                    data = await read_body(response, "answer", self.max_response_bytes)
-                    decoded = decode_responses(data)
-                    bundle = await self.chain(Exchange(sent, decoded))
-                except (TokensError, httpx.HTTPError) as exc:
-                    raise self.upstream_error(exc, dialect) from None
-                upstream.serves_responses = True
-                answer = decoded.answer
-                answer.pop("choices", None)
-                output = answer["output"]
-                if not output:
-                    output.append(
-                        {
-                            "id": f"msg_{answer.get('id', '')}",
-                            "type": "message",
-                            "role": "assistant",
-                            "status": "completed",
-                            "content": [],
-                        }
-                    )
-                output[-1].update(
-                    zip(
-                        TOKEN_FIELDS,
-                        (bundle.prompt_token_ids, bundle.generation_token_ids, bundle.generation_log_probs),
-                        strict=True,
-                    )
-                )
-                answer["previous_response_id"] = body.get("previous_response_id")
-                if custody.recorded:
-                    message = {"role": "assistant", "content": _output_text(output)}
-                    as_chat = {"id": answer.get("id"), "model": answer.get("model"), "choices": [{"message": message}]}
-                    await custody.write_chat(chat, completion_of(as_chat, output[-1]))
-                dialect.remember(body, answer, history, call.model_call_id)
-                self.finished(dialect, False, started, None, span)
-        return JSONResponse(answer, headers=_call_headers(call))
-
-    async def serve_stream(
-        self,
-        dialect: Dialect,
-        upstream: _Upstream,
-        chat: dict[str, Any],
-        body: Mapping[str, Any],
-        history: list[Any],
-        call: _Call,
-        started: float,
-        attributes: dict[str, Any],
-        custody: Custody,
-    ) -> Response:
-        tracer = self.tracing.get()
-        span = None if tracer is None else _start_span(tracer, dialect.name, attributes)
-        request = upstream.client.build_request(
-            "POST", upstream.base + "/chat/completions", content=_ENCODE.encode(chat), headers=_JSON
-        )
-        try:
-            with trace.use_span(span, end_on_exit=False) if span is not None else nullcontext():
-                response = await upstream.client.send(request, stream=True)
-            if response.status_code >= 400:
-                await read_body(response, "answer", self.max_response_bytes)  # raises the typed error
-        except (TokensError, httpx.HTTPError) as exc:
-            error = self.upstream_error(exc, dialect)
-            await custody.end(error)
-            if span is not None:
-                safely("tokens.proxy span", _end_span, span, error)
-            raise error from None
-
-        closed = False
-
-        async def close(error: ProxyError | None) -> None:
-            """Once, whether the events ran or not: the upstream's stream closed, the call counted."""
-            nonlocal closed
-            if not closed:
-                closed = True
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    await response.aclose()
-                self.finished(dialect, True, started, error, span)
-
-        async def gone() -> None:  # the client went away before the first event was produced
-            await close(RequestRejectedError("the client went away before its stream started"))
-
-        async def events() -> AsyncIterator[bytes]:
-            error: ProxyError | None = None
-            converter = dialect.events(body)
-            gathered = StreamRecord() if custody.recorded else None
-            try:
-                if converter is not None:
-                    for event in converter.start():
-                        yield event
-                async for event in response.aiter_raw():
-                    if converter is None and gathered is None:
-                        yield event
-                        continue
-                    for chunk in chunks_of(event):
-                        if chunk is None:
-                            continue
-                        if gathered is not None and gathered.feed(chunk):
-                            await custody.write_chat(chat, gathered.completion())  # before the end goes out
-                        if converter is not None:
-                            for out in converter.feed(chunk):
-                                yield out
-                    if converter is None:
-                        yield event
-                if converter is not None:
-                    for out in converter.finish():
-                        yield out
-                    dialect.ended(converter, body, history, call.model_call_id)
-            except (TokensError, httpx.HTTPError, ProxyError) as exc:
-                error = self.upstream_error(exc, dialect)
-                await custody.end(error)
-                yield dialect.error_event(error, converter)
-            except anyio.get_cancelled_exc_class() as exc:  # cancelled before its record: the rollout has a hole
-                await custody.end(exc)
-                raise
-            finally:
-                await close(error)
-
-        return EventStream(events(), self.client_timeout, _call_headers(call), closing=gone)
-
-    # -- errors and telemetry ------------------------------------------------------------------
-
-    def upstream_error(self, exc: BaseException, dialect: Dialect | None = None) -> ProxyError:
-        """The client's view of an upstream failure (``upstream_error``); a capture failure is counted."""
-        error = upstream_error(exc)
-        if error is not exc and isinstance(error, CaptureFailedError):
-            self.count_capture_error(dialect, exc)
-        return error
-
-    def count_capture_error(self, dialect: Dialect | None, exc: BaseException) -> None:
-        instruments = self.instruments.get()
-        if instruments is not None:
-            attributes = {
-                DIALECT_ATTR: "unknown" if dialect is None else dialect.name,
-                ERROR_TYPE_ATTR: error_type(exc),
-            }
-            safely("tokens.proxy.capture_error_total", instruments.capture_errors.add, 1, attributes)
-
-    def error_response(self, dialect: Dialect, error: ProxyError) -> Response:
-        return JSONResponse(dialect.error_body(error), status_code=error.status)
-
-    def span(self, attributes: dict[str, Any]) -> AbstractContextManager[Span | None]:
-        tracer = self.tracing.get()
-        if tracer is None:
-            return nullcontext()
-        return guarded_span(tracer, f"tokens.proxy {attributes[DIALECT_ATTR]}", attributes)
-
-    def finished(
-        self, dialect: Dialect, stream: bool, started: float, error: ProxyError | None, span: Span | None = None
-    ) -> None:
-        outcome = "ok" if error is None else type(error).__name__
-        instruments = self.instruments.get()
-        if instruments is not None:
-            elapsed = (time.perf_counter() - started) * 1000.0
-            attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, OUTCOME_ATTR: outcome}
-            safely("tokens.proxy.duration_ms", instruments.duration_ms.record, elapsed, attributes)
-        if span is not None and stream:
-            safely("tokens.proxy span", _end_span, span, error)
-        elif span is not None and error is not None:
-            safely("tokens.proxy span", span.set_attribute, OUTCOME_ATTR, outcome)
-
-
-def _start_span(tracer: trace.Tracer, dialect: str, attributes: dict[str, Any]) -> Span | None:
-    try:
-        return tracer.start_span(f"tokens.proxy {dialect}", attributes=attributes)
-    except Exception:  # a broken span processor: no span, the call goes on
-        return None
-
-
-def _end_span(span: Span, error: ProxyError | None) -> None:
-    if error is not None:
-        span.set_attribute(ERROR_TYPE_ATTR, error_type(error))
-        span.set_status(trace.StatusCode.ERROR, type(error).__name__)
-    span.end()
-
-
-def _output_text(output: Sequence[Any]) -> str:
-    messages = [item for item in output if isinstance(item, dict) and item.get("type") == "message"]
-    parts = [part for item in messages for part in item.get("content") or () if isinstance(part, dict)]
-    return "".join(str(part.get("text", "")) for part in parts if part.get("type") == "output_text")
-
-
-def _call_headers(call: _Call) -> dict[str, str]:
-    headers = {CALL_HEADER: call.model_call_id}
-    if call.coordinates is not None:
-        headers[ROLLOUT_HEADER] = call.coordinates.rollout_id
-    return headers
 
 
 def create_app(
@@ -575,7 +204,7 @@ def create_app(
             raise ValueError(f"create_app: {where} must be an http(s) URL with a host, e.g. http://host:8000/v1")
     timeout = httpx.Timeout(upstream_timeout, connect=connect_timeout)
     upstreams = {
-        model: _Upstream(
+        model: Upstream(
             url,
             upstream_api_key,
             transport,
@@ -589,7 +218,7 @@ def create_app(
     }
     if not upstreams:
         raise ValueError("create_app: upstream_url names no upstream")
-    proxy = _App(upstreams, store=store, max_request_bytes=max_request_bytes, max_response_bytes=max_response_bytes,
+    proxy = _App(Upstreams(upstreams), store=store, max_request_bytes=max_request_bytes,
                  client_timeout=client_timeout, responses_upstream=responses_upstream, previous=previous_responses,
                  middleware=middleware, meter_provider=meter_provider, tracer_provider=tracer_provider)  # fmt: skip
 

@@ -139,11 +139,17 @@ class _ProxyCustody(Custody):
 
 
 class Recorder:
-    """The proxy's side of ``tokens.records``: one custody per call with a rollout id."""
+    """The proxy's side of ``tokens.records``: one custody per call with a rollout id (none without a store)."""
 
     def __init__(self, store: Any) -> None:
-        self.writer = RecordWriter(store)
+        self.writer = None if store is None else RecordWriter(store)
+
+    def records(self, coordinates: Coordinates | None) -> bool:
+        """Whether a call at ``coordinates`` is recorded: with a store and a rollout id."""
+        return self.writer is not None and coordinates is not None
 
     def custody(self, coordinates: Coordinates | None, chat: Mapping[str, Any]) -> Custody:
-        """The call's custody (``chat``: the request as served); one that records nothing without a rollout id."""
-        return UNRECORDED if coordinates is None else _ProxyCustody(self.writer, coordinates, chat)
+        """The call's custody (``chat``: the request as served); one that records nothing when it is not recorded."""
+        if self.writer is None or coordinates is None:
+            return UNRECORDED
+        return _ProxyCustody(self.writer, coordinates, chat)
