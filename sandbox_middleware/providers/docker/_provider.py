@@ -64,6 +64,7 @@ _MiB = 1 << 20
 _NOBODY = "65534:65534"
 _ROOT_USERS = ("", "root", "0", "0:0")
 _KILL_TIMEOUT_S = 10.0
+_UNPAUSE_SETTLE_S = 2.0  # how long an exec waits out dockerd marking an unpaused container paused again
 _STATUS = {
     "running": SandboxStatus.RUNNING,
     "paused": SandboxStatus.PAUSED,
@@ -485,8 +486,21 @@ class DockerProvider:
 
     async def _exec_create(self, handle: SandboxHandle, box: Box, body: dict[str, Any]) -> str:
         what = f"run a command in sandbox {handle.sandbox_id[:12]}"
+        settle = time.monotonic() + _UNPAUSE_SETTLE_S
         try:
-            reply = await self._api.call("POST", f"/containers/{box.container}/exec", what, body=body)
+            while True:
+                try:
+                    reply = await self._api.call("POST", f"/containers/{box.container}/exec", what, body=body)
+                    break
+                except EngineError as exc:
+                    # dockerd applies containerd's "paused" event asynchronously: landing after an unpause
+                    # (resume(), a timed-out command's kill), it marks the container paused again for a
+                    # moment. A container this provider does not hold paused is given that moment.
+                    if exc.status != 409 or "is paused" not in exc.message or box.paused:
+                        raise
+                    if time.monotonic() >= settle:
+                        raise
+                    await anyio.sleep(0.02)
         except EngineError as exc:
             if exc.status == 404:
                 if box.is_expired():
@@ -684,10 +698,12 @@ class DockerProvider:
         """Freeze every process of the sandbox (the cgroup freezer); its TTL keeps running."""
         box = self._box(handle)
         await self._api.call("POST", f"/containers/{box.container}/pause", f"pause {handle.sandbox_id[:12]}")
+        box.paused = True
 
     async def resume(self, handle: SandboxHandle) -> None:
         box = self._box(handle)
         await self._api.call("POST", f"/containers/{box.container}/unpause", f"resume {handle.sandbox_id[:12]}")
+        box.paused = False
 
     async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]:
         box = self._box(handle)

@@ -281,7 +281,10 @@ def test_missing_exporter_names_the_extra() -> None:
 
 
 @default_stack
-@pytest.mark.skipif(importlib.util.find_spec("opentelemetry.exporter.otlp") is None, reason="needs the otlp extra")
+@pytest.mark.skipif(
+    importlib.util.find_spec("opentelemetry.exporter.otlp") is None,
+    reason="the otlp extra is not installed: pip install -e '.[otlp]'",
+)
 def test_unreachable_collector_is_reported_once() -> None:
     """--export otlp with nothing listening: the exporters' retry chatter becomes one line naming it (no password)."""
     port = free_port()

@@ -21,7 +21,7 @@ from sandbox_middleware import (
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests.providers import PlainProvider
 
-from ._support import PYTHON, containers, spec
+from ._support import PYTHON, containers, require_bridge, spec
 
 pytestmark = pytest.mark.anyio
 
@@ -31,6 +31,7 @@ ATTRS = {"nemo__gym__sandbox__provider": "docker"}
 async def test_every_operation_through_the_recommended_stack(
     make: Callable[..., DockerProvider], telemetry: TelemetryCapture, tmp_path: Path
 ) -> None:
+    require_bridge()  # it publishes a port
     bare = make(network="bridge", connect_key=b"s" * 32)
     layers = [
         *recommended_middleware(meter_provider=telemetry.meter_provider, tracer_provider=telemetry.tracer_provider),
