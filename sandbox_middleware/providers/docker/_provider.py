@@ -256,6 +256,11 @@ class DockerProvider:
             init=self._init,
         )  # fmt: skip
 
+    async def check_image(self, image: str) -> None:
+        """Raise ``SandboxImageNotFoundError`` unless ``image`` is on the daemon (pulled first with
+        ``pull=True``), as a create of it would: asked once before many creates (``sandbox-middleware run``)."""
+        await self._user_of(check_text(image, "image").removeprefix("docker://"))
+
     async def _user_of(self, image: str) -> tuple[str, tuple[int, int] | None]:
         """Who commands run as (``user="auto"``: the image's non-root USER, else uid 65534), and its
         numeric uid and gid where known. Asking also says whether the image is there (and pulls it
