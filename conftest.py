@@ -59,8 +59,9 @@ def pytest_configure(config: pytest.Config) -> None:
 _workers_left: list[str] = []  # in the controller: what the workers reported (their ``workeroutput``)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without xdist (-p no:xdist) has none
 def pytest_testnodedown(node: object, error: object) -> None:
-    """pytest-xdist's hook, in the controller, as a worker ends: what it left behind."""
+    """In the controller, as a worker ends: what it left behind."""
     _workers_left.extend(getattr(node, "workeroutput", {}).get("left_behind", []))
 
 

@@ -27,8 +27,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # loadgroup``, .ci/run) runs a group's tests in one worker, one after another, while the other workers run
 # the rest. Ray: each module starts a local cluster and its workers, and one Prometheus scrapes every
 # worker's /metrics; the host pools: machine-wide counts (the kernel's open-file table, pids); the docs:
-# examples that serve or expect a server on fixed ports (vLLM's localhost:8000, Prometheus' 9464).
+# examples that serve or expect a server on fixed ports (vLLM's localhost:8000, Prometheus' 9464); vLLM:
+# the real server (a CPU vLLM, gigabytes and minutes to start) is started once, in one worker.
 XDIST_GROUPS = {
+    "tests/tokens/test_vllm_integration.py": "vllm",
+    "tests/tokens/records/test_vllm_records.py": "vllm",
+    "tests/tokens/proxy/test_vllm_proxy.py": "vllm",
     "tests/sandbox/cli/test_ray.py": "ray",
     "tests/sandbox/test_admission_ray.py": "ray",
     "tests/tokens/records/test_cross_process.py": "ray",
