@@ -275,7 +275,7 @@ def test_reap_closes_exactly_what_a_killed_worker_held(ray_address: str, tmp_pat
 
         anyio.run(close_live)
     assert running.returncode == 1, out + err  # a lost worker: its run must be reaped
-    assert "LOST" in out and "sandbox-middleware reap CONFIG --run crash" in out
+    assert "LOST" in out and f"sandbox-middleware reap {config} --run crash closes them" in out
     assert row(out, "sessions ok / failed") == "4 / 0"
     assert _ground_truth(sandbox_base) == []
     # The killed worker could not remove its workload directory (Ray's workers share this run's TMPDIR);
