@@ -22,7 +22,9 @@ base() {  # $1: root directory to fill with busybox and a minimal /etc
   mkdir -p "$root"/{bin,etc,tmp,workspace,home/sandbox,proc,sys,dev}
   chmod 1777 "$root/tmp"
   cp "$busybox" "$root/bin/busybox"
-  for applet in $("$busybox" --list); do
+  local applets
+  applets="$("$busybox" --list)"  # a busybox that cannot run fails the build here (set -e), not an image later
+  for applet in $applets; do
     [ -e "$root/bin/$applet" ] || ln -s busybox "$root/bin/$applet"
   done
   printf 'root:x:0:0:root:/root:/bin/sh\nsandbox:x:1000:1000:sandbox:/home/sandbox:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' >"$root/etc/passwd"

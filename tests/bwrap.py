@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import NoReturn
 
 import anyio
-import pytest
 
 from sandbox_middleware import BwrapUnavailableError, LocalProvider
+
+from . import needs
 
 REQUIRE = "REQUIRE_BWRAP"
 NOT_INSTALLED = "bubblewrap is not installed: apt-get install bubblewrap"
@@ -56,14 +57,12 @@ def _cannot_run(bwrap: str) -> str | None:
 
 
 def required() -> bool:
-    return os.environ.get(REQUIRE) == "1"
+    return needs.required(REQUIRE)
 
 
 def unavailable(reason: str) -> NoReturn:
     """Skip the calling test for ``reason``, in one line; with ``REQUIRE_BWRAP=1`` fail it instead."""
-    if required():
-        pytest.fail(f"{reason} ({REQUIRE}=1: CI must run the tests that need it)", pytrace=False)
-    pytest.skip(f"{reason} ({REQUIRE}=1 turns this skip into a failure)")
+    needs.unavailable(reason, REQUIRE)
 
 
 def only_bwrap_unavailable(exc: BaseException) -> bool:

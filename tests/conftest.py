@@ -23,12 +23,38 @@ from .vllm.server import require_vllm_python, running_server
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+# Tests that cannot share the machine with one another, one group each: pytest-xdist (``-n 2 --dist
+# loadgroup``, .ci/run) runs a group's tests in one worker, one after another, while the other workers run
+# the rest. Ray: each module starts a local cluster and its workers, and one Prometheus scrapes every
+# worker's /metrics; the host pools: machine-wide counts (the kernel's open-file table, pids); the docs:
+# examples that serve or expect a server on fixed ports (vLLM's localhost:8000, Prometheus' 9464); vLLM:
+# the real server (a CPU vLLM, gigabytes and minutes to start) is started once, in one worker.
+XDIST_GROUPS = {
+    "tests/tokens/test_vllm_integration.py": "vllm",
+    "tests/tokens/records/test_vllm_records.py": "vllm",
+    "tests/tokens/proxy/test_vllm_proxy.py": "vllm",
+    "tests/sandbox/cli/test_ray.py": "ray",
+    "tests/sandbox/test_admission_ray.py": "ray",
+    "tests/tokens/records/test_cross_process.py": "ray",
+    "tests/sandbox/providers/local/containment/test_host_pools.py": "host-pools",
+    "tests/docs/test_examples.py": "docs",
+}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "requires_bwrap(condition=True): needs bubblewrap where nothing in this process shows it (a "
         "subprocess, the CLI) when condition is true; skipped where bwrap cannot run, failed with REQUIRE_BWRAP=1",
     )
+    config.addinivalue_line("markers", "xdist_group(name): run in one pytest-xdist worker with its group")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if (group := XDIST_GROUPS.get(item.nodeid.split("::")[0])) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from .needs import unavailable
 
 PG_BIN = Path(os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin"))
 INSTALL = "apt-get install postgresql (PostgreSQL 15 server binaries) and pip install -e '.[postgres]'"
@@ -40,9 +40,7 @@ def require_postgres() -> None:
     problem = postgres_problem()
     if problem is None:
         return
-    if os.environ.get("REQUIRE_POSTGRES") == "1":
-        pytest.fail(problem + " (REQUIRE_POSTGRES=1: CI must run these tests)", pytrace=False)
-    pytest.skip(problem)
+    unavailable(problem, "REQUIRE_POSTGRES")
 
 
 def _as_postgres(*command: str) -> list[str]:

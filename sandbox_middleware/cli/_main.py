@@ -29,6 +29,7 @@ from .._protocol import SandboxProvider
 from .._reaper import reap
 from ..middleware._recommended import recommended_middleware_config
 from ..middleware._warm_pool import WarmPoolMiddleware
+from ..providers.local import LocalProvider
 from ..testing import parse_faults
 from ._export import EXPORTS, start_telemetry
 from ._process import ProcessResult, RunOptions, combine, orphans_row, run_process, with_layer, with_run_id
@@ -133,7 +134,8 @@ def _version() -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sandbox-middleware", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,reap}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,reap}",
+                                help="the command (each has its own --help)")  # fmt: skip
     run = sub.add_parser("run", help="run a rollout-shaped workload through a stack and print its telemetry",
                          description=__doc__)  # fmt: skip
     run.add_argument("config", nargs="?", help="YAML stack config (default: local provider, full recommended stack)")
@@ -165,7 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--linger", type=_seconds, default=0.0, help="seconds to keep exporting after the run")
     run.add_argument("--faults", default="",
                      help="inject provider faults, e.g. create=0.1,close=0.05,exec=0.01,lost_create=0.1")  # fmt: skip
-    run.add_argument("--seed", type=_integer(), default=None, help="seed of the fault injector (printed when random)")
+    run.add_argument("--seed", type=_integer(), default=None,
+                     help="seed of the fault injector (printed when random): the same seed fails the same "
+                     "sessions' operations, whatever the concurrency")  # fmt: skip
     run.add_argument(
         "--think",
         type=_seconds,
@@ -185,7 +189,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="ADDRESS",
         help="spread the sessions over Ray actors on the cluster at ADDRESS (default: auto, the "
-        "cluster `ray start --head` started on this machine); needs the 'ray' extra",
+        "cluster 'ray start --head' started on this machine); needs the 'ray' extra",
     )
     run.add_argument("--workers", type=_integer(1), default=2, help="Ray actors with --ray (default 2)")
     run.add_argument(
@@ -282,6 +286,11 @@ def _run_command(args: argparse.Namespace) -> int:
         raise UsageError("argument --prometheus-sd-file: needs --ray and --export prometheus")
     if args.provider == "docker" and not args.image:
         raise UsageError("argument --image: --provider docker needs the image every session's sandbox runs")
+    if args.image is not None and issubclass(resolved.provider.cls, LocalProvider):
+        raise UsageError(
+            f"argument --image: provider {resolved.provider.name!r} (LocalProvider) runs no images, its sandboxes "
+            f"run this machine's own programs; drop --image, or run --provider docker --image {args.image}"
+        )
     if args.warm is not None:
         resolved = with_layer(resolved, "warm_pool", {"size": args.warm})
     if args.max_create_rate is not None:

@@ -8,17 +8,18 @@ import os
 import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, TypeVar
 
 import anyio
 
 from .._config import ResolvedStack, resolve_config
+from .._errors import SandboxImageNotFoundError, UsageError
 from .._protocol import SandboxProvider, SupportsSandboxList
 from .._reaper import ReapedSandbox, close_listed
 from .._registry import middleware_registry
 from ..middleware._ownership import OwnershipMiddleware
 from ..middleware._release_accounting import ReleaseAccountingMiddleware
+from ..providers.docker import DockerProvider
 from ._export import Telemetry
 from ._report import Points, draw, merge, progress, snapshot
 from ._workload import CLOSE_TIMEOUT_S, RunState, workload
@@ -158,10 +159,20 @@ def run_process(
                                           close_timeout_s=CLOSE_TIMEOUT_S))  # fmt: skip
 
     run = RunState(options.sessions, held_changes=[] if options.timeline else None)
-    anyio.run(partial(workload, provider, run, concurrency=options.concurrency, commands=options.commands,
-                      think_s=options.think_s, image=options.image,
-                      background=progress(accounting) if show_progress else None,
-                      finish=close_orphans if can_look else None, handle_signals=handle_signals))  # fmt: skip
+
+    async def checked_workload() -> None:
+        try:
+            await _check_image(provider, options.image)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await provider.aclose()
+            raise
+        await workload(provider, run, concurrency=options.concurrency, commands=options.commands,
+                       think_s=options.think_s, image=options.image,
+                       background=progress(accounting) if show_progress else None,
+                       finish=close_orphans if can_look else None, handle_signals=handle_signals)  # fmt: skip
+
+    anyio.run(checked_workload)
     if show_progress:
         draw(run, accounting, final=True)
     return ProcessResult(
@@ -174,6 +185,17 @@ def run_process(
         orphans=orphans if can_look else None,
         alive=sorted(injector[0].alive) if injector else [],
     )
+
+
+async def _check_image(provider: SandboxProvider, image: str | None) -> None:
+    """An image the provider does not have is one usage error before any session, not every session's."""
+    docker = find_layer(provider, DockerProvider)
+    if image is None or docker is None:
+        return
+    try:
+        await docker.check_image(image)
+    except SandboxImageNotFoundError as exc:
+        raise UsageError(f"argument --image: {exc}") from None
 
 
 def combine(results: Sequence[ProcessResult], sessions: int) -> ProcessResult:

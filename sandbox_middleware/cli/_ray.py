@@ -131,10 +131,14 @@ def _run(
             host, pid, _ = where[index]
             try:
                 result: ProcessResult = ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, UsageError):  # the worker's check at start (a missing image)
+                    raise exc.cause from None
+                raise
             except ray.exceptions.RayActorError as exc:
                 lost += 1
                 lines.append(f"worker {index}  pid {pid} on {host}: LOST ({type(exc).__name__}); its sandboxes "
-                             f"stay until `sandbox-middleware reap CONFIG --run {run_id}` or their TTL")  # fmt: skip
+                             f"stay until {_reap_hint(args, resolved, run_id)}")  # fmt: skip
                 continue
             results.append(result)
             lines.append(
@@ -151,6 +155,15 @@ def _run(
     finally:
         for actor in actors:
             ray.kill(actor)
+
+
+def _reap_hint(args: argparse.Namespace, resolved: ResolvedStack, run_id: str | None) -> str:
+    """What closes a lost worker's sandboxes: ``reap`` of this run, or (no ownership layer) only their TTL."""
+    if run_id is None:
+        return ("their TTL: this stack has no ownership layer, so reap cannot tell them from other sandboxes "
+                "(add ownership to the config's middleware to make a run reapable)")  # fmt: skip
+    where = args.config or f"--provider {resolved.provider.name}"
+    return f"sandbox-middleware reap {where} --run {run_id} closes them (or their TTL)"
 
 
 def _write_sd_file(path: Path, host: str, where: list[tuple[str, int, int | None]], run_id: str | None) -> None:

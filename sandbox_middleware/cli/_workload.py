@@ -22,6 +22,7 @@ import anyio
 from .._errors import CommandFailedError
 from .._protocol import SandboxProvider, SandboxSpec
 from .._sandbox import Sandbox
+from ..testing import FAULT_STREAM
 
 logger = logging.getLogger("sandbox_middleware")
 
@@ -130,6 +131,7 @@ async def _pool(
 
     async def worker(result: Path) -> None:
         while run.handed_out < run.sessions:
+            FAULT_STREAM.set(f"session {run.handed_out}")  # its faults: by the seed and its number alone
             run.handed_out += 1
             await _session(provider, SandboxSpec(image=image), commands, think_s, source, result, run)
 

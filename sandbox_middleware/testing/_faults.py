@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -18,6 +19,11 @@ T = TypeVar("T")
 
 _ON_A_LIVE_SANDBOX = frozenset({"exec", "upload", "download"})
 """The operations that fail with SandboxNotFoundError on a sandbox that is not alive."""
+
+FAULT_STREAM: ContextVar[str] = ContextVar("sandbox_middleware_fault_stream", default="")
+"""The stream of random choices the calls of this context draw from (``sandbox-middleware run`` sets
+``"session N"`` in each session): with one stream per session, which faults land on a session depends on
+the seed and the session alone, never on which of the sessions running at once called first."""
 
 
 class FaultInjectingProvider(ProviderMiddleware):
@@ -38,7 +44,9 @@ class FaultInjectingProvider(ProviderMiddleware):
 
     Ground truth: ``alive`` is the set of sandbox ids that really exist, ``orphaned`` those created
     by a lost or cancelled create whose handle never reached the caller, ``injected`` every fault
-    raised. ``seed`` makes the random choices reproducible.
+    raised. ``seed`` makes the random choices reproducible: the n-th call of an operation in a stream
+    (``FAULT_STREAM``; a call on a sandbox outside any stream draws from the stream that created it) is
+    failed or not by ``(seed, stream, operation, n)`` alone, whatever else runs at the same time.
     """
 
     def __init__(
@@ -71,7 +79,9 @@ class FaultInjectingProvider(ProviderMiddleware):
         self.close_failures = close_failures
         self.latency = dict(latency or {})
         self.hang_at = frozenset(hang_at)
-        self.random = random.Random(seed)
+        self.seed = seed
+        self._draws: dict[tuple[str, str], int] = {}  # (stream, operation): calls so far
+        self._streams: dict[str, str] = {}  # sandbox id: the stream of the create that made it
         self.orphaned: set[str] = set()
         self.injected: list[InjectedFault] = []
         self.calls: dict[str, int] = dict.fromkeys(OPERATIONS, 0)
@@ -91,9 +101,9 @@ class FaultInjectingProvider(ProviderMiddleware):
         if f"{operation}:before" in self.hang_at:
             await anyio.sleep_forever()
         rate = self.failure_rates.get(operation)
-        if rate and self.random.random() < rate:
+        if rate and self._chance(operation, sandbox_id) < rate:
             self._raise(operation, f"injected {operation} failure")
-        if sandbox_id is not None and sandbox_id not in self.alive:
+        if operation in _ON_A_LIVE_SANDBOX and sandbox_id is not None and sandbox_id not in self.alive:
             raise SandboxNotFoundError(f"{self.name}: no live sandbox {sandbox_id!r}")
 
     async def _leave(self, operation: str) -> None:
@@ -102,6 +112,13 @@ class FaultInjectingProvider(ProviderMiddleware):
             await anyio.sleep_forever()
         await anyio.lowlevel.checkpoint()
 
+    def _chance(self, draw: str, sandbox_id: str | None) -> float:
+        """The next random number of ``draw`` (an operation, or ``lost_create``) in this call's stream."""
+        stream = FAULT_STREAM.get() or self._streams.get(sandbox_id or "", "")
+        n = self._draws.get((stream, draw), 0)
+        self._draws[(stream, draw)] = n + 1
+        return random.Random(f"{self.seed}/{stream}/{draw}/{n}").random()
+
     def _raise(self, operation: str, message: str) -> None:
         error = InjectedCreateError(message) if operation == "create" else InjectedFault(message)
         self.injected.append(error)
@@ -109,7 +126,8 @@ class FaultInjectingProvider(ProviderMiddleware):
 
     async def around(self, operation: Operation[T]) -> T:
         name, handle = operation.name, operation.handle
-        await self._enter(name, handle.sandbox_id if handle is not None and name in _ON_A_LIVE_SANDBOX else None)
+        sandbox_id = handle.sandbox_id if handle is not None else None
+        await self._enter(name, sandbox_id)
         if handle is not None and name == "close":
             attempts = self._close_attempts.get(handle.sandbox_id, 0)
             if attempts < self.close_failures and handle.sandbox_id in self.alive:
@@ -120,11 +138,13 @@ class FaultInjectingProvider(ProviderMiddleware):
         if created is not None:
             self.alive.add(created)
             self.orphaned.add(created)  # until the handle is handed back
-            if self.lost_create_rate and self.random.random() < self.lost_create_rate:
+            self._streams[created] = FAULT_STREAM.get()
+            if self.lost_create_rate and self._chance(LOST_CREATE, None) < self.lost_create_rate:
                 self._raise("create", f"injected lost response: {created} was created")
         elif handle is not None and name == "close":
             self._close_attempts.pop(handle.sandbox_id, None)
             self.alive.discard(handle.sandbox_id)
+            self._streams.pop(handle.sandbox_id, None)
         await self._leave(name)
         if created is not None:
             self.orphaned.discard(created)

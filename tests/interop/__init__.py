@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
-import pytest
+from tests.needs import unavailable
 
 
 def require_nemo_gym() -> None:
@@ -16,6 +15,4 @@ def require_nemo_gym() -> None:
         "NeMo Gym is not installed for the interop tests; run them in its venv: "
         '"$(bash scripts/install-nemo-gym.sh | tail -n 1)" -m pytest tests/interop'
     )
-    if os.environ.get("REQUIRE_NEMO_GYM") == "1":
-        pytest.fail(message + " (REQUIRE_NEMO_GYM=1: CI must run them)", pytrace=False)
-    pytest.skip(message, allow_module_level=True)
+    unavailable(message, "REQUIRE_NEMO_GYM", module=True)

@@ -29,14 +29,11 @@ def vllm_python() -> Path | None:
 
 def require_vllm_python() -> Path:
     """The vLLM venv's python; the calling test is skipped without it (failed with REQUIRE_VLLM=1)."""
-    import pytest
+    from tests.needs import unavailable
 
     python = vllm_python()
     if python is None:
-        message = "vLLM is not installed for the integration tests; run: bash scripts/install-vllm.sh"
-        if os.environ.get("REQUIRE_VLLM") == "1":
-            pytest.fail(message + " (REQUIRE_VLLM=1: CI must run them)")
-        pytest.skip(message)
+        unavailable("vLLM is not installed for the integration tests: bash scripts/install-vllm.sh", "REQUIRE_VLLM")
     return python
 
 

@@ -6,6 +6,19 @@ serves it; ``ProxyServer`` serves it on a loopback port in a background thread (
 ``proxy`` extra (``pip install 'llm-sandbox-middleware[proxy]'``). See docs/proxy.md.
 """
 
+import sys
+
+try:  # the proxy extra: without it, an ImportError naming it (python -m tokens.proxy: that one line, exit 2)
+    import starlette  # noqa: F401
+    import uvicorn  # noqa: F401
+except ImportError as missing:
+    _NEEDS = (f"tokens.proxy needs the 'proxy' extra ({missing.name} is not installed): "
+              "pip install 'llm-sandbox-middleware[proxy]'")  # fmt: skip
+    if sys.argv[:1] == ["-m"]:  # python -m tokens.proxy imports this package before its __main__
+        print(f"python -m tokens.proxy: {_NEEDS}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise ImportError(_NEEDS, name=missing.name) from missing
+
 from ..records import Coordinates
 from ._app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from ._errors import (

@@ -1,5 +1,6 @@
-"""``python -m tokens.proxy --upstream URL [--store URL] --host 127.0.0.1 --port PORT``: serve the capture
-proxy; its root URL is printed on one line once it listens (agents use ``<url>/r/<rollout-id>/v1``)."""
+"""python -m tokens.proxy --upstream URL [--store URL] [--host 127.0.0.1] [--port PORT]: serve the capture
+proxy. Its root URL is printed on one line once it listens; agents use <url>/r/<rollout-id>/v1 as their
+base URL. Needs the 'proxy' extra: pip install 'llm-sandbox-middleware[proxy]'."""
 
 from __future__ import annotations
 
@@ -29,10 +30,35 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="the environment variable holding the upstream's API key (never on the command line)",
     )
-    parser.add_argument("--responses-upstream", choices=("auto", "responses", "chat"), default="auto")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
-    parser.add_argument("--upstream-timeout", type=float, default=600.0)
-    parser.add_argument("--client-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--responses-upstream",
+        choices=("auto", "responses", "chat"),
+        default="auto",
+        help="how Responses API requests are served: auto (default) asks the upstream's /v1/responses for "
+        "those without tools and not streamed and converts the rest to chat completions; chat always "
+        "converts; responses always asks /v1/responses",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="BYTES",
+        help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+    parser.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="bounds each upstream read, a stream's silence between events too (default 600)",
+    )
+    parser.add_argument(
+        "--client-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a request body slower than this gets 408; a client not taking an event within it is dropped (default 60)",
+    )
     return parser
 
 

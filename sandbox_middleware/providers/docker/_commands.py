@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = ["KILL_TIMEOUT_S", "Commands"]
 logger = logging.getLogger("sandbox_middleware")
 
 KILL_TIMEOUT_S = 10.0
+UNPAUSE_SETTLE_S = 2.0  # how long an exec waits out dockerd marking an unpaused container paused again
 
 
 class Commands:
@@ -93,7 +95,7 @@ class Commands:
     async def _create(self, handle: SandboxHandle, box: Box, body: dict[str, Any]) -> str:
         what = f"run a command in sandbox {handle.sandbox_id[:12]}"
         try:
-            reply = await self._api.call("POST", f"/containers/{box.container}/exec", what, body=body)
+            reply = await self._post_exec(box, body, what)
         except EngineError as exc:
             if exc.status == 404:
                 if box.is_expired():
@@ -112,6 +114,19 @@ class Commands:
                 ) from exc
             raise
         return str(reply.json()["Id"])
+
+    async def _post_exec(self, box: Box, body: dict[str, Any], what: str) -> httpx.Response:
+        """Make the exec. dockerd applies containerd's "paused" event asynchronously: landing after an
+        unpause (resume(), a timed-out command's kill), it marks the container paused again for a moment,
+        so a container this provider does not hold paused is given up to ``UNPAUSE_SETTLE_S`` for that."""
+        settle = time.monotonic() + UNPAUSE_SETTLE_S
+        while True:
+            try:
+                return await self._api.call("POST", f"/containers/{box.container}/exec", what, body=body)
+            except EngineError as exc:
+                if exc.status != 409 or "is paused" not in exc.message or box.paused or time.monotonic() >= settle:
+                    raise
+            await anyio.sleep(0.02)
 
     async def _stream(self, exec_id: str, demux: Demultiplexer) -> None:
         """Read the exec's output until it ends, or until shortly after its command has exited (a

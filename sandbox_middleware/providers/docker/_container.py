@@ -56,6 +56,7 @@ class Box:
     metadata: dict[str, str]
     created: float | None = None
     closed: bool = False
+    paused: bool = False  # by this provider's pause(), until its resume()
 
     def is_expired(self) -> bool:
         return self.deadline is not None and time.time() >= self.deadline

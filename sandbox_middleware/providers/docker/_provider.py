@@ -289,6 +289,11 @@ class DockerProvider:
             init=self._init,
         )
 
+    async def check_image(self, image: str) -> None:
+        """Raise ``SandboxImageNotFoundError`` unless ``image`` is on the daemon (pulled first with
+        ``pull=True``), as a create of it would: asked once before many creates (``sandbox-middleware run``)."""
+        await self._user_of(check_text(image, "image").removeprefix("docker://"))
+
     async def _user_of(self, image: str) -> tuple[str, tuple[int, int] | None]:
         """Who commands run as (``user="auto"``: the image's non-root USER, else uid 65534), and its
         numeric uid and gid where known. Asking also says whether the image is there (and pulls it
@@ -556,10 +561,12 @@ class DockerProvider:
         """Freeze every process of the sandbox (the cgroup freezer); its TTL keeps running."""
         box = self._box(handle)
         await self._api.call("POST", f"/containers/{box.container}/pause", f"pause {handle.sandbox_id[:12]}")
+        box.paused = True
 
     async def resume(self, handle: SandboxHandle) -> None:
         box = self._box(handle)
         await self._api.call("POST", f"/containers/{box.container}/unpause", f"resume {handle.sandbox_id[:12]}")
+        box.paused = False
 
     async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]:
         box = self._box(handle)

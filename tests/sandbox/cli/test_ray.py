@@ -39,18 +39,13 @@ from sandbox_middleware import (
     TracingMiddleware,
     stack,
 )
+from tests.needs import unavailable
 from tests.vllm.server import free_port
 
 from .test_cli import CLI, row
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray keeps to 127.0.0.1 instead of the host's address
-
-
-def _unavailable(message: str) -> None:
-    if os.environ.get("REQUIRE_RAY") == "1":
-        pytest.fail(message + " (REQUIRE_RAY=1: CI must run these tests)")
-    pytest.skip(message)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +56,7 @@ def ray_address() -> Iterator[str]:
     try:
         import ray  # noqa: F401
     except ImportError:
-        _unavailable("ray is not installed: pip install -e '.[ray]'")
+        unavailable("ray is not installed: pip install -e '.[ray]'", "REQUIRE_RAY")
     port = free_port()
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     start = [str(ray_cli), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
@@ -77,8 +72,8 @@ def ray_address() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A Prometheus on loopback scraping, every second, the targets listed in the returned sd file."""
-    if not PROMETHEUS.exists():
-        _unavailable(f"{PROMETHEUS} is not installed: apt-get install prometheus")
+    if not os.access(PROMETHEUS, os.X_OK):
+        unavailable(f"{PROMETHEUS} is not installed: apt-get install prometheus", "REQUIRE_RAY")
     home = tmp_path_factory.mktemp("prometheus")
     targets = home / "workers.json"
     targets.write_text("[]")
@@ -280,7 +275,7 @@ def test_reap_closes_exactly_what_a_killed_worker_held(ray_address: str, tmp_pat
 
         anyio.run(close_live)
     assert running.returncode == 1, out + err  # a lost worker: its run must be reaped
-    assert "LOST" in out and "sandbox-middleware reap CONFIG --run crash" in out
+    assert "LOST" in out and f"sandbox-middleware reap {config} --run crash closes them" in out
     assert row(out, "sessions ok / failed") == "4 / 0"
     assert _ground_truth(sandbox_base) == []
     # The killed worker could not remove its workload directory (Ray's workers share this run's TMPDIR);

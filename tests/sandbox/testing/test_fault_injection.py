@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -11,11 +13,18 @@ from sandbox_middleware import (
     LocalProvider,
     ReleaseAccountingMiddleware,
     Sandbox,
+    SandboxHandle,
     SandboxSpec,
     recommended_middleware,
     stack,
 )
-from sandbox_middleware.testing import OPERATIONS, FaultInjectingProvider, InjectedFault, parse_faults
+from sandbox_middleware.testing import (
+    FAULT_STREAM,
+    OPERATIONS,
+    FaultInjectingProvider,
+    InjectedFault,
+    parse_faults,
+)
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 
 pytestmark = pytest.mark.anyio
@@ -120,3 +129,41 @@ def test_bad_options_and_fault_specs() -> None:
     assert parse_faults("create=0.1, close=0.05") == {"create": 0.1, "close": 0.05}
     with pytest.raises(ValueError, match="name=probability"):
         parse_faults("create=lots")
+
+
+async def _faults_by_session(order: list[int], seed: int) -> dict[int, list[str]]:
+    """Sessions (a create, execs, a close each) run in ``order``, one call of each in turn, each in its
+    FAULT_STREAM: what failed for each."""
+    injector = FaultInjectingProvider(seed=seed, failure_rates={"create": 0.15, "exec": 0.15, "close": 0.15})
+    failed: dict[int, list[str]] = {session: [] for session in order}
+    handles: dict[int, SandboxHandle] = {}
+
+    async def step(session: int, name: str, call: Callable[[], Awaitable[object]]) -> object | None:
+        FAULT_STREAM.set(f"session {session}")
+        try:
+            return await call()
+        except InjectedFault:
+            failed[session].append(name)
+            return None
+
+    for session in order:
+        while session not in handles:
+            handle = await step(session, "create", partial(injector.create, SandboxSpec()))
+            if isinstance(handle, SandboxHandle):
+                handles[session] = handle
+    for turn in range(4):
+        for session in order:
+            await step(session, f"exec {turn}", partial(injector.exec, handles[session], "true"))
+    for session in order:
+        await step(session, "close", partial(injector.close, handles[session]))
+    return failed
+
+
+async def test_a_seed_fails_the_same_calls_of_each_stream_whatever_the_interleaving() -> None:
+    """Each FAULT_STREAM (a session of `sandbox-middleware run`) draws its own choices: the order in which
+    sessions call does not move a fault from one to another."""
+    forwards = await _faults_by_session(list(range(12)), seed=7)
+    backwards = await _faults_by_session(list(reversed(range(12))), seed=7)
+    assert forwards == backwards
+    assert any(forwards.values()) and not all(forwards.values())  # some faults, not everywhere
+    assert await _faults_by_session(list(range(12)), seed=8) != forwards

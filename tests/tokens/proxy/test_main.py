@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.without_modules import env_without
 from tokens.proxy import ProxyServer, create_app
 
 
@@ -112,3 +113,42 @@ def test_a_port_in_use_is_one_line_and_exit_1() -> None:
         f"tokens.proxy: cannot listen on 127.0.0.1:{port}: Address already in use; pick another --port "
         "(0: any free one) or --host"
     )
+
+
+def test_without_the_proxy_extra_it_is_one_line_naming_it(tmp_path: Path) -> None:
+    """Without starlette or uvicorn, `python -m tokens.proxy` (even `--help`) is one line naming the extra and
+    its install command, exit 2 (it was the traceback of `No module named 'starlette'`); an import of the
+    package is an ImportError saying the same."""
+    needs = (
+        "tokens.proxy needs the 'proxy' extra (starlette is not installed): pip install 'llm-sandbox-middleware[proxy]'"
+    )
+    env = env_without(tmp_path, "starlette")
+    for argv in (["--help"], ["--upstream", "http://h/v1"]):
+        done = subprocess.run([sys.executable, "-m", "tokens.proxy", *argv], capture_output=True, text=True, env=env)
+        assert (done.returncode, done.stdout, done.stderr) == (2, "", f"python -m tokens.proxy: {needs}\n")
+    imported = subprocess.run([sys.executable, "-c", "import tokens.proxy"], capture_output=True, text=True, env=env)
+    assert imported.returncode == 1 and imported.stderr.strip().endswith(f"ImportError: {needs}")
+    uvicorn = subprocess.run([sys.executable, "-m", "tokens.proxy", "--help"], capture_output=True, text=True,
+                             env=env_without(tmp_path / "u", "uvicorn"))  # fmt: skip
+    assert uvicorn.returncode == 2 and "(uvicorn is not installed)" in uvicorn.stderr
+
+
+def test_a_postgres_store_without_the_postgres_extra_is_one_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tokens.proxy", "--upstream", "http://h/v1", "--store", "postgresql://u@127.0.0.1/db"],
+        capture_output=True,
+        text=True,
+        env=env_without(tmp_path, "psycopg"),
+        timeout=60,
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("tokens.proxy: --store: ") and "needs psycopg 3" in done.stderr
+    assert "pip install 'llm-sandbox-middleware[postgres]'" in done.stderr
+
+
+def test_help_is_plain_text_and_every_option_says_what_it_does() -> None:
+    from tokens.proxy.__main__ import _parser
+
+    parser = _parser()
+    assert "`" not in parser.format_help()
+    assert all(action.help for action in parser._actions), [a.dest for a in parser._actions if not a.help]

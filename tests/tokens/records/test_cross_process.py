@@ -7,7 +7,6 @@ Run it under ``flock /work/wt/ray.lock`` on a shared machine (it starts a local 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.needs import unavailable
 from tests.tokens.records.rollout_worker import capture_turns
 
 ROOT = Path(__file__).parents[3]
@@ -43,10 +43,7 @@ def _require_ray() -> Any:
     try:
         import ray
     except ImportError:
-        message = "ray is not installed: pip install -e '.[ray]'"
-        if os.environ.get("REQUIRE_RAY") == "1":
-            pytest.fail(message + " (REQUIRE_RAY=1: CI must run these tests)")
-        pytest.skip(message)
+        unavailable("ray is not installed: pip install -e '.[ray]'", "REQUIRE_RAY")
     return ray
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from ._support import BUILD
+from ._support import build_failure
 
 __all__ = ["PrivateDaemon", "private_daemon"]
 
@@ -105,7 +105,8 @@ def private_daemon() -> Iterator[PrivateDaemon]:
     try:
         daemon.start()
         env = {**os.environ, "DOCKER_HOST": f"unix://{daemon.socket}"}
-        subprocess.run(["bash", str(BUILD), "busybox"], check=True, capture_output=True, env=env, timeout=300)
+        if (failure := build_failure("busybox", env=env)) is not None:
+            raise RuntimeError(f"the private dockerd has no test image: {failure}")
         yield daemon
     finally:
         daemon.stop()

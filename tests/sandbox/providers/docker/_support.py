@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
+import stat
 import subprocess
 import uuid
 from collections.abc import Mapping
@@ -17,6 +19,7 @@ import httpx
 import pytest
 
 from sandbox_middleware import SandboxSpec
+from tests.needs import unavailable
 
 SOCKET = "/var/run/docker.sock"
 BUSYBOX = "sandbox-middleware/busybox:test"
@@ -24,6 +27,7 @@ PYTHON = "sandbox-middleware/python:test"
 IMAGES = (BUSYBOX, PYTHON)
 REQUIRE = "REQUIRE_DOCKER"
 INSTALL = "apt-get install docker.io, then start dockerd"
+BRIDGE = "start dockerd with its default bridge (no --bridge=none) for the tests that publish a port"
 SESSION_KEY = "tests.session"
 SESSION = uuid.uuid4().hex[:12]
 """Every container of this test session carries ``spec.metadata[SESSION_KEY] = SESSION``."""
@@ -37,7 +41,7 @@ def engine(socket: str = SOCKET) -> httpx.Client:
 
 def docker_problem(socket: str = SOCKET) -> str | None:
     """Why the Docker tests cannot run here (the skip reason), or None."""
-    if not os.path.exists(socket):
+    if not (os.path.exists(socket) and stat.S_ISSOCK(os.stat(socket).st_mode)):
         return f"Docker is not running here (no daemon socket {socket}): {INSTALL}"
     try:
         with engine(socket) as client:
@@ -48,22 +52,49 @@ def docker_problem(socket: str = SOCKET) -> str | None:
 
 
 def require_docker() -> None:
-    """Skip the calling test for want of a daemon, in one line; with REQUIRE_DOCKER=1 fail it instead."""
+    """Skip the calling test for want of a daemon (or of what builds the test images), in one line; with
+    REQUIRE_DOCKER=1 fail it instead. Where the images' build fails, fail with what the script said."""
     problem = docker_problem()
     if problem is None:
-        _images()
-        return
-    if os.environ.get(REQUIRE) == "1":
-        pytest.fail(f"{problem} ({REQUIRE}=1: CI must run the Docker tests)", pytrace=False)
-    pytest.skip(f"{problem} ({REQUIRE}=1 turns this skip into a failure)")
+        problem, failure = _images()
+        if failure is not None:
+            pytest.fail(failure, pytrace=False)
+    if problem is not None:
+        unavailable(problem, REQUIRE)
+
+
+def require_bridge() -> None:
+    """A test that publishes a port (``network="bridge"``) needs the daemon's default bridge network, which
+    a daemon started with ``--bridge=none`` (common on CI hosts) has not: skipped in one line there."""
+    require_docker()
+    with engine() as client:
+        if client.get("/networks/bridge").status_code == 404:
+            unavailable(f"the Docker daemon at {SOCKET} has no bridge network (dockerd --bridge=none): {BRIDGE}",
+                        REQUIRE)  # fmt: skip
 
 
 @functools.cache
-def _images() -> None:
+def _images() -> tuple[str | None, str | None]:
+    """Build the test images that are missing, once a session: why they cannot be built here (a skip
+    reason), and what the build script said if it failed."""
     with engine() as client:
         missing = [image for image in IMAGES if client.get(f"/images/{image}/json").status_code == 404]
-    if missing:
-        subprocess.run(["bash", str(BUILD)], check=True, capture_output=True, timeout=600)
+    if not missing:
+        return None, None
+    if shutil.which("docker") is None:
+        return f"the docker CLI (which builds the test images) is not installed: {INSTALL}", None
+    if not os.path.exists(os.environ.get("BUSYBOX", "/bin/busybox")):
+        return "busybox-static (the images are built from it) is not installed: apt-get install busybox-static", None
+    return None, build_failure()
+
+
+def build_failure(*names: str, env: Mapping[str, str] | None = None) -> str | None:
+    """Run scripts/build-docker-images.sh for ``names`` (default all); where it fails, what it said."""
+    done = subprocess.run(["bash", str(BUILD), *names], capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode == 0:
+        return None
+    said = (done.stderr + done.stdout).strip()[-3000:] or "(nothing on stdout or stderr)"
+    return f"scripts/{BUILD.name} failed (exit {done.returncode}):\n{said}"
 
 
 def containers(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:

@@ -34,8 +34,13 @@ def test_provider_with_a_config_or_neither_is_a_usage_error(tmp_path: Path) -> N
     assert done.returncode == 2 and "--provider" in done.stderr
 
 
-def test_a_missing_image_fails_the_sessions_typed() -> None:
+def test_a_missing_image_is_one_usage_error_at_start() -> None:
+    """An image the daemon does not have fails the run once, before any session (exit 2), not every
+    session (it was exit 3 and a SandboxImageNotFoundError per session)."""
     require_docker()
     done = _run("run", "--provider", "docker", "--image", "sandbox-middleware/absent:none", "--sessions", "2")
-    assert done.returncode == 3, done.stdout + done.stderr
-    assert "SandboxImageNotFoundError" in done.stdout
+    assert done.returncode == 2, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("sandbox-middleware run: error: argument --image: DockerProvider: image "
+                           "'sandbox-middleware/absent:none' is not on the daemon"), last  # fmt: skip
+    assert "sessions ok" not in done.stdout and "Traceback" not in done.stderr

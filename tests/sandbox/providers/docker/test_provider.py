@@ -29,7 +29,7 @@ from sandbox_middleware import (
     build_provider,
 )
 
-from ._support import PYTHON, SESSION, SESSION_KEY, containers, spec
+from ._support import PYTHON, SESSION, SESSION_KEY, containers, require_bridge, spec
 
 pytestmark = pytest.mark.anyio
 
@@ -271,8 +271,21 @@ async def test_pause_resume(provider: DockerProvider) -> None:
     await provider.close(handle)
 
 
+async def test_an_exec_right_after_resume_runs(provider: DockerProvider) -> None:
+    """dockerd applies containerd's "paused" event asynchronously: landing after the unpause, it marks the
+    container paused again for a moment (a second pause/unpause in its event log). An exec right after
+    ``resume()`` runs all the same, every time."""
+    handle = await provider.create(spec())
+    for _ in range(40):
+        await provider.pause(handle)
+        await provider.resume(handle)
+        assert (await provider.exec(handle, "echo up")).stdout == "up\n"
+    await provider.close(handle)
+
+
 async def test_endpoint_on_loopback_only(make: Callable[..., DockerProvider]) -> None:
     """A declared port is published on 127.0.0.1 alone, and serves."""
+    require_bridge()
     provider = make(network="bridge")
     handle = await provider.create(spec(PYTHON, ports=[8000], entrypoint=["python3", "-m", "http.server", "8000"]))
     endpoint = await provider.endpoint(handle, 8000)

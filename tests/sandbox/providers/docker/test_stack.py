@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from sandbox_middleware.middleware import _ownership
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests.providers import PlainProvider
 
-from ._support import PYTHON, containers, spec
+from ._support import PYTHON, containers, require_bridge, spec
 
 pytestmark = pytest.mark.anyio
 
@@ -31,10 +32,12 @@ ATTRS = {"nemo__gym__sandbox__provider": "docker"}
 async def test_every_operation_through_the_recommended_stack(
     make: Callable[..., DockerProvider], telemetry: TelemetryCapture, tmp_path: Path
 ) -> None:
+    require_bridge()  # it publishes a port
+    run_id = f"stack-run-{uuid.uuid4().hex[:8]}"  # its own: the other backend's run may be listed beside it (xdist)
     bare = make(network="bridge", connect_key=b"s" * 32)
     layers = [
         *recommended_middleware(meter_provider=telemetry.meter_provider, tracer_provider=telemetry.tracer_provider),
-        Middleware(OwnershipMiddleware, run_id="stack-run"),
+        Middleware(OwnershipMiddleware, run_id=run_id),
     ]
     provider = stack(bare, layers)
     assert [p for p in CAPABILITIES if isinstance(provider, p)] == [p for p in CAPABILITIES if isinstance(bare, p)]
@@ -54,7 +57,7 @@ async def test_every_operation_through_the_recommended_stack(
     descriptor = await provider.serialize_handle(handle)  # type: ignore[attr-defined]
     again = await provider.connect(descriptor)  # type: ignore[attr-defined]
     assert again.sandbox_id == handle.sandbox_id
-    [listed] = await bare.list(metadata={"sandbox_middleware.run_id": "stack-run"})
+    [listed] = await bare.list(metadata={"sandbox_middleware.run_id": run_id})
     assert listed.handle.sandbox_id == handle.sandbox_id
     await provider.close(handle)
     assert handle.sandbox_id not in containers()

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import stat
 import tarfile
 from collections.abc import AsyncIterator
@@ -19,6 +20,9 @@ from sandbox_middleware import SandboxError, SandboxPathError, SandboxTransferLi
 from sandbox_middleware.providers.docker._archive import TarReader, check_stat, located
 from sandbox_middleware.providers.docker._exec import PidReader
 from sandbox_middleware.providers.docker._streams import Demultiplexer, OutputCapture
+from tests.needs import unavailable
+
+from ._support import INSTALL, REQUIRE, build_failure
 
 
 def _frame(stream: int, data: bytes) -> bytes:
@@ -181,3 +185,21 @@ def test_a_shared_network_namespace_is_refused_before_the_daemon_is_asked(networ
 
     with pytest.raises(SandboxArgumentError, match=f"network='{network}' shares a network namespace"):
         DockerProvider(socket="/nonexistent/docker.sock", network=network)
+
+
+def test_a_failing_image_build_says_what_the_script_said(tmp_path: Path) -> None:
+    """scripts/build-docker-images.sh failing is its own error in the test's failure, not only
+    `CalledProcessError ... exit status 1`: a busybox that cannot run, then a daemon that is not there
+    (neither build reaches a daemon)."""
+    if shutil.which("docker") is None or not os.path.exists("/bin/busybox"):
+        unavailable(f"the script needs the docker CLI and busybox-static: {INSTALL}, apt-get install busybox-static",
+                    REQUIRE)  # fmt: skip
+    not_busybox = tmp_path / "busybox"
+    not_busybox.write_text("not a program\n")  # not executable
+    nowhere = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock", "FORCE": "1"}
+    failure = build_failure("busybox", env={**nowhere, "BUSYBOX": str(not_busybox)})
+    assert failure is not None and failure.startswith("scripts/build-docker-images.sh failed (exit 126):"), failure
+    assert f"{not_busybox}: Permission denied" in failure
+    failure = build_failure("busybox", env=nowhere)
+    assert failure is not None and failure.startswith("scripts/build-docker-images.sh failed (exit 1):"), failure
+    assert f"Cannot connect to the Docker daemon at unix://{tmp_path}/no-daemon.sock" in failure

@@ -117,6 +117,7 @@ anyio.run(main)
 """
 
 
+@pytest.mark.requires_bwrap  # the first provider runs in a subprocess
 async def test_a_spare_is_removed_at_exit_and_a_killed_process_spare_by_the_next_provider(
     sandbox_base: Path,
 ) -> None:

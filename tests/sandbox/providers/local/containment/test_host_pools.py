@@ -205,6 +205,7 @@ async def test_open_files_stop_at_the_sandbox_limit(
     assert report.startswith("RLIMIT_NOFILE 128 per process")
 
 
+@pytest.mark.requires_bwrap  # LocalProvider's default isolation, in a subprocess
 def test_open_files_stop_at_the_limit_unprivileged(sandbox_base: Path) -> None:
     """As an unprivileged user (no cgroups, no tmpfs): RLIMIT_NOFILE and RLIMIT_NPROC (per uid) bound
     them; the host's open-file count grows by at most what those allow."""
