@@ -38,8 +38,12 @@ class Raw:
         self.client = httpx.AsyncClient(transport=transport, base_url="http://docker/v1.41", timeout=60)
 
     async def create(self, spec: SandboxSpec) -> str:
-        body = {"Image": IMAGE, "Cmd": ["sleep", "1000000"], "HostConfig": {"NetworkMode": "none", "Init": True},
-                "Labels": {"bench": "raw"}}  # fmt: skip
+        body = {
+            "Image": IMAGE,
+            "Cmd": ["sleep", "1000000"],
+            "HostConfig": {"NetworkMode": "none", "Init": True},
+            "Labels": {"bench": "raw"},
+        }
         container = (await self.client.post("/containers/create", json=body)).json()["Id"]
         await self.client.post(f"/containers/{container}/start")
         return str(container)
@@ -99,8 +103,10 @@ async def main(rounds: int, execs: int) -> None:
         print(f"{key:10}{ours:10.1f}{nemo:10.1f}{raw:10.1f}{ours / nemo:10.2f}x{ours / raw:9.2f}x")
     cycle = median["ours"]["cycle"] / median["nemo_gym"]["cycle"]
     exec_ratio = median["ours"]["exec"] / median["nemo_gym"]["exec"]
-    print(f"goals: cycle <= 0.70x NeMo Gym's: {cycle:.2f}x ({'met' if cycle <= 0.7 else 'NOT met'}); "
-          f"exec <= 0.90x: {exec_ratio:.2f}x ({'met' if exec_ratio <= 0.9 else 'NOT met'})")  # fmt: skip
+    print(
+        f"goals: cycle <= 0.70x NeMo Gym's: {cycle:.2f}x ({'met' if cycle <= 0.7 else 'NOT met'}); "
+        f"exec <= 0.90x: {exec_ratio:.2f}x ({'met' if exec_ratio <= 0.9 else 'NOT met'})"
+    )
 
 
 if __name__ == "__main__":

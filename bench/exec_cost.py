@@ -134,8 +134,11 @@ def _baseline() -> str:
     """The commit before the command starter was wired into the provider (``git log -S``)."""
     found = subprocess.run(
         ["git", "log", "--reverse", "--format=%H", f"-S{_WIRED}", "--", _PROVIDER],
-        cwd=_ROOT, capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     if not found:
         sys.exit(f"bench/exec_cost.py: no commit wires the starter into {_PROVIDER}; pass --baseline REV")
     return f"{found[0]}^"
@@ -211,16 +214,24 @@ def main(rounds: int, baseline: str) -> None:
         print(f"  {label:<44} {medians[key]:8.2f} ms")
     raw = medians[("after", "raw")]
     print("ratios:")
-    print(f"  exec after idle / raw `true`:  before {medians[('before', 'exec')] / raw:5.2f}x   after "
-          f"{medians[('after', 'exec')] / raw:5.2f}x   (goal: after <= 3x)")  # fmt: skip
+    print(
+        f"  exec after idle / raw `true`:  before {medians[('before', 'exec')] / raw:5.2f}x   after "
+        f"{medians[('after', 'exec')] / raw:5.2f}x   (goal: after <= 3x)"
+    )
     blocking = medians[("after", "blocking")]
-    print(f"  exec after idle / subprocess.run(['true']):  before {medians[('before', 'exec')] / blocking:5.2f}x   "
-          f"after {medians[('after', 'exec')] / blocking:5.2f}x   (issue 31's goal: after <= 3x)")  # fmt: skip
-    print(f"  cycle before / after:          {medians[('before', 'cycle')] / medians[('after', 'cycle')]:5.2f}x"
-          "   (goal: >= 2x)")  # fmt: skip
+    print(
+        f"  exec after idle / subprocess.run(['true']):  before {medians[('before', 'exec')] / blocking:5.2f}x   "
+        f"after {medians[('after', 'exec')] / blocking:5.2f}x   (issue 31's goal: after <= 3x)"
+    )
+    print(
+        f"  cycle before / after:          {medians[('before', 'cycle')] / medians[('after', 'cycle')]:5.2f}x"
+        "   (goal: >= 2x)"
+    )
     print(f"  cycle before / after, no spare: {medians[('before', 'cycle')] / medians[('after', 'cycle-cold')]:5.2f}x")
-    print(f"  exec after / pre-containment:  {medians[('after', 'exec')] / medians[('after', 'pre-containment')]:5.2f}x"
-          "   (issue 23: within 2x)")  # fmt: skip
+    print(
+        f"  exec after / pre-containment:  {medians[('after', 'exec')] / medians[('after', 'pre-containment')]:5.2f}x"
+        "   (issue 23: within 2x)"
+    )
 
 
 def _describe(revision: str) -> str:

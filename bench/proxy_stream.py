@@ -35,13 +35,36 @@ def stream_bytes(chunks: int) -> bytes:
     events = [{**HEAD, "prompt_token_ids": list(range(3, 515)), "choices": [opening]}]
     for position in range(chunks):
         token = 1000 + position % 5000
-        events.append({**HEAD, "choices": [{
-            "index": 0, "delta": {"content": " tok"},
-            "logprobs": {"content": [{"token": f"token_id:{token}", "logprob": -1.25, "bytes": [32, 116, 111, 107],
-                                      "top_logprobs": []}]},
-            "finish_reason": "length" if position == chunks - 1 else None, "token_ids": [token]}]})  # fmt: skip
-    events.append({**HEAD, "choices": [], "usage": {"prompt_tokens": 512, "completion_tokens": chunks,
-                                                     "total_tokens": 512 + chunks}})  # fmt: skip
+        events.append(
+            {
+                **HEAD,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": " tok"},
+                        "logprobs": {
+                            "content": [
+                                {
+                                    "token": f"token_id:{token}",
+                                    "logprob": -1.25,
+                                    "bytes": [32, 116, 111, 107],
+                                    "top_logprobs": [],
+                                }
+                            ]
+                        },
+                        "finish_reason": "length" if position == chunks - 1 else None,
+                        "token_ids": [token],
+                    }
+                ],
+            }
+        )
+    events.append(
+        {
+            **HEAD,
+            "choices": [],
+            "usage": {"prompt_tokens": 512, "completion_tokens": chunks, "total_tokens": 512 + chunks},
+        }
+    )
     body = b"".join(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n" for event in events)
     return body + b"data: [DONE]\n\n"
 
@@ -95,8 +118,9 @@ def serve_upstream() -> None:
 
 
 def started(command: list[str]) -> tuple[subprocess.Popen[str], str]:
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     assert process.stdout is not None
     url = process.stdout.readline().strip()
     if not url.startswith("http://"):
@@ -109,8 +133,12 @@ def request(dialect: str, chunks: int) -> tuple[str, dict[str, Any]]:
     if dialect == "responses":
         return "/responses", {"model": "bench", "input": "hi", "max_output_tokens": chunks, "stream": True}
     if dialect == "messages":
-        return "/messages", {"model": "bench", "max_tokens": chunks, "stream": True,
-                             "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+        return "/messages", {
+            "model": "bench",
+            "max_tokens": chunks,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
     body = {"model": "bench", "max_tokens": chunks, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     if dialect == "upstream":
         body.update(logprobs=True, return_token_ids=True, stream_options={"include_usage": True})
@@ -134,10 +162,13 @@ def timed(client: httpx.Client, base: str, dialect: str, chunks: int) -> tuple[f
 
 def main() -> None:
     upstream, upstream_url = started([sys.executable, __file__, "--serve-upstream"])
-    proxy, proxy_url = started([sys.executable, "-m", "tokens.proxy", "--upstream", upstream_url + "/v1",
-                                "--responses-upstream", "chat"])  # fmt: skip
-    routes = [("upstream", upstream_url + "/v1"), *((d, proxy_url + "/r/bench/v1") for d in ("chat", "responses",
-                                                                                            "messages"))]  # fmt: skip
+    proxy, proxy_url = started(
+        [sys.executable, "-m", "tokens.proxy", "--upstream", upstream_url + "/v1", "--responses-upstream", "chat"]
+    )
+    routes = [
+        ("upstream", upstream_url + "/v1"),
+        *((d, proxy_url + "/r/bench/v1") for d in ("chat", "responses", "messages")),
+    ]
     try:
         with httpx.Client(timeout=600) as client:
             for name, base in routes:  # warm both processes up
@@ -151,11 +182,14 @@ def main() -> None:
                 added = "" if name == "upstream" else f"   +{median - direct:.2f} ms over the upstream's own"
                 print(f"   {name:<10} {median:7.2f} ms{added}")
             print("2. per-chunk cost of a whole stream (best of 3), microseconds per chunk")
-            print(f"   {'chunks':>7} " + " ".join(f"{name:>10}" for name, _ in routes) + "   added by the proxy (chat, "
-                  "responses, messages)")  # fmt: skip
+            print(
+                f"   {'chunks':>7} " + " ".join(f"{name:>10}" for name, _ in routes) + "   added by the proxy (chat, "
+                "responses, messages)"
+            )
             for chunks in SIZES:
-                costs = [min(timed(client, base, name, chunks)[1] for _ in range(3)) / chunks * 1e6
-                         for name, base in routes]  # fmt: skip
+                costs = [
+                    min(timed(client, base, name, chunks)[1] for _ in range(3)) / chunks * 1e6 for name, base in routes
+                ]
                 added = ", ".join(f"{cost - costs[0]:.1f}" for cost in costs[1:])
                 print(f"   {chunks:>7} " + " ".join(f"{cost:10.1f}" for cost in costs) + f"   {added}")
     finally:

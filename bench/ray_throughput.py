@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -23,6 +24,10 @@ from pathlib import Path
 
 CLI = [sys.executable, "-m", "sandbox_middleware", "run"]
 ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+HEAD_OPTIONS = (
+    "start --head --node-ip-address 127.0.0.1 --port {port} --num-cpus 2"
+    " --include-dashboard=false --disable-usage-stats"
+)
 
 
 def free_port() -> int:
@@ -47,16 +52,25 @@ def main() -> None:
     parser.add_argument("--commands", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
-    workload = ["--sessions", str(args.sessions), "--concurrency", str(args.concurrency),
-                "--commands", str(args.commands)]  # fmt: skip
+    workload = [
+        "--sessions",
+        str(args.sessions),
+        "--concurrency",
+        str(args.concurrency),
+        "--commands",
+        str(args.commands),
+    ]
     ray = Path(sys.executable).parent / "ray"
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     address = f"127.0.0.1:{free_port()}"
     try:
-        subprocess.run([str(ray), "start", "--head", "--node-ip-address", "127.0.0.1", "--port",
-                        address.rsplit(":", 1)[1], "--num-cpus", "2", "--include-dashboard=false",
-                        "--disable-usage-stats", "--temp-dir", temp],
-                       check=True, capture_output=True, env=ENV, timeout=120)  # fmt: skip
+        subprocess.run(
+            [str(ray), *shlex.split(HEAD_OPTIONS.format(port=address.rsplit(":", 1)[1])), "--temp-dir", temp],
+            check=True,
+            capture_output=True,
+            env=ENV,
+            timeout=120,
+        )
         local, over_ray = [], []
         for _ in range(args.repeat):  # interleaved, so both see the same machine load
             local.append(timed(workload))
@@ -65,8 +79,10 @@ def main() -> None:
         subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=120)
         shutil.rmtree(temp, ignore_errors=True)
     one, two = args.sessions / min(local), args.sessions / min(over_ray)
-    print(f"{args.sessions} sessions, concurrency {args.concurrency} in total, {args.commands} commands each; "
-          f"best of {args.repeat}, wall time of the whole command")  # fmt: skip
+    print(
+        f"{args.sessions} sessions, concurrency {args.concurrency} in total, {args.commands} commands each; "
+        f"best of {args.repeat}, wall time of the whole command"
+    )
     print(f"  one process            {one:8.1f} sessions/s  ({min(local):.2f} s)")
     print(f"  Ray, 2 workers         {two:8.1f} sessions/s  ({min(over_ray):.2f} s)")
     print(f"  Ray / one process      {two / one:8.2f}x")

@@ -123,8 +123,10 @@ async def table(gc_paused: bool) -> None:
     """One timing table; with ``gc_paused`` the cyclic garbage collector is off, which isolates the
     stack's own per-operation cost from the collector's, whose passes grow with the live heap."""
     variants = ("sdk", "no-sdk", "bare")
-    print("\nCPU microseconds per operation (create / exec / close), all at once at each level"
-          + (", cyclic GC paused" if gc_paused else ", GC on (as deployed)"))  # fmt: skip
+    print(
+        "\nCPU microseconds per operation (create / exec / close), all at once at each level"
+        + (", cyclic GC paused" if gc_paused else ", GC on (as deployed)")
+    )
     print(f"{'concurrent':>10}  " + "  ".join(f"{LABELS[v]:>22}" for v in variants))
     results: dict[tuple[int, str], tuple[float, float, float]] = {}
     if gc_paused:
@@ -155,8 +157,10 @@ async def table(gc_paused: bool) -> None:
         if not gc_paused:
             low, high = sum(extra[LEVELS[0]]), sum(extra[LEVELS[-1]])
             ratio = f"{high / low:.2f}x" if low > 0 else "-"
-            print(f"{'':>14}  create + exec + close at {LEVELS[-1]:,} / at {LEVELS[0]:,}: {high:.1f} / {low:.1f} us = "
-                  f"{ratio} (goal <= 1.30x)")  # fmt: skip
+            print(
+                f"{'':>14}  create + exec + close at {LEVELS[-1]:,} / at {LEVELS[0]:,}: {high:.1f} / {low:.1f} us = "
+                f"{ratio} (goal <= 1.30x)"
+            )
 
 
 LABELS = {"sdk": "stack + SDK", "no-sdk": "stack, no SDK", "bare": "bare provider"}
@@ -199,8 +203,10 @@ async def held_table() -> bool:
     Each round runs on the stack and then on a bare provider holding as many sandboxes; the stack's own
     cost is the difference within a round (so the machine's drift between rounds cancels out), and a
     level's figure is the median over its rounds."""
-    print(f"\nheld sandboxes, GC on: rounds of {BATCH} creates / execs / closes at once, {HELD_ROUNDS} rounds, "
-          "stack and bare provider interleaved (CPU us per operation, median over the rounds)")  # fmt: skip
+    print(
+        f"\nheld sandboxes, GC on: rounds of {BATCH} creates / execs / closes at once, {HELD_ROUNDS} rounds, "
+        "stack and bare provider interleaved (CPU us per operation, median over the rounds)"
+    )
     print(f"{'held':>7}  {'variant':>14}  {'stack':>22}  {'bare provider':>22}  {'stack own cost':>22}")
     own: dict[tuple[str, int], float] = {}
     for count in HELD:
@@ -230,8 +236,10 @@ async def held_table() -> bool:
         low, high = own[variant, HELD[0]], own[variant, HELD[-1]]
         ratio = high / low if low > 0 else float("inf")
         met = met and ratio <= 1.3
-        print(f"{LABELS[variant]:>14}: own cost of create + exec + close at {HELD[-1]:,} held / at {HELD[0]:,} held: "
-              f"{high:.1f} / {low:.1f} us = {ratio:.2f}x (goal <= 1.30x)")  # fmt: skip
+        print(
+            f"{LABELS[variant]:>14}: own cost of create + exec + close at {HELD[-1]:,} held / at {HELD[0]:,} held: "
+            f"{high:.1f} / {low:.1f} us = {ratio:.2f}x (goal <= 1.30x)"
+        )
     return met
 
 
@@ -242,8 +250,10 @@ async def main() -> int:
     for gc_paused in (False, True):
         await table(gc_paused)
     per_sandbox = await memory_per_sandbox(10_000)
-    print(f"memory per held sandbox (whole stack, SDK configured, 10,000 held): {per_sandbox / 1024:.2f} KiB "
-          f"({per_sandbox * 10_000 / 2**20:.1f} MiB for 10,000)")  # fmt: skip
+    print(
+        f"memory per held sandbox (whole stack, SDK configured, 10,000 held): {per_sandbox / 1024:.2f} KiB "
+        f"({per_sandbox * 10_000 / 2**20:.1f} MiB for 10,000)"
+    )
     await held_table()
     return 0
 

@@ -150,15 +150,23 @@ async def main() -> int:
     no_sdk_overhead = stack_no_sdk - direct
     sdk_overhead = stack_sdk - direct
     print(f"no-op exec, called directly:          {direct:7.2f} us")
-    print(f"without SDK: full stack               {stack_no_sdk:7.2f} us   floor (4 bare layers) {floor_no_sdk:7.2f} us"
-          f"   ratio {stack_no_sdk / floor_no_sdk:.2f}x (goal <= 1.30x)")  # fmt: skip
-    print(f"with SDK:    full stack               {stack_sdk:7.2f} us   floor (1 span + metrics)  {floor_sdk:7.2f} us"
-          f"   ratio {stack_sdk / floor_sdk:.2f}x (goal <= 1.30x)")  # fmt: skip
-    print(f"             (a span never made current, the least a span costs: {bare_sdk:.2f} us, "
-          f"ratio {stack_sdk / bare_sdk:.2f}x)")  # fmt: skip
+    print(
+        f"without SDK: full stack               {stack_no_sdk:7.2f} us   floor (4 bare layers) {floor_no_sdk:7.2f} us"
+        f"   ratio {stack_no_sdk / floor_no_sdk:.2f}x (goal <= 1.30x)"
+    )
+    print(
+        f"with SDK:    full stack               {stack_sdk:7.2f} us   floor (1 span + metrics)  {floor_sdk:7.2f} us"
+        f"   ratio {stack_sdk / floor_sdk:.2f}x (goal <= 1.30x)"
+    )
+    print(
+        f"             (a span never made current, the least a span costs: {bare_sdk:.2f} us, "
+        f"ratio {stack_sdk / bare_sdk:.2f}x)"
+    )
     print(f"real LocalProvider exec of `true`:    {real_exec:7.0f} us")
-    print(f"stack overhead / real exec:           without SDK {no_sdk_overhead / real_exec:.4%}, "
-          f"with SDK {sdk_overhead / real_exec:.4%}")  # fmt: skip
+    print(
+        f"stack overhead / real exec:           without SDK {no_sdk_overhead / real_exec:.4%}, "
+        f"with SDK {sdk_overhead / real_exec:.4%}"
+    )
     return 0
 
 

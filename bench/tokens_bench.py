@@ -147,8 +147,10 @@ async def transport_cost(rounds: int = 2000) -> tuple[float, float, float]:
 def sse(chunks: int) -> list[bytes]:
     """A vLLM-shaped stream of ``chunks`` one-token chunks (inline ids, id tokens), then usage and [DONE]."""
     head = '{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1795979193,"model":"bench",'
-    events = [f'data: {head}"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},"logprobs":null,'
-              f'"finish_reason":null}}],"prompt_token_ids":[1,2,3,4],"prompt_text":null}}\n\n'.encode()]  # fmt: skip
+    events = [
+        f'data: {head}"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},"logprobs":null,'
+        f'"finish_reason":null}}],"prompt_token_ids":[1,2,3,4],"prompt_text":null}}\n\n'.encode()
+    ]
     for i in range(chunks):
         token = 1000 + i % 5000
         events.append(
@@ -156,8 +158,10 @@ def sse(chunks: int) -> list[bytes]:
             f'"token_id:{token}","logprob":-0.5,"bytes":[97,98],"top_logprobs":[]}}]}},"finish_reason":null,'
             f'"token_ids":[{token}]}}]}}\n\n'.encode()
         )  # fmt: skip
-    events.append(f'data: {head}"choices":[],"usage":{{"prompt_tokens":4,"total_tokens":{chunks + 4},'
-                  f'"completion_tokens":{chunks}}}}}\n\n'.encode())  # fmt: skip
+    events.append(
+        f'data: {head}"choices":[],"usage":{{"prompt_tokens":4,"total_tokens":{chunks + 4},'
+        f'"completion_tokens":{chunks}}}}}\n\n'.encode()
+    )
     events.append(b"data: [DONE]\n\n")
     return events
 
@@ -221,10 +225,14 @@ async def capture_table() -> int:
     typed = TokenClient("http://unused.invalid/v1", request_prompt_and_generation_token_ids=True)
     fallback = TokenClient("http://unused.invalid/v1", request_prompt_and_generation_token_ids=True)
     fallback._capture._decode = decode_response  # type: ignore[method-assign]  # today's path, forced
-    print("1. capture, vLLM 0.32 body in, bundle out (CPU ms of this process, best of rounds, interleaved), beside "
-          "NeMo Gym 0.7.0's path: orjson.loads + VLLMCaptureAdapter")  # fmt: skip
-    print(f"{'prompt':>8} {'generated':>9} {'MB':>6} {'NeMo Gym':>9} {'ours':>8} {'ours/NeMo':>9} {'goal':>6} "
-          f"{'fallback':>9} {'fallback/NeMo':>13} {'ours/fallback':>13}")  # fmt: skip
+    print(
+        "1. capture, vLLM 0.32 body in, bundle out (CPU ms of this process, best of rounds, interleaved), beside "
+        "NeMo Gym 0.7.0's path: orjson.loads + VLLMCaptureAdapter"
+    )
+    print(
+        f"{'prompt':>8} {'generated':>9} {'MB':>6} {'NeMo Gym':>9} {'ours':>8} {'ours/NeMo':>9} {'goal':>6} "
+        f"{'fallback':>9} {'fallback/NeMo':>13} {'ours/fallback':>13}"
+    )
     met = True
     for prompt_len, generation_len in SIZES:
         data = vllm_response(prompt_len, generation_len)
@@ -249,18 +257,24 @@ async def capture_table() -> int:
         best = await interleaved([ours, before] if nemo is None else [peer, ours, before], calls, ROUNDS)
         if nemo is None:
             ours_ms, before_ms = best
-            print(f"{prompt_len:>8} {generation_len:>9} {len(data) / 1e6:>6.2f} {'absent':>9} {ours_ms:>8.3f} "
-                  f"{'-':>9} {'-':>6} {before_ms:>9.3f} {'-':>13} {ours_ms / before_ms:>12.2f}x")  # fmt: skip
+            print(
+                f"{prompt_len:>8} {generation_len:>9} {len(data) / 1e6:>6.2f} {'absent':>9} {ours_ms:>8.3f} "
+                f"{'-':>9} {'-':>6} {before_ms:>9.3f} {'-':>13} {ours_ms / before_ms:>12.2f}x"
+            )
             continue
         prompt, generation, _ = nemo(data)
-        assert (prompt, generation) == (ours_completion.bundle.prompt_token_ids,
-                                        ours_completion.bundle.generation_token_ids)  # fmt: skip
+        assert (prompt, generation) == (
+            ours_completion.bundle.prompt_token_ids,
+            ours_completion.bundle.generation_token_ids,
+        )
         nemo_ms, ours_ms, before_ms = best
         goal = GOALS.get((prompt_len, generation_len), 0.6)
         met = met and ours_ms / nemo_ms <= goal
-        print(f"{prompt_len:>8} {generation_len:>9} {len(data) / 1e6:>6.2f} {nemo_ms:>9.3f} {ours_ms:>8.3f} "
-              f"{ours_ms / nemo_ms:>8.2f}x {goal:>5.2f}x {before_ms:>9.3f} {before_ms / nemo_ms:>12.2f}x "
-              f"{ours_ms / before_ms:>12.2f}x")  # fmt: skip
+        print(
+            f"{prompt_len:>8} {generation_len:>9} {len(data) / 1e6:>6.2f} {nemo_ms:>9.3f} {ours_ms:>8.3f} "
+            f"{ours_ms / nemo_ms:>8.2f}x {goal:>5.2f}x {before_ms:>9.3f} {before_ms / nemo_ms:>12.2f}x "
+            f"{ours_ms / before_ms:>12.2f}x"
+        )
     if nemo is not None:
         print("capture / NeMo Gym goals " + ("met at every size" if met else "NOT met at every size"))
     await client_cost_table(nemo)

@@ -81,8 +81,10 @@ def main() -> None:
         cold, cold_state = run(args.provider, base, args.sessions, args.concurrency, args.think, None)
         warm, warm_state = run(args.provider, base, args.sessions, args.concurrency, args.think, args.pool)
     assert cold_state.ok == warm_state.ok == args.sessions, (cold_state, warm_state)
-    print(f"`run` workload, {args.provider} provider: {args.sessions} sessions, concurrency {args.concurrency}, "
-          f"3 commands, think {args.think:g} s, provider start {START_S:g} s")  # fmt: skip
+    print(
+        f"`run` workload, {args.provider} provider: {args.sessions} sessions, concurrency {args.concurrency}, "
+        f"3 commands, think {args.think:g} s, provider start {START_S:g} s"
+    )
     print(f"  without a pool:        {cold:6.2f} s  ({args.sessions / cold:5.1f} sessions/s)")
     print(f"  with a pool of {args.pool:<4}   {warm:6.2f} s  ({args.sessions / warm:5.1f} sessions/s)")
     print(f"  the pool cuts the time {cold / warm:.2f}x (goal >= 2x)")

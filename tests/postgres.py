@@ -44,8 +44,11 @@ def require_postgres() -> None:
 
 
 def _as_postgres(*command: str) -> list[str]:
-    return list(command) if os.geteuid() != 0 else ["setpriv", "--reuid=postgres", "--regid=postgres",
-                                                     "--init-groups", "--", *command]  # fmt: skip
+    return (
+        list(command)
+        if os.geteuid() != 0
+        else ["setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups", "--", *command]
+    )
 
 
 def _free_port() -> int:
@@ -65,18 +68,41 @@ def running_postgres() -> Iterator[str]:
     data, port = root / "data", _free_port()
     env = {**os.environ, "LC_ALL": "C"}
     try:
-        subprocess.run(_as_postgres(str(PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-                                    "-E", "UTF8", "--no-sync"),
-                       check=True, capture_output=True, env=env)  # fmt: skip
+        subprocess.run(
+            _as_postgres(
+                str(PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"
+            ),
+            check=True,
+            capture_output=True,
+            env=env,
+        )
         options = f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={root} -c max_connections=200"
-        subprocess.run(_as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-o", options, "-l",
-                                    str(root / "log"), "-w", "-t", "60", "start"),
-                       check=True, capture_output=True, env=env)  # fmt: skip
+        subprocess.run(
+            _as_postgres(
+                str(PG_BIN / "pg_ctl"),
+                "-D",
+                str(data),
+                "-o",
+                options,
+                "-l",
+                str(root / "log"),
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ),
+            check=True,
+            capture_output=True,
+            env=env,
+        )
         try:
             yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
         finally:
-            subprocess.run(_as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"),
-                           capture_output=True, env=env)  # fmt: skip
+            subprocess.run(
+                _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"),
+                capture_output=True,
+                env=env,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -27,8 +27,9 @@ def served(arguments: Sequence[str], *, cwd: Path | None = None) -> Iterator[str
     """``python ARGUMENTS`` started with this checkout first on the path; yields the URL it prints.
     Stopped with SIGINT (Ctrl-C) on leaving (it must exit 0 within the timeout; its stderr is in the error)."""
     with tempfile.TemporaryFile() as stderr:
-        process = subprocess.Popen([sys.executable, *arguments], stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                   cwd=cwd, env=environment())  # fmt: skip
+        process = subprocess.Popen(
+            [sys.executable, *arguments], stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=cwd, env=environment()
+        )
         assert process.stdout is not None
         try:
             with selectors.DefaultSelector() as selector:  # the URL line, or its exit, within the timeout
@@ -39,8 +40,10 @@ def served(arguments: Sequence[str], *, cwd: Path | None = None) -> Iterator[str
                 process.kill()
                 process.wait()
                 stderr.seek(0)
-                raise AssertionError(f"{' '.join(arguments)} did not start (exit {process.returncode}): "
-                                     f"{stderr.read().decode(errors='replace')}")  # fmt: skip
+                raise AssertionError(
+                    f"{' '.join(arguments)} did not start (exit {process.returncode}): "
+                    f"{stderr.read().decode(errors='replace')}"
+                )
             yield url
             process.send_signal(signal.SIGINT)
             code = process.wait(START_TIMEOUT_S)

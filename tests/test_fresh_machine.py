@@ -37,8 +37,11 @@ def run_without_bwrap(tmp_path: Path, name: str, **env: str) -> tuple[int, dict[
     temp = tmp_path / f"{name}-tmp"
     temp.mkdir()
     environment = {key: value for key, value in os.environ.items() if key != "REQUIRE_BWRAP"}
-    environment |= {"PATH": path_without_bwrap(tmp_path / "bin", first=[Path(sys.executable).parent]),
-                    "TMPDIR": str(temp), **env}  # fmt: skip
+    environment |= {
+        "PATH": path_without_bwrap(tmp_path / "bin", first=[Path(sys.executable).parent]),
+        "TMPDIR": str(temp),
+        **env,
+    }
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", f"--junitxml={report}",
          *NEED_BWRAP, *RUN_ANYWAY],

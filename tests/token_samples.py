@@ -25,8 +25,11 @@ def keys(value: Any) -> Any:
     """The field names of ``value`` at every level (a list by its first item). The completions API's
     ``top_logprobs`` maps token texts to numbers: data, not fields, so only its kind is compared."""
     if isinstance(value, dict):
-        nested = {key: "mapping" if key == "top_logprobs" else keys(item) for key, item in value.items()
-                  if isinstance(item, (dict, list))}  # fmt: skip
+        nested = {
+            key: "mapping" if key == "top_logprobs" else keys(item)
+            for key, item in value.items()
+            if isinstance(item, (dict, list))
+        }
         return nested | {"": sorted(value)}
     if isinstance(value, list) and value and isinstance(value[0], dict):
         return [keys(value[0])]

@@ -172,5 +172,7 @@ def _prometheus(readers: list[Any], host: str, port: int) -> dict[str, Any]:
 
 
 def _missing_extra(name: str, exc: ImportError) -> str:
-    return (f"argument --export: --export {name} needs the '{name}' extra ({exc.name} is not installed): "
-            f"pip install 'llm-sandbox-middleware[{name}]'")  # fmt: skip
+    return (
+        f"argument --export: --export {name} needs the '{name}' extra ({exc.name} is not installed): "
+        f"pip install 'llm-sandbox-middleware[{name}]'"
+    )

@@ -134,10 +134,12 @@ def _version() -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sandbox-middleware", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,reap}",
-                                help="the command (each has its own --help)")  # fmt: skip
-    run = sub.add_parser("run", help="run a rollout-shaped workload through a stack and print its telemetry",
-                         description=__doc__)  # fmt: skip
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{run,check,reap}", help="the command (each has its own --help)"
+    )
+    run = sub.add_parser(
+        "run", help="run a rollout-shaped workload through a stack and print its telemetry", description=__doc__
+    )
     run.add_argument("config", nargs="?", help="YAML stack config (default: local provider, full recommended stack)")
     run.add_argument(
         "--provider",
@@ -161,15 +163,24 @@ def _parser() -> argparse.ArgumentParser:
         help="where metric data also goes: console (one JSON line on stderr), otlp (metrics and spans; the "
         "standard OTEL_EXPORTER_OTLP_* variables), prometheus (serves /metrics)",
     )
-    run.add_argument("--prometheus-port", type=_integer(1, 65535), default=9464,
-                     help="port of /metrics with --export prometheus (default 9464)")  # fmt: skip
+    run.add_argument(
+        "--prometheus-port",
+        type=_integer(1, 65535),
+        default=9464,
+        help="port of /metrics with --export prometheus (default 9464)",
+    )
     run.add_argument("--prometheus-host", default="127.0.0.1", help="address of /metrics (default 127.0.0.1)")
     run.add_argument("--linger", type=_seconds, default=0.0, help="seconds to keep exporting after the run")
-    run.add_argument("--faults", default="",
-                     help="inject provider faults, e.g. create=0.1,close=0.05,exec=0.01,lost_create=0.1")  # fmt: skip
-    run.add_argument("--seed", type=_integer(), default=None,
-                     help="seed of the fault injector (printed when random): the same seed fails the same "
-                     "sessions' operations, whatever the concurrency")  # fmt: skip
+    run.add_argument(
+        "--faults", default="", help="inject provider faults, e.g. create=0.1,close=0.05,exec=0.01,lost_create=0.1"
+    )
+    run.add_argument(
+        "--seed",
+        type=_integer(),
+        default=None,
+        help="seed of the fault injector (printed when random): the same seed fails the same "
+        "sessions' operations, whatever the concurrency",
+    )
     run.add_argument(
         "--think",
         type=_seconds,
@@ -177,10 +188,20 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds each session waits after each command (the model writing its next turn)",
     )
     max_warm = int(WarmPoolMiddleware.BOUNDS["size"].high or 0)
-    run.add_argument("--warm", type=_integer(1, max_warm), default=None, metavar="N",
-                     help="keep N ready sandboxes in a warm pool (a warm_pool layer, as recommended)")  # fmt: skip
-    run.add_argument("--max-create-rate", type=_rate, default=None, metavar="R",
-                     help="admit at most R creates per second (the admission layer's max_create_rate)")  # fmt: skip
+    run.add_argument(
+        "--warm",
+        type=_integer(1, max_warm),
+        default=None,
+        metavar="N",
+        help="keep N ready sandboxes in a warm pool (a warm_pool layer, as recommended)",
+    )
+    run.add_argument(
+        "--max-create-rate",
+        type=_rate,
+        default=None,
+        metavar="R",
+        help="admit at most R creates per second (the admission layer's max_create_rate)",
+    )
     run.add_argument("--run-id", default=None, help="the run id the ownership layer stamps (default: a random one)")
     run.add_argument(
         "--ray",
@@ -200,11 +221,18 @@ def _parser() -> argparse.ArgumentParser:
         "this file lists them for Prometheus's file_sd_configs",
     )
     run.add_argument("--verbose", action="store_true", help="also log a warning for every retry")
-    run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                     help="draw a progress bar on stderr (default: when stderr is a terminal)")  # fmt: skip
-    check = sub.add_parser("check", help="validate a config and print the resolved stack, outermost first",
-                           description="Validate a stack config (everything run would refuse) and print the "
-                           "resolved stack, outermost first. Exit code 0 when valid, 2 otherwise.")  # fmt: skip
+    run.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="draw a progress bar on stderr (default: when stderr is a terminal)",
+    )
+    check = sub.add_parser(
+        "check",
+        help="validate a config and print the resolved stack, outermost first",
+        description="Validate a stack config (everything run would refuse) and print the "
+        "resolved stack, outermost first. Exit code 0 when valid, 2 otherwise.",
+    )
     check.add_argument("config", help="YAML stack config to validate")
     reap_ = sub.add_parser(
         "reap",
@@ -296,17 +324,25 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.max_create_rate is not None:
         resolved = with_layer(resolved, "admission", {"max_create_rate": args.max_create_rate})
     resolved, run_id = with_run_id(resolved, args.run_id or uuid.uuid4().hex[:16])
-    options = RunOptions(args.sessions, args.concurrency, args.commands, args.think, faults,
-                         args.seed if args.seed is not None else int(time.time()) % 100_000,
-                         image=args.image)  # fmt: skip
+    options = RunOptions(
+        args.sessions,
+        args.concurrency,
+        args.commands,
+        args.think,
+        faults,
+        args.seed if args.seed is not None else int(time.time()) % 100_000,
+        image=args.image,
+    )
     telemetry = start_telemetry(args.export, args.prometheus_host, args.prometheus_port) if args.ray is None else None
     try:
         where = f"config {args.config}" if args.config else "the built-in default config"
         # Over Ray, each worker builds the provider on its own node.
         provider = _provider(resolved, where) if telemetry is not None else None
         print(f"stack from {where}:\n{resolved.describe()}", file=sys.stderr)
-        print(f"run id {run_id}" if run_id else "run id: none (no ownership layer; reap cannot find this run)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"run id {run_id}" if run_id else "run id: none (no ownership layer; reap cannot find this run)",
+            file=sys.stderr,
+        )
         if faults:
             print(f"injecting faults {faults} with seed {options.seed}", file=sys.stderr)
         show_progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -331,12 +367,24 @@ def _report(args: argparse.Namespace, provider: str, results: list[ProcessResult
     unclosed = [entry for entry in result.orphans or () if not entry.closed]
     verdict = _exit_code(result.run, leaked=bool(result.held or result.alive or unclosed or lost))  # lost: reap it
     over = f", over Ray with {args.workers} workers" if args.ray is not None else ""
-    title = (f"sandbox-middleware run: {args.sessions} sessions, concurrency {args.concurrency}, "
-             f"{args.commands} commands each, provider {provider}{over}")  # fmt: skip
+    title = (
+        f"sandbox-middleware run: {args.sessions} sessions, concurrency {args.concurrency}, "
+        f"{args.commands} commands each, provider {provider}{over}"
+    )
     # The verdict is in: from here a signal ends the report or the linger, never changes the exit code.
     with contextlib.suppress(KeyboardInterrupt, _Interrupted):
-        print(table(title, result.run, result.points, peak=result.peak, held=result.held,
-                    orphans=orphans_row(result.orphans), workers=lines), flush=True)  # fmt: skip
+        print(
+            table(
+                title,
+                result.run,
+                result.points,
+                peak=result.peak,
+                held=result.held,
+                orphans=orphans_row(result.orphans),
+                workers=lines,
+            ),
+            flush=True,
+        )
         if result.alive:
             print(f"the provider still holds {len(result.alive)} sandbox(es): {', '.join(result.alive)}", flush=True)
         time.sleep(args.linger)  # keep exporting (over Ray: the workers keep serving /metrics)

@@ -136,8 +136,9 @@ def run_process(
     injector: list[FaultInjectingProvider] = []
 
     def wrap(provider: SandboxProvider) -> SandboxProvider:
-        injector.append(FaultInjectingProvider(provider, seed=options.seed, failure_rates=rates,
-                                               lost_create_rate=lost_create_rate))  # fmt: skip
+        injector.append(
+            FaultInjectingProvider(provider, seed=options.seed, failure_rates=rates, lost_create_rate=lost_create_rate)
+        )
         return injector[0]
 
     provider = resolved.build(
@@ -155,8 +156,9 @@ def run_process(
         assert accounting is not None and ownership is not None
         found = await accounting.orphans(ownership.stamp)
         reason = "lost create response: the provider has it, no ledger holds it"
-        orphans.extend(await close_listed(provider, [(listing, reason) for listing in found],
-                                          close_timeout_s=CLOSE_TIMEOUT_S))  # fmt: skip
+        orphans.extend(
+            await close_listed(provider, [(listing, reason) for listing in found], close_timeout_s=CLOSE_TIMEOUT_S)
+        )
 
     run = RunState(options.sessions, held_changes=[] if options.timeline else None)
 
@@ -167,10 +169,17 @@ def run_process(
             with anyio.CancelScope(shield=True):
                 await provider.aclose()
             raise
-        await workload(provider, run, concurrency=options.concurrency, commands=options.commands,
-                       think_s=options.think_s, image=options.image,
-                       background=progress(accounting) if show_progress else None,
-                       finish=close_orphans if can_look else None, handle_signals=handle_signals)  # fmt: skip
+        await workload(
+            provider,
+            run,
+            concurrency=options.concurrency,
+            commands=options.commands,
+            think_s=options.think_s,
+            image=options.image,
+            background=progress(accounting) if show_progress else None,
+            finish=close_orphans if can_look else None,
+            handle_signals=handle_signals,
+        )
 
     anyio.run(checked_workload)
     if show_progress:

@@ -137,8 +137,10 @@ def _run(
                 raise
             except ray.exceptions.RayActorError as exc:
                 lost += 1
-                lines.append(f"worker {index}  pid {pid} on {host}: LOST ({type(exc).__name__}); its sandboxes "
-                             f"stay until {_reap_hint(args, resolved, run_id)}")  # fmt: skip
+                lines.append(
+                    f"worker {index}  pid {pid} on {host}: LOST ({type(exc).__name__}); its sandboxes "
+                    f"stay until {_reap_hint(args, resolved, run_id)}"
+                )
                 continue
             results.append(result)
             lines.append(
@@ -160,8 +162,10 @@ def _run(
 def _reap_hint(args: argparse.Namespace, resolved: ResolvedStack, run_id: str | None) -> str:
     """What closes a lost worker's sandboxes: ``reap`` of this run, or (no ownership layer) only their TTL."""
     if run_id is None:
-        return ("their TTL: this stack has no ownership layer, so reap cannot tell them from other sandboxes "
-                "(add ownership to the config's middleware to make a run reapable)")  # fmt: skip
+        return (
+            "their TTL: this stack has no ownership layer, so reap cannot tell them from other sandboxes "
+            "(add ownership to the config's middleware to make a run reapable)"
+        )
     where = args.config or f"--provider {resolved.provider.name}"
     return f"sandbox-middleware reap {where} --run {run_id} closes them (or their TTL)"
 

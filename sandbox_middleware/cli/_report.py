@@ -33,8 +33,10 @@ def draw(run: RunState, accounting: ReleaseAccountingMiddleware | None, *, final
     width = 30
     filled = width * run.done // max(run.sessions, 1)
     active = len(accounting.held()) if accounting is not None else "?"
-    line = (f"[{'#' * filled}{'.' * (width - filled)}] {run.done}/{run.sessions} sessions  ok {run.ok}  "
-            f"failed {run.failed}  active {active}")  # fmt: skip
+    line = (
+        f"[{'#' * filled}{'.' * (width - filled)}] {run.done}/{run.sessions} sessions  ok {run.ok}  "
+        f"failed {run.failed}  active {active}"
+    )
     _ProgressAwareHandler.bar = "" if final else line
     sys.stderr.write(_CLEAR_LINE + line + ("\n" if final else ""))
     sys.stderr.flush()
@@ -134,8 +136,16 @@ def _by(points: Points, name: str, *attributes: str) -> dict[tuple[str, ...], fl
     return totals
 
 
-def table(title: str, run: RunState, points: Points, *, peak: int | None, held: list[str], orphans: str,
-          workers: Iterable[str] = ()) -> str:  # fmt: skip
+def table(
+    title: str,
+    run: RunState,
+    points: Points,
+    *,
+    peak: int | None,
+    held: list[str],
+    orphans: str,
+    workers: Iterable[str] = (),
+) -> str:
     """The operator's summary of the run, computed from the metrics the stack recorded.
 
     ``peak`` is the most sandboxes held at once (None without release accounting), ``held`` the ids

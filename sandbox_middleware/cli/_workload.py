@@ -109,8 +109,11 @@ async def _stop_on_signal(signals: AsyncIterator[signal.Signals], run: RunState,
     async for number in signals:
         if run.interrupted_by is None:
             run.interrupted_by = signal.Signals(number)
-            print(f"\n{run.interrupted_by.name}: starting no new sessions; creates in flight finish (so their "
-                  "sandboxes are not orphaned), then every sandbox held is closed", file=sys.stderr)  # fmt: skip
+            print(
+                f"\n{run.interrupted_by.name}: starting no new sessions; creates in flight finish (so their "
+                "sandboxes are not orphaned), then every sandbox held is closed",
+                file=sys.stderr,
+            )
             work.cancel()
         else:
             print(f"{signal.Signals(number).name} again: still closing sandboxes", file=sys.stderr)

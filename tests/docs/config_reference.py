@@ -109,14 +109,18 @@ def _rows(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
 
 def config_tables() -> list[str]:
     lines: list[str] = []
-    for kind, registry, first_is_inner in (("provider", provider_registry, False),
-                                           ("middleware", middleware_registry, True)):  # fmt: skip
+    for kind, registry, first_is_inner in (
+        ("provider", provider_registry, False),
+        ("middleware", middleware_registry, True),
+    ):
         for name in builtins(registry):
             cls = registry.get(name)
             entry = f"provider: {{{name}: {{...}}}}" if kind == "provider" else f"{name}"
             lines += [f"#### `{entry}`: `{cls.__name__}` ({PAGES.get(name, 'no page yet')})", ""]
-            found = [(f"`{o}`", t, f"`{d}`" if d != "required" else d, a) for o, t, d, a in
-                     options(cls, first_is_inner=first_is_inner)]  # fmt: skip
+            found = [
+                (f"`{o}`", t, f"`{d}`" if d != "required" else d, a)
+                for o, t, d, a in options(cls, first_is_inner=first_is_inner)
+            ]
             lines += _rows(found, ("option", "type", "default", "accepts")) if found else ["No options."]
             lines.append("")
     return lines

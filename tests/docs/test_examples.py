@@ -251,8 +251,15 @@ def paste(block: Block, cwd: Path, urls: dict[str, str]) -> None:
     for written, actual in urls.items():
         code = code.replace(written, actual)
     end = f"end of {block.where}"
-    done = subprocess.run([sys.executable, "-m", "asyncio"], input=f"{code}\nprint({end!r})\n", capture_output=True,
-                          text=True, timeout=PASTE_TIMEOUT_S, cwd=cwd, env=environment())  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncio"],
+        input=f"{code}\nprint({end!r})\n",
+        capture_output=True,
+        text=True,
+        timeout=PASTE_TIMEOUT_S,
+        cwd=cwd,
+        env=environment(),
+    )
     banner = ("asyncio REPL ", 'Use "await" directly', 'Type "help"', ">>> import asyncio", "exiting asyncio REPL")
     printed = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith(banner)]
     assert done.returncode == 0 and not printed and end in done.stdout, (
@@ -303,8 +310,14 @@ def test_every_example_that_needs_vllm_is_pasted_against_the_served_fake() -> No
     pages = {block.page.name for block in EXAMPLES if block.page in PASTED_PAGES}
     assert {"README.md", "token-capture.md", "records.md", "proxy.md"} <= pages
     servers = (*VLLM_URLS, PROXY_URL)
-    elsewhere = [block.where for block in EXAMPLES if block.not_run is None and not is_test_module(block)
-                 and block.page not in PASTED_PAGES and any(url in block.code for url in servers)]  # fmt: skip
+    elsewhere = [
+        block.where
+        for block in EXAMPLES
+        if block.not_run is None
+        and not is_test_module(block)
+        and block.page not in PASTED_PAGES
+        and any(url in block.code for url in servers)
+    ]
     assert not elsewhere, f"examples that need vLLM on pages that do not say to paste them: {elsewhere}"
 
 

@@ -95,8 +95,10 @@ async def test_nemo_local_provider_through_the_recommended_stack(tmp_path: Path,
         "gym.sandbox.stop",
         "gym.sandbox.status",
     ]
-    assert all(span.attributes is not None and span.attributes["nemo.gym.sandbox.id"] == handle.sandbox_id
-               for span in telemetry.spans())  # fmt: skip
+    assert all(
+        span.attributes is not None and span.attributes["nemo.gym.sandbox.id"] == handle.sandbox_id
+        for span in telemetry.spans()
+    )
 
 
 async def test_a_nemo_create_failure_is_retried_and_counted(tmp_path: Path, telemetry: TelemetryCapture) -> None:

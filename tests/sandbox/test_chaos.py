@@ -212,8 +212,10 @@ def _layer(provider: Any, cls: type) -> Any:
 
 
 def _gated_stack(telemetry: TelemetryCapture, inner: FaultInjectingProvider, pool: bool, **admission: Any) -> Any:
-    layers = [Middleware(ReleaseAccountingMiddleware, meter_provider=telemetry.meter_provider),
-              Middleware(AdmissionMiddleware, meter_provider=telemetry.meter_provider, **admission)]  # fmt: skip
+    layers = [
+        Middleware(ReleaseAccountingMiddleware, meter_provider=telemetry.meter_provider),
+        Middleware(AdmissionMiddleware, meter_provider=telemetry.meter_provider, **admission),
+    ]
     if pool:
         pool = Middleware(WarmPoolMiddleware, size=2, create_timeout_s=2, meter_provider=telemetry.meter_provider)
         layers.insert(0, pool)

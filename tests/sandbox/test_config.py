@@ -178,8 +178,7 @@ NUMBERS = [
 ]
 
 
-@pytest.mark.parametrize(("entry", "option", "value", "message"), NUMBERS,
-                         ids=[f"{o}={v}" for _, o, v, _ in NUMBERS])  # fmt: skip
+@pytest.mark.parametrize(("entry", "option", "value", "message"), NUMBERS, ids=[f"{o}={v}" for _, o, v, _ in NUMBERS])
 def test_each_bad_number_is_one_error(entry: str, option: str, value: float, message: str) -> None:
     """NaN, infinite, zero and negative values where invalid: exactly one error naming the file, entry and option."""
     config = {"provider": "local", "middleware": ["metrics", {entry: {option: value}}]}
@@ -349,7 +348,10 @@ def test_admission_and_warm_pool_from_config(tmp_path: Path) -> None:
     assert (pool.size, pool.max_age_s, pool.refill_concurrency, pool.max_keys) == (4, 600, 2, 3)
     assert (admission.max_concurrent_creates, admission.max_held, admission.max_create_rate) == (20, 100, 5.5)
     assert (admission.shared, admission.shared_key, admission.shared_path) == (
-        "host", "e2b-account", tmp_path / "limits.sqlite")  # fmt: skip
+        "host",
+        "e2b-account",
+        tmp_path / "limits.sqlite",
+    )
     anyio.run(provider.aclose)
     broken = {
         "provider": "local",

@@ -539,8 +539,9 @@ async def test_pass_through_layers_add_no_coroutine_of_their_own() -> None:
     """A layer with nothing to do for an operation hands back the inner provider's own awaitable: no
     frame per layer for the collector to track while thousands of calls are in flight."""
     inner = PlainProvider()
-    layers = stack(inner, [Middleware(ProviderMiddleware), Middleware(ReleaseAccountingMiddleware),
-                           Middleware(RetryMiddleware)])  # fmt: skip
+    layers = stack(
+        inner, [Middleware(ProviderMiddleware), Middleware(ReleaseAccountingMiddleware), Middleware(RetryMiddleware)]
+    )
     handle = await layers.create(SandboxSpec())
     call = layers.exec(handle, "true")
     assert call.cr_code is PlainProvider.exec.__code__  # type: ignore[attr-defined]

@@ -45,8 +45,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(python: Path, workdir: Path, *, extra_args: Sequence[str] = (),
-                   extra_env: Mapping[str, str] | None = None) -> Iterator[str]:  # fmt: skip
+def running_server(
+    python: Path, workdir: Path, *, extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None
+) -> Iterator[str]:
     """Make the tiny model in ``workdir``, serve it, yield the ``/v1`` base URL, stop the server.
 
     ``extra_args`` go to the server (``--enable-scale-out``), ``extra_env`` to its environment
@@ -71,8 +72,10 @@ def running_server(python: Path, workdir: Path, *, extra_args: Sequence[str] = (
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {process.returncode}; see {workdir / 'vllm.log'}:\n"
-                                   + (workdir / "vllm.log").read_text()[-4000:])  # fmt: skip
+                raise RuntimeError(
+                    f"vLLM exited with {process.returncode}; see {workdir / 'vllm.log'}:\n"
+                    + (workdir / "vllm.log").read_text()[-4000:]
+                )
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break

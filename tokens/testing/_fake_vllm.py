@@ -50,8 +50,12 @@ class FakeTokenizer:
     def token_bytes(self, token: int) -> list[int]:
         return list(self.SPECIAL[token].encode()) if token in self.SPECIAL else [token - self.OFFSET]
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None,
-                            add_generation_prompt: bool = True) -> list[int]:  # fmt: skip
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         ids: list[int] = []
         turns = list(messages)
         if tools:
@@ -80,8 +84,13 @@ class _Tokens:
     logprobs: tuple[float, ...] | None
 
 
-ERROR_TYPES: Mapping[int, str] = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
-                                  500: "InternalServerError", 503: "ServiceUnavailableError"}  # fmt: skip
+ERROR_TYPES: Mapping[int, str] = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 """vLLM's error ``type`` by status (any other status: the HTTP reason phrase, as one word, + ``Error``)."""
 
 
@@ -153,8 +162,12 @@ class FakeVLLM:
         if request.method == "GET" and path.endswith("/v1/models"):
             model = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm"}
             return httpx.Response(200, json={"object": "list", "data": [model]})
-        routes = {"/v1/chat/completions": self._chat, "/v1/completions": self._completions,
-                  "/tokenize": self._tokenize, "/detokenize": self._detokenize}  # fmt: skip
+        routes = {
+            "/v1/chat/completions": self._chat,
+            "/v1/completions": self._completions,
+            "/tokenize": self._tokenize,
+            "/detokenize": self._detokenize,
+        }
         handler = routes.get(path)
         if handler is None or request.method != "POST":
             return httpx.Response(404, json={"detail": "Not Found"})
@@ -170,19 +183,25 @@ class FakeVLLM:
 
     def _tokenize(self, body: dict[str, Any]) -> httpx.Response:
         if "messages" in body:
-            ids = self.tokenizer.apply_chat_template(body["messages"], body.get("tools"),
-                                                     body.get("add_generation_prompt", True))  # fmt: skip
+            ids = self.tokenizer.apply_chat_template(
+                body["messages"], body.get("tools"), body.get("add_generation_prompt", True)
+            )
         else:
             ids = self.tokenizer.encode(str(body.get("prompt", "")))
-        return httpx.Response(200, json={"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
-                                         "token_strs": None})  # fmt: skip
+        return httpx.Response(
+            200, json={"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None}
+        )
 
     def _detokenize(self, body: dict[str, Any]) -> httpx.Response:
         tokens = body.get("tokens")
         vocabulary = range(self.tokenizer.VOCAB_SIZE)
         if not isinstance(tokens, list) or not all(type(t) is int and t in vocabulary for t in tokens):
-            return _error(400, f"'tokens' must be a list of ids below {self.tokenizer.VOCAB_SIZE}", "BadRequestError",
-                          param="tokens")  # fmt: skip
+            return _error(
+                400,
+                f"'tokens' must be a list of ids below {self.tokenizer.VOCAB_SIZE}",
+                "BadRequestError",
+                param="tokens",
+            )
         return httpx.Response(200, json={"prompt": self.tokenizer.decode(tokens)})
 
     def _chat(self, body: dict[str, Any]) -> httpx.Response:
@@ -259,22 +278,31 @@ class FakeVLLM:
     def _check_lengths(self, prompt: list[int], body: Mapping[str, Any]) -> httpx.Response | None:
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         if max_tokens > self.max_model_len:
-            return _error(400, f"max_tokens={max_tokens} cannot be greater than max_model_len={self.max_model_len}. "
-                               f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
-                          "BadRequestError", param="max_tokens")  # fmt: skip
+            return _error(
+                400,
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={self.max_model_len}. "
+                f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
+                "BadRequestError",
+                param="max_tokens",
+            )
         if len(prompt) + 1 > self.max_model_len:
-            return _error(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                               f"prompt contains at least {len(prompt)} input tokens, which exceeds this limit even "
-                               "without any output tokens. Please reduce the length of the input prompt. "
-                               f"(parameter=input_tokens, value={len(prompt)})",
-                          "BadRequestError", param="input_tokens")  # fmt: skip
+            return _error(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt contains at least {len(prompt)} input tokens, which exceeds this limit even "
+                "without any output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={len(prompt)})",
+                "BadRequestError",
+                param="input_tokens",
+            )
         return None
 
     def _generate(self, prompt: list[int], body: Mapping[str, Any]) -> list[tuple[list[int], list[float], str]]:
         """Per choice: generated ids, their log probabilities and the finish reason (deterministic)."""
         n = body.get("n") or 1
-        max_tokens = min(body.get("max_tokens") or body.get("max_completion_tokens") or 16,
-                         self.max_model_len - len(prompt))  # fmt: skip
+        max_tokens = min(
+            body.get("max_tokens") or body.get("max_completion_tokens") or 16, self.max_model_len - len(prompt)
+        )
         seed = body.get("seed") or 0
         out = []
         for index in range(n):
@@ -291,9 +319,14 @@ class FakeVLLM:
                 ids = [*self.tokenizer.encode(scripted), FakeTokenizer.IM_END]
             reason = "stop" if len(ids) <= max_tokens else "length"
             ids = ids[:max_tokens]
-            lps = list(given[: len(ids)]) if given is not None else [
-                -((token * 7919 + position * 104729 + index) % 997) / 100.0 - 0.01
-                for position, token in enumerate(ids)]  # fmt: skip
+            lps = (
+                list(given[: len(ids)])
+                if given is not None
+                else [
+                    -((token * 7919 + position * 104729 + index) % 997) / 100.0 - 0.01
+                    for position, token in enumerate(ids)
+                ]
+            )
             out.append((ids, lps, reason))
         return out
 
@@ -301,14 +334,25 @@ class FakeVLLM:
         text = f"token_id:{token}" if as_ids else self.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": self.tokenizer.token_bytes(token), "top_logprobs": []}
 
-    def _stream(self, prompt: list[int], choices: list[tuple[list[int], list[float], str]], inline: bool,
-                as_ids: bool, want_logprobs: bool, body: Mapping[str, Any]) -> httpx.Response:  # fmt: skip
+    def _stream(
+        self,
+        prompt: list[int],
+        choices: list[tuple[list[int], list[float], str]],
+        inline: bool,
+        as_ids: bool,
+        want_logprobs: bool,
+        body: Mapping[str, Any],
+    ) -> httpx.Response:
         ident = f"chatcmpl-fake{next(self._ids):012x}"
         head = {"id": ident, "object": "chat.completion.chunk", "created": 1795979193, "model": self.model}
         events = []
-        first: dict[str, Any] = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                      "logprobs": None, "finish_reason": None}
-                                                     for i in range(len(choices))]}  # fmt: skip
+        first: dict[str, Any] = {
+            **head,
+            "choices": [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(len(choices))
+            ],
+        }
         if inline:
             first.update(prompt_token_ids=prompt, prompt_text=None)
         events.append(first)
@@ -327,12 +371,18 @@ class FakeVLLM:
                 events.append({**head, "choices": [choice]})
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
-            events.append({**head, "choices": [], "usage": _usage(len(prompt), sum(len(c[0]) for c in choices),
-                                                                  details=False),
-                           "system_fingerprint": SYSTEM_FINGERPRINT})  # fmt: skip
+            events.append(
+                {
+                    **head,
+                    "choices": [],
+                    "usage": _usage(len(prompt), sum(len(c[0]) for c in choices), details=False),
+                    "system_fingerprint": SYSTEM_FINGERPRINT,
+                }
+            )
         data = b"".join(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n" for event in events)
-        return httpx.Response(200, headers={"content-type": "text/event-stream; charset=utf-8"},
-                              content=data + b"data: [DONE]\n\n")  # fmt: skip
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream; charset=utf-8"}, content=data + b"data: [DONE]\n\n"
+        )
 
 
 def _text_ids(ids: Sequence[int]) -> list[int]:
@@ -353,19 +403,31 @@ def _tool_call(text: str) -> dict[str, Any] | None:
 
 
 def _message(content: str, index: int = 0) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
-                               "audio": None, "function_call": None, "reasoning": None}  # fmt: skip
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "reasoning": None,
+    }
     call = _tool_call(content)
     if call is not None:
         function = {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}
-        message.update(content=None, tool_calls=[{"id": f"chatcmpl-tool-fake{index:08x}", "type": "function",
-                                                  "function": function}])  # fmt: skip
+        message.update(
+            content=None,
+            tool_calls=[{"id": f"chatcmpl-tool-fake{index:08x}", "type": "function", "function": function}],
+        )
     return message
 
 
 def _usage(prompt: int, completion: int, *, details: bool = True) -> dict[str, Any]:
-    usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                             "completion_tokens": completion}  # fmt: skip
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
     if details:
         usage.update(prompt_tokens_details=None, completion_tokens_details=None)
     return usage
@@ -384,7 +446,9 @@ def _fault(fault: _Fault) -> httpx.Response:
     return _error(fault.status, fault.message, kind, headers=headers)
 
 
-def _error(status: int, message: str, kind: str, *, param: str | None = None,
-           headers: Mapping[str, str] | None = None) -> httpx.Response:  # fmt: skip
-    return httpx.Response(status, headers=headers, json={"error": {"message": message, "type": kind, "param": param,
-                                                                   "code": status}})  # fmt: skip
+def _error(
+    status: int, message: str, kind: str, *, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> httpx.Response:
+    return httpx.Response(
+        status, headers=headers, json={"error": {"message": message, "type": kind, "param": param, "code": status}}
+    )

@@ -59,8 +59,9 @@ def read_script(path: str | Path) -> Script:
     try:
         data = json.loads(text)
     except ValueError as exc:
-        raise ScriptError(f"{where}: not JSON ({exc}); a script is a JSON object such as "
-                          '{"replies": ["It is noon."]}') from None  # fmt: skip
+        raise ScriptError(
+            f'{where}: not JSON ({exc}); a script is a JSON object such as {{"replies": ["It is noon."]}}'
+        ) from None
     return parse_script(data, where)
 
 
@@ -97,17 +98,21 @@ def add_reply(fake: FakeVLLM, entry: Any, where: str) -> None:
     if isinstance(entry, str):
         entry = {"text": entry}
     if not isinstance(entry, dict):
-        raise ScriptError(f"{where}: a reply is a text or an object with one of {_names(REPLY_KINDS)}, "
-                          f"not {_kind(entry)}")  # fmt: skip
+        raise ScriptError(
+            f"{where}: a reply is a text or an object with one of {_names(REPLY_KINDS)}, not {_kind(entry)}"
+        )
     kinds = [key for key in REPLY_KINDS if key in entry]
     if len(kinds) != 1:
-        raise ScriptError(f"{where}: a reply has exactly one of {_names(REPLY_KINDS)}; this one has "
-                          f"{_names(kinds) if kinds else 'none'}")  # fmt: skip
+        raise ScriptError(
+            f"{where}: a reply has exactly one of {_names(REPLY_KINDS)}; this one has "
+            f"{_names(kinds) if kinds else 'none'}"
+        )
     [kind] = kinds
     unknown = sorted(set(entry) - REPLY_KINDS[kind])
     if unknown:
-        raise ScriptError(f"{where}: {unknown[0]!r} is not a key of a {kind} reply (its keys: "
-                          f"{_names(REPLY_KINDS[kind])})")  # fmt: skip
+        raise ScriptError(
+            f"{where}: {unknown[0]!r} is not a key of a {kind} reply (its keys: {_names(REPLY_KINDS[kind])})"
+        )
     if kind == "text":
         if not isinstance(entry["text"], str):
             raise ScriptError(f"{where}: text must be a string, not {_kind(entry['text'])}")
@@ -122,8 +127,10 @@ def add_reply(fake: FakeVLLM, entry: Any, where: str) -> None:
 
 def _add_tool_call(fake: FakeVLLM, call: Any, where: str) -> None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
-        raise ScriptError(f'{where}: a tool call is {{"name": "get_time", "arguments": {{...}}}}, with the '
-                          "tool's name as a non-empty string")  # fmt: skip
+        raise ScriptError(
+            f'{where}: a tool call is {{"name": "get_time", "arguments": {{...}}}}, with the '
+            "tool's name as a non-empty string"
+        )
     arguments = call.get("arguments", {})
     if not isinstance(arguments, dict) or set(call) - {"name", "arguments"}:
         raise ScriptError(f"{where}: a tool call has a name and arguments (a JSON object) only")
@@ -136,8 +143,10 @@ def _add_tokens(fake: FakeVLLM, ids: Any, logprobs: Any, where: str) -> None:
         raise ScriptError(f"{where}: token_ids must be a non-empty list of ids, not {_kind(ids)}")
     for index, token in enumerate(ids):
         if type(token) is not int or not 0 <= token <= top:
-            raise ScriptError(f"{where}: token_ids[{index}] is {token!r}, not an id of the fake's tokenizer: give "
-                              f"0 to {top} (0 <pad>, 1 <|im_start|>, 2 <|im_end|>, then byte + 3)")  # fmt: skip
+            raise ScriptError(
+                f"{where}: token_ids[{index}] is {token!r}, not an id of the fake's tokenizer: give "
+                f"0 to {top} (0 <pad>, 1 <|im_start|>, 2 <|im_end|>, then byte + 3)"
+            )
     if logprobs is not None:
         if not isinstance(logprobs, list) or len(logprobs) != len(ids):
             raise ScriptError(f"{where}: logprobs must be a list of {len(ids)} numbers, one per token id")

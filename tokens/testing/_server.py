@@ -108,8 +108,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         body = self.rfile.read(int(length))
         try:
-            request = httpx.Request(self.command, f"http://fake-vllm{self.path}", headers=self.headers.items(),
-                                    content=body)  # fmt: skip
+            request = httpx.Request(
+                self.command, f"http://fake-vllm{self.path}", headers=self.headers.items(), content=body
+            )
         except (httpx.InvalidURL, ValueError) as exc:
             self._send(_error(400, f"Not a usable request target: {exc}", "BadRequestError"))
             return
@@ -117,8 +118,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             with self.server.lock:
                 answer = self.server.fake(request)
         except Exception as exc:  # a body the fake cannot serve (its answers are not vLLM's validation)
-            answer = _error(500, f"The fake vLLM cannot serve this request: {type(exc).__name__}: {exc}",
-                            "InternalServerError")  # fmt: skip
+            answer = _error(
+                500, f"The fake vLLM cannot serve this request: {type(exc).__name__}: {exc}", "InternalServerError"
+            )
         self._send(answer)
 
     def _send(self, answer: httpx.Response, *, close: bool = False) -> None:
@@ -154,8 +156,9 @@ class FakeVLLMServer:
     ``with FakeVLLMServer(fake) as server: TokenClient(server.base_url)``. Leaving the block closes
     the open connections and stops the threads."""
 
-    def __init__(self, fake: FakeVLLM | None = None, *, host: str = "127.0.0.1", port: int = 0,
-                 stream_delay_s: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self, fake: FakeVLLM | None = None, *, host: str = "127.0.0.1", port: int = 0, stream_delay_s: float = 0.0
+    ) -> None:
         self.fake = fake if fake is not None else FakeVLLM()
         self._address = (host, port)
         self._stream_delay_s = stream_delay_s
@@ -180,8 +183,9 @@ class FakeVLLMServer:
         self._thread.start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         server, thread = self._server, self._thread
         if server is None or thread is None:
             return

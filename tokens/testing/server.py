@@ -43,28 +43,40 @@ Exit codes: 0 after Ctrl-C or SIGTERM, 2 for an unusable option or script, 1 whe
 class _Reply(argparse.Action):
     """Appends ``(option, value)`` to one list, so that replies of different kinds keep their order."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:  # fmt: skip
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         replies = [*getattr(namespace, self.dest), (option_string, values)]
         setattr(namespace, self.dest, replies)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__, epilog=SCRIPT_HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog=PROGRAM, description=__doc__, epilog=SCRIPT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="the port (default: 8000, vLLM's; 0: any free one)")
     parser.add_argument("--script", metavar="FILE", help="a JSON script of replies and settings (below)")
     parser.add_argument("--model", help="the model name /v1/models lists (default: the script's, else tiny)")
     parser.add_argument("--max-model-len", type=int, metavar="N", help="the context length, in tokens (default 2048)")
-    parser.add_argument("--stream-delay", type=float, metavar="SECONDS",
-                        help="the pause between a stream's events (default: the script's, else 0)")  # fmt: skip
+    parser.add_argument(
+        "--stream-delay",
+        type=float,
+        metavar="SECONDS",
+        help="the pause between a stream's events (default: the script's, else 0)",
+    )
     parser.add_argument("--log", action="store_true", help="print one line per request on stderr")
     replies = parser.add_argument_group("replies, in order after the script's")
-    kinds = {"--reply": ("TEXT", "answer a choice with this text"),
-             "--tool-call": ("JSON", 'answer a choice with a tool call: \'{"name": "get_time", "arguments": {}}\''),
-             "--token-ids": ("IDS", "answer a choice with these ids, comma-separated: 75,107,2"),
-             "--error": ("STATUS", "answer a request with this HTTP status (400 to 599)")}  # fmt: skip
+    kinds = {
+        "--reply": ("TEXT", "answer a choice with this text"),
+        "--tool-call": ("JSON", 'answer a choice with a tool call: \'{"name": "get_time", "arguments": {}}\''),
+        "--token-ids": ("IDS", "answer a choice with these ids, comma-separated: 75,107,2"),
+        "--error": ("STATUS", "answer a request with this HTTP status (400 to 599)"),
+    }
     for option, (metavar, text) in kinds.items():
         replies.add_argument(option, dest="replies", action=_Reply, default=[], metavar=metavar, help=text)
     return parser
@@ -129,8 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server = bind(args.host, args.port, script.fake, stream_delay_s=script.stream_delay_s, log=args.log)
     except OSError as exc:
-        print(f"{PROGRAM}: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; pick another --port "
-              "(0: any free one) or --host", file=sys.stderr)  # fmt: skip
+        print(
+            f"{PROGRAM}: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; pick another --port "
+            "(0: any free one) or --host",
+            file=sys.stderr,
+        )
         return 1
     previous = signal.signal(signal.SIGTERM, _stop)
     try:

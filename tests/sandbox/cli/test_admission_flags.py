@@ -16,8 +16,16 @@ def test_the_flags_place_and_set_the_layers() -> None:
     resolved = resolve_config(DEFAULT_CONFIG)
     warm = with_layer(with_layer(resolved, "warm_pool", {"size": 8}), "admission", {"max_create_rate": 5.0})
     names = [layer.name for layer in warm.middleware]
-    assert names == ["tracing", "warm_pool", "metrics", "release_accounting", "retry", "retry", "admission",
-                     "ownership"]  # fmt: skip
+    assert names == [
+        "tracing",
+        "warm_pool",
+        "metrics",
+        "release_accounting",
+        "retry",
+        "retry",
+        "admission",
+        "ownership",
+    ]
     assert warm.middleware[1].cls is WarmPoolMiddleware and warm.middleware[1].options == {"size": 8}
     assert warm.middleware[6].cls is AdmissionMiddleware and warm.middleware[6].options == {"max_create_rate": 5.0}
     bare = resolve_config({"provider": "local", "middleware": ["metrics"]})
@@ -31,8 +39,20 @@ def test_run_with_a_pool_and_a_create_rate(tmp_path: Path) -> None:
 provider: {{local: {{isolation: none, base_dir: "{tmp_path / "boxes"}"}}}}
 middleware: [tracing, metrics, release_accounting, retry, ownership]
 """)
-    done = run("run", str(config), "--sessions", "30", "--concurrency", "6", "--commands", "1", "--warm", "4",
-               "--max-create-rate", "40")  # fmt: skip
+    done = run(
+        "run",
+        str(config),
+        "--sessions",
+        "30",
+        "--concurrency",
+        "6",
+        "--commands",
+        "1",
+        "--warm",
+        "4",
+        "--max-create-rate",
+        "40",
+    )
     assert done.returncode == 0, done.stderr
     assert "2. warm_pool -> WarmPoolMiddleware(size=4)" in done.stderr
     assert "6. admission -> AdmissionMiddleware(max_create_rate=40.0)" in done.stderr

@@ -86,8 +86,9 @@ def test_default_run_leaks_nothing() -> None:
 def test_console_script_is_installed() -> None:
     """The console script runs the same main job."""
     script = shutil.which("sandbox-middleware") or str(Path(sys.executable).parent / "sandbox-middleware")
-    done = subprocess.run([script, "run", "--sessions", "2", "--commands", "1"], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [script, "run", "--sessions", "2", "--commands", "1"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -97,8 +98,9 @@ def test_quick_start_fault_run_holds_nothing_and_retries_closes() -> None:
 
     Exec faults are not retried (a command may have run), so their sessions fail: exit code 3.
     """
-    done = run("run", "--sessions", "200", "--concurrency", "32", "--faults", "create=0.1,close=0.05,exec=0.01",
-               "--seed", "11")  # fmt: skip
+    done = run(
+        "run", "--sessions", "200", "--concurrency", "32", "--faults", "create=0.1,close=0.05,exec=0.01", "--seed", "11"
+    )
     out = done.stdout
     assert row(out, "sandboxes still held") == "0"
     assert row(out, "gym.sandbox.active peak / final").endswith("/ 0")
@@ -149,8 +151,13 @@ def test_signal_mid_run_closes_everything(number: signal.Signals, private_tmpdir
     A hundred million sessions: workers pull them one by one, so nothing grows with the count.
     """
     env = {**os.environ, "TMPDIR": str(private_tmpdir)}
-    process = subprocess.Popen([*CLI, "run", "--sessions", "100000000", "--concurrency", "8", "--no-progress"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    process = subprocess.Popen(
+        [*CLI, "run", "--sessions", "100000000", "--concurrency", "8", "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 60
         while not any("local-" in name for name in left_behind(private_tmpdir)):
@@ -275,8 +282,12 @@ sys.exit(main())
 
 def test_missing_exporter_names_the_extra() -> None:
     """Asking for an exporter that is not installed says which extra to install, in one line."""
-    done = subprocess.run([sys.executable, "-c", BLOCK_OTLP, "run", "--sessions", "1", "--export", "otlp"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCK_OTLP, "run", "--sessions", "1", "--export", "otlp"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "pip install 'llm-sandbox-middleware[otlp]'" in done.stderr
     assert len(done.stderr.splitlines()) == 1, done.stderr
@@ -407,8 +418,13 @@ sys.exit(_main.main())
 def test_default_run_without_bwrap_is_one_line(tmp_path: Path) -> None:
     """run with no config, its provider under bwrap, on a machine without bwrap: exit 2 and one line."""
     env = {**os.environ, "PATH": path_without_bwrap(tmp_path / "bin", first=[Path(sys.executable).parent])}
-    done = subprocess.run([sys.executable, "-c", DEFAULT_UNDER_BWRAP, "run", "--sessions", "1"],
-                          capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", DEFAULT_UNDER_BWRAP, "run", "--sessions", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.splitlines() == [
         "sandbox-middleware run: error: provider 'local' of the built-in default config cannot be built: "
@@ -428,8 +444,19 @@ def test_the_same_seed_fails_the_same_sessions_at_any_concurrency() -> None:
     labels = ("sessions ok / failed", "retries create / close / other", "orphans found / reaped")
     seen = []
     for concurrency in ("32", "32", "5"):
-        done = run("run", "--sessions", "120", "--concurrency", concurrency, "--commands", "2", "--faults", FAULTS,
-                   "--seed", "7")  # fmt: skip
+        done = run(
+            "run",
+            "--sessions",
+            "120",
+            "--concurrency",
+            concurrency,
+            "--commands",
+            "2",
+            "--faults",
+            FAULTS,
+            "--seed",
+            "7",
+        )
         assert done.returncode in (0, 3), done.stderr
         failures = done.stdout[done.stdout.index("failures") :]
         seen.append(([row(done.stdout, label).split(":")[0] for label in labels], failures))

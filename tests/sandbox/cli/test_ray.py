@@ -59,8 +59,21 @@ def ray_address() -> Iterator[str]:
         unavailable("ray is not installed: pip install -e '.[ray]'", "REQUIRE_RAY")
     port = free_port()
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    start = [str(ray_cli), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-             "--num-cpus", "2", "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp]  # fmt: skip
+    start = [
+        str(ray_cli),
+        "start",
+        "--head",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num-cpus",
+        "2",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        "--temp-dir",
+        temp,
+    ]
     try:
         subprocess.run(start, check=True, capture_output=True, timeout=120, env={**os.environ, **LOOPBACK_ENV})
         yield f"127.0.0.1:{port}"
@@ -124,8 +137,13 @@ middleware: [tracing, metrics, release_accounting, {{retry: {{attempts: 3, opera
 
 
 def _start(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([*CLI, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **LOOPBACK_ENV})  # fmt: skip
+    return subprocess.Popen(
+        [*CLI, "run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **LOOPBACK_ENV},
+    )
 
 
 def _ground_truth(base: Path, **metadata: str) -> list[Any]:
@@ -188,8 +206,9 @@ def test_run_over_ray_aggregates_and_one_prometheus_sees_every_worker(
     common = ["--ray", ray_address, "--workers", "2", "--export", "prometheus", "--prometheus-sd-file", str(targets)]
 
     # A quiet point: 4 sessions hold their sandboxes for a while; Prometheus must agree with the provider.
-    quiet = _start(config, *common, "--sessions", "4", "--commands", "1", "--think", "15", "--run-id", "quiet",
-                   "--linger", "4")  # fmt: skip
+    quiet = _start(
+        config, *common, "--sessions", "4", "--commands", "1", "--think", "15", "--run-id", "quiet", "--linger", "4"
+    )
     try:
         _wait_for(lambda: len(_ground_truth(sandbox_base, **{"sandbox_middleware.run_id": "quiet"})) == 4, "4 held")
         # Prometheus hands discovered targets to its scrapers at most every 5 s.
@@ -239,8 +258,23 @@ def test_reap_closes_exactly_what_a_killed_worker_held(ray_address: str, tmp_pat
     config = _config(tmp_path, sandbox_base)
     crash = {"sandbox_middleware.run_id": "crash"}
     workdirs = set(Path(tempfile.gettempdir()).glob("sandbox-middleware-run-*"))
-    running = _start(str(config), "--ray", ray_address, "--workers", "2", "--sessions", "8", "--concurrency", "8",
-                     "--commands", "1", "--think", "10", "--run-id", "crash")  # fmt: skip
+    running = _start(
+        str(config),
+        "--ray",
+        ray_address,
+        "--workers",
+        "2",
+        "--sessions",
+        "8",
+        "--concurrency",
+        "8",
+        "--commands",
+        "1",
+        "--think",
+        "10",
+        "--run-id",
+        "crash",
+    )
 
     async def live_run() -> tuple[LocalProvider, list[SandboxHandle]]:
         local = LocalProvider(isolation="none", base_dir=sandbox_base)
@@ -254,12 +288,16 @@ def test_reap_closes_exactly_what_a_killed_worker_held(ray_address: str, tmp_pat
         assert len(owners) == 2
         victim = min(owners)
         os.kill(int(victim), signal.SIGKILL)
-        held_by_victim = {item.handle.sandbox_id for item in _ground_truth(sandbox_base, **crash)
-                          if item.metadata["sandbox_middleware.owner.pid"] == victim}  # fmt: skip
+        held_by_victim = {
+            item.handle.sandbox_id
+            for item in _ground_truth(sandbox_base, **crash)
+            if item.metadata["sandbox_middleware.owner.pid"] == victim
+        }
         assert len(held_by_victim) == 4
         time.sleep(0.5)  # the other worker is alive and still holds its 4
-        reaped = subprocess.run([*CLI, "reap", str(config), "--run", "crash"], capture_output=True, text=True,
-                                timeout=120)  # fmt: skip
+        reaped = subprocess.run(
+            [*CLI, "reap", str(config), "--run", "crash"], capture_output=True, text=True, timeout=120
+        )
         assert reaped.returncode == 0, reaped.stderr
         assert {line.split()[0] for line in reaped.stdout.splitlines()} == held_by_victim
         survivors = {item.handle.sandbox_id for item in _ground_truth(sandbox_base)}

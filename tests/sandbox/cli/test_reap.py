@@ -35,8 +35,20 @@ middleware:
 
 def test_lost_create_responses_are_reported_as_orphans_and_reaped(tmp_path: Path, sandbox_base: Path) -> None:
     """`--faults lost_create=`: each lost response leaves a sandbox no ledger holds; the run lists and closes it."""
-    done = run("run", str(_config(tmp_path, sandbox_base)), "--sessions", "30", "--concurrency", "4",
-               "--commands", "1", "--faults", "lost_create=0.2", "--seed", "3")  # fmt: skip
+    done = run(
+        "run",
+        str(_config(tmp_path, sandbox_base)),
+        "--sessions",
+        "30",
+        "--concurrency",
+        "4",
+        "--commands",
+        "1",
+        "--faults",
+        "lost_create=0.2",
+        "--seed",
+        "3",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert row(done.stdout, "sessions ok / failed") == "30 / 0"
     found, rest = row(done.stdout, "orphans found / reaped").split(" / ", 1)

@@ -128,8 +128,12 @@ def test_without_the_proxy_extra_it_is_one_line_naming_it(tmp_path: Path) -> Non
         assert (done.returncode, done.stdout, done.stderr) == (2, "", f"python -m tokens.proxy: {needs}\n")
     imported = subprocess.run([sys.executable, "-c", "import tokens.proxy"], capture_output=True, text=True, env=env)
     assert imported.returncode == 1 and imported.stderr.strip().endswith(f"ImportError: {needs}")
-    uvicorn = subprocess.run([sys.executable, "-m", "tokens.proxy", "--help"], capture_output=True, text=True,
-                             env=env_without(tmp_path / "u", "uvicorn"))  # fmt: skip
+    uvicorn = subprocess.run(
+        [sys.executable, "-m", "tokens.proxy", "--help"],
+        capture_output=True,
+        text=True,
+        env=env_without(tmp_path / "u", "uvicorn"),
+    )
     assert uvicorn.returncode == 2 and "(uvicorn is not installed)" in uvicorn.stderr
 
 

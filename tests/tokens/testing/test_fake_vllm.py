@@ -39,8 +39,11 @@ def test_field_sets_equal_the_recorded_answers(name: str, path: str) -> None:
 
 @pytest.mark.anyio(False)
 def test_stream_field_sets_equal_the_recorded_stream() -> None:
-    real = [json.loads(e[6:]) for e in (FIXTURES / "chat_stream_inline_ids.response.sse").read_bytes().split(b"\n\n")
-            if e.startswith(b"data: {")]  # fmt: skip
+    real = [
+        json.loads(e[6:])
+        for e in (FIXTURES / "chat_stream_inline_ids.response.sse").read_bytes().split(b"\n\n")
+        if e.startswith(b"data: {")
+    ]
     answer = FakeVLLM()(httpx.Request("POST", V1 + "/chat/completions", json=sample("chat_stream_inline_ids.request")))
     events = answer.content.split(b"\n\n")
     fake = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
@@ -52,8 +55,14 @@ def test_stream_field_sets_equal_the_recorded_stream() -> None:
 def test_endpoints_agree_with_each_other() -> None:
     """/tokenize gives the chat prompt ids; /detokenize of the generation gives the content; token-in echoes."""
     fake = FakeVLLM(replies=["ok, 12:00"])
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 64, "logprobs": True, "return_token_ids": True,
-            "return_tokens_as_token_ids": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "max_tokens": 64,
+        "logprobs": True,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
     answer = ask(fake, "/v1/chat/completions", body).json()
     tokenized = ask(fake, "/tokenize", {"model": "tiny", "messages": MESSAGES}).json()["tokens"]
     assert answer["prompt_token_ids"] == tokenized
@@ -62,8 +71,9 @@ def test_endpoints_agree_with_each_other() -> None:
     assert ask(fake, "/detokenize", {"tokens": generated[:-1]}).json()["prompt"] == "ok, 12:00"
     assert answer["choices"][0]["message"]["content"] == "ok, 12:00"
     assert [e["token"] for e in answer["choices"][0]["logprobs"]["content"]] == [f"token_id:{i}" for i in generated]
-    continued = ask(fake, "/v1/completions", {"model": "tiny", "prompt": tokenized, "return_token_ids": True,
-                                              "max_tokens": 4}).json()  # fmt: skip
+    continued = ask(
+        fake, "/v1/completions", {"model": "tiny", "prompt": tokenized, "return_token_ids": True, "max_tokens": 4}
+    ).json()
     assert continued["choices"][0]["prompt_token_ids"] == tokenized
     assert continued["usage"]["completion_tokens"] == len(continued["choices"][0]["token_ids"]) == 4
     again = ask(FakeVLLM(), "/v1/chat/completions", body).json()

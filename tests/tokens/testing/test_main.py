@@ -20,8 +20,9 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_t
 
 
 def run(*arguments: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *PROGRAM, *arguments], capture_output=True, text=True, timeout=60,
-                          cwd=cwd or ROOT)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, *PROGRAM, *arguments], capture_output=True, text=True, timeout=60, cwd=cwd or ROOT
+    )
 
 
 def test_a_script_and_options_are_served_in_order(tmp_path: Path) -> None:
@@ -56,12 +57,18 @@ def test_a_script_and_options_are_served_in_order(tmp_path: Path) -> None:
     assert messages[3]["content"] == "Bye." and messages[4]["content"] not in {"Bye.", "It is noon."}
 
 
+def _serving(*options: str) -> tuple[subprocess.Popen[str], str]:
+    """The program started with ``options``, and the URL it printed."""
+    process = subprocess.Popen(
+        [sys.executable, *PROGRAM, *options], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    return process, process.stdout.readline().strip()
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_and_sigterm_stop_it_with_exit_0(stop: signal.Signals) -> None:
-    process = subprocess.Popen([sys.executable, *PROGRAM, "--port", "0", "--stream-delay", "30"], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    assert process.stdout is not None
-    url = process.stdout.readline().strip()
+    process, url = _serving("--port", "0", "--stream-delay", "30")
     with httpx.Client() as client, client.stream("POST", url + "/chat/completions", json={**CHAT, "stream": True}):
         process.send_signal(stop)  # with a stream under way, 30 s from its next event
         out, err = process.communicate(timeout=30)
@@ -69,10 +76,7 @@ def test_ctrl_c_and_sigterm_stop_it_with_exit_0(stop: signal.Signals) -> None:
 
 
 def test_log_prints_one_line_per_request() -> None:
-    process = subprocess.Popen([sys.executable, *PROGRAM, "--port", "0", "--log"], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
-    assert process.stdout is not None
-    url = process.stdout.readline().strip()
+    process, url = _serving("--port", "0", "--log")
     httpx.post(url + "/chat/completions", json=CHAT)
     httpx.get(url + "/nothing")
     process.send_signal(signal.SIGINT)

@@ -49,8 +49,11 @@ def test_served_bodies_have_the_recorded_field_sets(served: FakeVLLMServer, name
 def test_a_stream_arrives_one_event_per_chunk_with_the_recorded_field_sets() -> None:
     """Each event is an HTTP chunk of its own (httpx's raw reads are the chunks), and the events' field
     sets are the recorded stream's."""
-    real = [json.loads(e[6:]) for e in (FIXTURES / "chat_stream_inline_ids.response.sse").read_bytes().split(b"\n\n")
-            if e.startswith(b"data: {")]  # fmt: skip
+    real = [
+        json.loads(e[6:])
+        for e in (FIXTURES / "chat_stream_inline_ids.response.sse").read_bytes().split(b"\n\n")
+        if e.startswith(b"data: {")
+    ]
     with FakeVLLMServer(stream_delay_s=0.01) as server, httpx.Client() as client:
         request = sample("chat_stream_inline_ids.request")
         with client.stream("POST", server.base_url + "/chat/completions", json=request) as answer:
@@ -92,8 +95,9 @@ async def test_the_openai_sdk_over_loopback_whole_streamed_and_a_tool_call(serve
     served.fake.reply("It is noon.", "It is noon.")
     served.fake.reply_tool_call("get_time", {"tz": "Europe/Oslo"})
     transport = TokenCaptureTransport(request_prompt_and_generation_token_ids=True)
-    async with openai.AsyncOpenAI(base_url=served.base_url, api_key="-", max_retries=0,
-                                  http_client=httpx.AsyncClient(transport=transport)) as sdk:  # fmt: skip
+    async with openai.AsyncOpenAI(
+        base_url=served.base_url, api_key="-", max_retries=0, http_client=httpx.AsyncClient(transport=transport)
+    ) as sdk:
         whole = await sdk.chat.completions.create(model="tiny", messages=MESSAGES)  # type: ignore[arg-type]
         stream = await sdk.chat.completions.create(model="tiny", messages=MESSAGES, stream=True)  # type: ignore[arg-type]
         text, bundles = "", None
@@ -167,8 +171,9 @@ def test_leaving_the_block_closes_open_connections_and_threads() -> None:
         idle = httpx.Client()
         idle.get(server.base_url + "/models")
         streaming = httpx.Client()
-        request = streaming.build_request("POST", server.base_url + "/chat/completions",
-                                          json={"model": "tiny", "messages": MESSAGES, "stream": True})  # fmt: skip
+        request = streaming.build_request(
+            "POST", server.base_url + "/chat/completions", json={"model": "tiny", "messages": MESSAGES, "stream": True}
+        )
         answer = streaming.send(request, stream=True)
         pieces = answer.iter_raw()
         next(pieces)  # the first event arrived; the next is 5 s away

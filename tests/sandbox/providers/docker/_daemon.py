@@ -93,8 +93,11 @@ def _ours(root: str) -> list[int]:
 
 
 def _mounts(root: str) -> list[str]:
-    return [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
-            if line.split()[4].startswith(root)]  # fmt: skip
+    return [
+        line.split()[4]
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if line.split()[4].startswith(root)
+    ]
 
 
 @contextlib.contextmanager

@@ -69,8 +69,9 @@ def require_bridge() -> None:
     require_docker()
     with engine() as client:
         if client.get("/networks/bridge").status_code == 404:
-            unavailable(f"the Docker daemon at {SOCKET} has no bridge network (dockerd --bridge=none): {BRIDGE}",
-                        REQUIRE)  # fmt: skip
+            unavailable(
+                f"the Docker daemon at {SOCKET} has no bridge network (dockerd --bridge=none): {BRIDGE}", REQUIRE
+            )
 
 
 @functools.cache

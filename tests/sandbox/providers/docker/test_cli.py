@@ -17,8 +17,19 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_run_over_docker_then_reap_by_run() -> None:
     require_docker()
-    done = _run("run", "--provider", "docker", "--image", BUSYBOX, "--sessions", "6", "--concurrency", "3",
-                "--run-id", "cli-docker-run")  # fmt: skip
+    done = _run(
+        "run",
+        "--provider",
+        "docker",
+        "--image",
+        BUSYBOX,
+        "--sessions",
+        "6",
+        "--concurrency",
+        "3",
+        "--run-id",
+        "cli-docker-run",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "provider docker" in done.stdout and "sessions ok / failed             6 / 0" in done.stdout
     assert containers("sandbox_middleware.docker.meta.sandbox_middleware.run_id=cli-docker-run") == []
@@ -41,6 +52,8 @@ def test_a_missing_image_is_one_usage_error_at_start() -> None:
     done = _run("run", "--provider", "docker", "--image", "sandbox-middleware/absent:none", "--sessions", "2")
     assert done.returncode == 2, done.stdout + done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("sandbox-middleware run: error: argument --image: DockerProvider: image "
-                           "'sandbox-middleware/absent:none' is not on the daemon"), last  # fmt: skip
+    assert last.startswith(
+        "sandbox-middleware run: error: argument --image: DockerProvider: image "
+        "'sandbox-middleware/absent:none' is not on the daemon"
+    ), last
     assert "sessions ok" not in done.stdout and "Traceback" not in done.stderr

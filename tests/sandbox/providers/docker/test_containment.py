@@ -110,8 +110,9 @@ async def test_a_runaway_command_is_killed_at_its_timeout(provider: DockerProvid
 async def test_output_floods_stay_bounded(make: Callable[..., DockerProvider]) -> None:
     provider = make(max_output_bytes=4096)
     handle = await provider.create(spec())
-    result = await provider.exec(handle, "echo first; head -c 50000000 /dev/zero | tr '\\0' x; echo; echo last; "
-                                 "head -c 1000000 /dev/zero >&2")  # fmt: skip
+    result = await provider.exec(
+        handle, "echo first; head -c 50000000 /dev/zero | tr '\\0' x; echo; echo last; head -c 1000000 /dev/zero >&2"
+    )
     assert result.stdout.startswith("first\n") and result.stdout.endswith("last\n")
     assert "bytes truncated" in result.stdout and len(result.stdout) < 4096 + 200
     assert "bytes truncated" in result.stderr

@@ -308,8 +308,12 @@ async def test_endpoint_on_loopback_only(make: Callable[..., DockerProvider]) ->
 async def test_capabilities_and_pickling(make: Callable[..., DockerProvider]) -> None:
     provider = make(memory_mib=512)
     present = {protocol.__name__ for protocol in CAPABILITIES if isinstance(provider, protocol)}
-    assert present == {"SupportsSandboxEndpoint", "ConnectableProvider", "SupportsSandboxPauseResume",
-                       "SupportsSandboxList"}  # fmt: skip
+    assert present == {
+        "SupportsSandboxEndpoint",
+        "ConnectableProvider",
+        "SupportsSandboxPauseResume",
+        "SupportsSandboxList",
+    }
     assert isinstance(provider, SupportsSandboxList | SupportsSandboxPauseResume)
     copy = pickle.loads(pickle.dumps(provider))
     assert isinstance(copy, DockerProvider) and copy._options == provider._options

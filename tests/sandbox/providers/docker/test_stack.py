@@ -70,8 +70,13 @@ async def test_every_operation_through_the_recommended_stack(
     assert telemetry.value("gym.sandbox.failure_total") == 0
     assert telemetry.value("gym.sandbox.create_retry_total") == 0
     names = [span.name for span in telemetry.spans()]
-    assert names[:5] == ["gym.sandbox.start", "gym.sandbox.upload", "gym.sandbox.exec", "gym.sandbox.download",
-                         "gym.sandbox.status"]  # fmt: skip
+    assert names[:5] == [
+        "gym.sandbox.start",
+        "gym.sandbox.upload",
+        "gym.sandbox.exec",
+        "gym.sandbox.download",
+        "gym.sandbox.status",
+    ]
     assert names.count("gym.sandbox.stop") == 1
 
 

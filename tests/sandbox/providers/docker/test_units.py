@@ -192,8 +192,9 @@ def test_a_failing_image_build_says_what_the_script_said(tmp_path: Path) -> None
     `CalledProcessError ... exit status 1`: a busybox that cannot run, then a daemon that is not there
     (neither build reaches a daemon)."""
     if shutil.which("docker") is None or not os.path.exists("/bin/busybox"):
-        unavailable(f"the script needs the docker CLI and busybox-static: {INSTALL}, apt-get install busybox-static",
-                    REQUIRE)  # fmt: skip
+        unavailable(
+            f"the script needs the docker CLI and busybox-static: {INSTALL}, apt-get install busybox-static", REQUIRE
+        )
     not_busybox = tmp_path / "busybox"
     not_busybox.write_text("not a program\n")  # not executable
     nowhere = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock", "FORCE": "1"}

@@ -82,8 +82,14 @@ async def test_planted_directories_are_ignored(make: Callable[..., LocalProvider
     record, a second copy of a live id) are neither listed nor reaped."""
     local = make(isolation="none", base_dir=sandbox_base)
     live = await OwnershipMiddleware(local, run_id="r").create(SandboxSpec())
-    record = {"metadata": {"sandbox_middleware.run_id": "r", "sandbox_middleware.owner.host": "h",
-                           "sandbox_middleware.owner.pid": "1", "sandbox_middleware.owner.started": "x"}}  # fmt: skip
+    record = {
+        "metadata": {
+            "sandbox_middleware.run_id": "r",
+            "sandbox_middleware.owner.host": "h",
+            "sandbox_middleware.owner.pid": "1",
+            "sandbox_middleware.owner.started": "x",
+        }
+    }
     copy = sandbox_base / f"{live.sandbox_id}-planted"  # a second directory claiming the live id
     copy.mkdir(mode=0o711)
     (copy / "meta.json").write_text(json.dumps(record))
