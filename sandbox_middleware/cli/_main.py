@@ -104,24 +104,24 @@ def _integer(minimum: int | None = None, maximum: int | None = None) -> Callable
     return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, not {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, 0 or more, not {text!r}")
-    return value
+def _finite(unit: str, *, above_zero: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number of ``unit``, 0 or more (above 0 with ``above_zero``)."""
+    least = "above 0" if above_zero else "0 or more"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number of {unit}, not {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (above_zero and value == 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number of {unit}, {least}, not {text!r}")
+        return value
+
+    return parse
 
 
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of creates per second, not {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of creates per second above 0, not {text!r}")
-    return value
+_seconds = _finite("seconds", above_zero=False)
+_rate = _finite("creates per second", above_zero=True)
 
 
 def _version() -> str:

@@ -59,7 +59,7 @@ middleware: [tracing, metrics, release_accounting, retry, ownership]
     assert row(done.stdout, "sessions ok / failed") == "30 / 0"
     assert row(done.stdout, "sandboxes still held") == "0"
     bad = run("run", "--max-create-rate", "0")
-    assert bad.returncode == 2 and "--max-create-rate: must be a finite number of creates per second above 0" in (
+    assert bad.returncode == 2 and "--max-create-rate: must be a finite number of creates per second, above 0" in (
         bad.stderr
     )
 
