@@ -186,8 +186,11 @@ def _send_fds(sock: _socket.socket, message: bytes, fds: list[int]) -> None:
 def _receive(sock: _socket.socket) -> tuple[bytes, list[int]]:
     """One message and the descriptors that came with it. A command (EXEC) comes with exactly its three
     descriptors and its spec, or its four (the spec in a memfd) and no spec; anything else with none
-    (those that came are closed), and a truncated message as ``b"?"``."""
-    message, ancillary, flags, _address = sock.recvmsg(1 + INLINE_SPEC, _socket.CMSG_SPACE(4 * 4))
+    (those that came are closed), and a truncated message as ``b"?"``. Each descriptor arrives
+    close-on-exec (received descriptors are otherwise inheritable: none of them may reach a command)."""
+    message, ancillary, flags, _address = sock.recvmsg(
+        1 + INLINE_SPEC, _socket.CMSG_SPACE(4 * 4), _socket.MSG_CMSG_CLOEXEC
+    )
     fds: list[int] = []
     for level, kind, data in ancillary:
         if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
@@ -425,8 +428,6 @@ class Starter:
         if not fds:
             os._exit(_INIT_FAILED)
         sock.close()
-        for fd in fds:  # received descriptors are inheritable: none of them may reach the command
-            os.set_inheritable(fd, False)
         reply_fd, out, err = fds[:3]
         reply = _socket.socket(fileno=reply_fd)
         spec = message[1:]
