@@ -205,6 +205,12 @@ def _receive(sock: _socket.socket) -> tuple[bytes, list[int]]:
     return message, fds
 
 
+def _reply_socket(fd: int) -> _socket.socket:
+    """A command's reply socket, received from the provider, which makes it a SOCK_SEQPACKET pair: said
+    here, not asked of the kernel (three system calls on the way to the command's start)."""
+    return _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET, 0, fd)
+
+
 def _say(fd: int, text: str) -> None:
     try:  # noqa: SIM105  (no contextlib: the starter imports C modules only)
         os.write(fd, f"sandbox starter: {text}\n".encode(errors="replace"))
@@ -286,7 +292,7 @@ class Starter:
             return False
         if not fds:  # not a command
             return True
-        reply = _socket.socket(fileno=fds[0])
+        reply = _reply_socket(fds[0])
         try:
             self._start(reply, message, fds)
         except OSError as exc:
@@ -429,7 +435,7 @@ class Starter:
             os._exit(_INIT_FAILED)
         sock.close()
         reply_fd, out, err = fds[:3]
-        reply = _socket.socket(fileno=reply_fd)
+        reply = _reply_socket(reply_fd)
         spec = message[1:]
         if len(fds) == 4:  # a spec too large for the message: in a memfd
             chunks = []
