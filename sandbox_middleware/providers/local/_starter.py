@@ -47,13 +47,15 @@ import sys
 import time
 
 # --- the protocol --------------------------------------------------------------------------------
-# On the control socket (SOCK_SEQPACKET), provider -> starter: EXEC with four descriptors (the
-# command's reply socket, its stdout and stderr pipes, a memfd holding its spec); starter ->
-# provider: READY once it serves. On a command's reply socket, provider -> starter: KILL (or the
-# socket closed: the caller went away); starter -> provider: EXIT + the return code (int32), or FAIL
-# + a UTF-8 message when the command could not be started.
+# On the control socket (SOCK_SEQPACKET), provider -> starter: EXEC + the command's spec with three
+# descriptors (the command's reply socket, its stdout and stderr pipes), or, for a spec over
+# INLINE_SPEC bytes, EXEC alone with a fourth, a memfd holding the spec; the starter forwards it as it
+# came to the command's init. Starter -> provider: READY once it serves. On a command's reply
+# socket, provider -> starter: KILL (or the socket closed: the caller went away); starter ->
+# provider: EXIT + the return code (int32), or FAIL + a UTF-8 message when the command could not be
+# started.
 READY, EXEC, KILL, EXIT, FAIL = b"r", b"x", b"k", b"e", b"f"
-EXEC_FDS = 4
+INLINE_SPEC = 1 << 14  # the largest spec sent inside the EXEC message (far under any socket buffer)
 CODE = struct.Struct("=i")  # a return code, after EXIT
 _MAX_FDS = 1 << 20
 
@@ -181,19 +183,32 @@ def _send_fds(sock: _socket.socket, message: bytes, fds: list[int]) -> None:
     sock.sendmsg([message], rights(fds))
 
 
-def _receive(sock: _socket.socket, count: int) -> tuple[bytes, list[int]]:
-    """One message and the descriptors that came with it (all of them closed if they are not ``count``)."""
-    message, ancillary, _flags, _address = sock.recvmsg(64, _socket.CMSG_SPACE(count * 4))
+def _receive(sock: _socket.socket) -> tuple[bytes, list[int]]:
+    """One message and the descriptors that came with it. A command (EXEC) comes with exactly its three
+    descriptors and its spec, or its four (the spec in a memfd) and no spec; anything else with none
+    (those that came are closed), and a truncated message as ``b"?"``. Each descriptor arrives
+    close-on-exec (received descriptors are otherwise inheritable: none of them may reach a command)."""
+    message, ancillary, flags, _address = sock.recvmsg(
+        1 + INLINE_SPEC, _socket.CMSG_SPACE(4 * 4), _socket.MSG_CMSG_CLOEXEC
+    )
     fds: list[int] = []
     for level, kind, data in ancillary:
         if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
             usable = len(data) - len(data) % 4
             fds += struct.unpack(f"={usable // 4}i", data[:usable])
-    if len(fds) != count:
+    if flags & (_socket.MSG_TRUNC | _socket.MSG_CTRUNC):
+        message = b"?" if message else message
+    if not (message[:1] == EXEC and len(fds) == (3 if len(message) > 1 else 4)):
         for fd in fds:
             os.close(fd)
         fds = []
     return message, fds
+
+
+def _reply_socket(fd: int) -> _socket.socket:
+    """A command's reply socket, received from the provider, which makes it a SOCK_SEQPACKET pair: said
+    here, not asked of the kernel (three system calls on the way to the command's start)."""
+    return _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET, 0, fd)
 
 
 def _say(fd: int, text: str) -> None:
@@ -268,20 +283,18 @@ class Starter:
 
     def _on_control(self) -> bool:
         try:
-            message, fds = _receive(self._control, EXEC_FDS)
+            message, fds = _receive(self._control)
         except BlockingIOError:
             return True
         except OSError:
             return False
         if not message:  # the provider closed the sandbox or went away
             return False
-        if message != EXEC or not fds:
-            for fd in fds:
-                os.close(fd)
+        if not fds:  # not a command
             return True
-        reply = _socket.socket(fileno=fds[0])
+        reply = _reply_socket(fds[0])
         try:
-            self._start(reply, fds)
+            self._start(reply, message, fds)
         except OSError as exc:
             self._answer(reply, FAIL + str(exc).encode(errors="replace"))
             reply.close()
@@ -290,12 +303,12 @@ class Starter:
                 os.close(fd)
         return True
 
-    def _start(self, reply: _socket.socket, fds: list[int]) -> None:
+    def _start(self, reply: _socket.socket, message: bytes, fds: list[int]) -> None:
         self._eager = bool(self._by_pidfd) or time.monotonic() - self._ended < _BACK_TO_BACK_S
         spare = self._spare if self._spare is not None else self._prepare()
         self._spare = None
         try:
-            _send_fds(spare.sock, EXEC, fds)
+            _send_fds(spare.sock, message, fds)
         except OSError:
             self._forget_spare(spare)
             raise
@@ -417,22 +430,23 @@ class Starter:
         finally:
             loopback.close()
         libc.drop_capabilities()
-        message, fds = _receive(sock, EXEC_FDS)
-        if message != EXEC or not fds:
+        message, fds = _receive(sock)
+        if not fds:
             os._exit(_INIT_FAILED)
         sock.close()
-        reply_fd, out, err, spec_fd = fds
-        for fd in fds:  # received descriptors are inheritable: none of them may reach the command
-            os.set_inheritable(fd, False)
-        reply = _socket.socket(fileno=reply_fd)
-        chunks = []
-        while True:
-            chunk = os.read(spec_fd, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        os.close(spec_fd)
-        argv, env, cwd = decode_spec(b"".join(chunks))
+        reply_fd, out, err = fds[:3]
+        reply = _reply_socket(reply_fd)
+        spec = message[1:]
+        if len(fds) == 4:  # a spec too large for the message: in a memfd
+            chunks = []
+            while True:
+                chunk = os.read(fds[3], 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            os.close(fds[3])
+            spec = b"".join(chunks)
+        argv, env, cwd = decode_spec(spec)
         try:
             command = _spawn(argv, env, cwd, out, err)
         except OSError as exc:

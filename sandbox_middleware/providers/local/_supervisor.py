@@ -26,7 +26,7 @@ from ..._errors import SandboxError
 from .._common._output import OutputPump
 from . import _starter
 from ._bwrap import memfd
-from ._starter import CODE, EXEC, EXIT, FAIL, KILL, READY, encode_spec, rights
+from ._starter import CODE, EXEC, EXIT, FAIL, INLINE_SPEC, KILL, READY, encode_spec, rights
 
 __all__ = ["CommandStarter", "find_python"]
 
@@ -178,11 +178,15 @@ class CommandStarter:
             raise
         try:
             try:
-                spec = memfd("sandbox-command", encode_spec(argv, env, cwd))
-                try:
-                    await self._send(theirs.fileno(), out, err, spec)
-                finally:
-                    os.close(spec)
+                spec = encode_spec(argv, env, cwd)
+                if len(spec) <= INLINE_SPEC:  # in the message itself: no memfd to make, fill and read
+                    await self._send(EXEC + spec, [theirs.fileno(), out, err])
+                else:
+                    held = memfd("sandbox-command", spec)
+                    try:
+                        await self._send(EXEC, [theirs.fileno(), out, err, held])
+                    finally:
+                        os.close(held)
             except OSError as exc:
                 raise SandboxError(f"LocalProvider: cannot run a command in {self._where}: {exc}") from exc
             finally:
@@ -206,11 +210,11 @@ class CommandStarter:
             mine.close()
         return self._code(answer, killed=timed_out), timed_out
 
-    async def _send(self, reply: int, out: int, err: int, spec: int) -> None:
-        ancillary = rights([reply, out, err, spec])
+    async def _send(self, message: bytes, fds: list[int]) -> None:
+        ancillary = rights(fds)
         while True:
             try:
-                self._control.sendmsg([EXEC], ancillary)
+                self._control.sendmsg([message], ancillary)
                 return
             except BlockingIOError:
                 await anyio.wait_writable(self._control.fileno())

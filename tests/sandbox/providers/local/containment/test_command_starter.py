@@ -124,6 +124,26 @@ async def test_concurrent_commands_get_their_own_results(
     assert results == {n: (f"out{n}\n", f"err{n}\n", n) for n in range(8)}
 
 
+async def test_a_command_too_large_for_its_message_runs_alike(
+    make: Callable[..., LocalProvider], sandbox_base: Path
+) -> None:
+    """A command, environment and cwd sent inside the starter's message and ones too large for it (sent in
+    a memfd) reach the command whole, byte for byte."""
+    from sandbox_middleware.providers.local._starter import INLINE_SPEC
+
+    local = make(isolation="bwrap", base_dir=sandbox_base)
+    handle = await local.create(SandboxSpec())
+    await local.exec(handle, "mkdir -p 'sub dir'")
+    for size in (10, INLINE_SPEC // 4, INLINE_SPEC, 4 * INLINE_SPEC):  # command and BIG: twice the size
+        text = ("x" * 63 + "\n") * (size // 64 + 1)
+        env = {"BIG": text, "SMALL": "é=1"}
+        result = await local.exec(
+            handle, f': {text[:size]!r}; printf %s "$BIG"; echo "$SMALL" "$PWD"', env=env, cwd="sub dir"
+        )
+        assert result.return_code == 0, (size, result.stderr)
+        assert result.stdout.startswith(text) and result.stdout.endswith("é=1 /workspace/sub dir\n"), size
+
+
 @as_root
 async def test_a_dead_starter_is_reported_not_waited_on(make: Callable[..., LocalProvider], sandbox_base: Path) -> None:
     """The starter killed from outside (as an OOM kill would): a running command ends, later calls
