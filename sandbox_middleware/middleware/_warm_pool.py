@@ -212,6 +212,7 @@ class WarmPoolMiddleware(ProviderMiddleware):
         pool = self._pools.get(key)
         if pool is None and len(self._pools) < self.max_keys and not self._draining:
             pool = self._pools[key] = _Pool(spec)
+            self._notify()  # an idle refill task waits for a wake-up: a new key is one
         return pool
 
     async def around(self, operation: Operation[T]) -> T:

@@ -288,3 +288,23 @@ async def test_two_callers_of_wait_ready_both_return() -> None:
     assert pool.ready() == 4
     await pool.aclose()
     assert inner.alive == set()
+
+
+async def test_a_new_key_after_the_refill_task_went_idle_starts_its_pool(telemetry: TelemetryCapture) -> None:
+    """Nothing woke the idle refill task for a new key: its pool never started, contrary to the docs."""
+    inner = FaultInjectingProvider(latency={"create": 0.02})
+    provider = pooled_stack(inner, telemetry, size=2, specs=[SandboxSpec(image="python:3.12")])
+    pool = layer(provider, WarmPoolMiddleware)
+    await pool.wait_ready(timeout_s=10)  # the 3.12 pool is full: the refill task waits for a wake-up
+    await anyio.sleep(0.1)
+    miss = await provider.create(SandboxSpec(image="python:3.13"))
+    with anyio.fail_after(10):
+        while pool.ready() < 4:
+            await anyio.sleep(0.01)
+    hit = await provider.create(SandboxSpec(image="python:3.13"))
+    assert telemetry.value("gym.sandbox.pool.handout_total", result="miss") == 1
+    assert telemetry.value("gym.sandbox.pool.handout_total", result="hit") == 1
+    for handle in (miss, hit):
+        await provider.close(handle)
+    await provider.aclose()
+    assert inner.alive == set()
