@@ -42,7 +42,7 @@ from ._intake import Intake
 from ._records import Recorder
 from ._sink import TokenSink
 from ._streaming import serve_stream
-from ._telemetry import ProxyTelemetry, Report
+from ._telemetry import ProxyTelemetry
 from ._upstream import Upstream, Upstreams
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "create_app"]
@@ -80,15 +80,11 @@ class _App:
         await self.endpoint(Request(scope, receive), send)
 
     async def endpoint(self, request: Request, send: Send) -> None:
-        """The route: a dialect's POST is served and told of once, ``GET /v1/models`` asks the upstream,
-        the rest is a 404."""
+        """The route: a dialect's POST is served, ``GET /v1/models`` asks the upstream, the rest is a 404."""
         path = request.path_params["path"]
         dialect = self.dialects.get(path)
         if dialect is not None and request.method == "POST":
-            with self.telemetry.call(dialect.name) as report:
-                response = await self.serve(dialect, request, report)
-                await response(request.scope, request.receive, send)
-            return
+            return await self.serve(dialect, request, send)
         if request.method == "GET" and path == "models":
             response = await self.models()
         else:
@@ -100,25 +96,30 @@ class _App:
             response = JSONResponse(CHAT.error_body(error), status_code=error.status)
         await response(request.scope, request.receive, send)
 
-    async def serve(self, dialect: Dialect, request: Request, report: Report) -> Response:
-        """A request's one way through the stages: read in, sent upstream with its call in custody,
-        answered whole or streamed; any failure answered in the client's dialect."""
-        try:
-            turn = await self.intake.read(request, dialect, report)
-            async with turn.custody:  # begun before anything is sent; a stream's own end comes with its events
-                reply = await self.upstreams.send(turn)
-                if reply.stream is not None:
-                    return serve_stream(turn, reply, self.client_timeout)
-                return await serve_whole(turn, reply)
-        except Exception as exc:
-            failure = exc if isinstance(exc, ProxyError) else None
-            if failure is None:  # a defect of ours: logged, and still an answer the client's SDK parses
-                logger.error(
-                    "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
-                )
-                failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
-            report.error = failure
-            return JSONResponse(dialect.error_body(failure), status_code=failure.status)
+    async def serve(self, dialect: Dialect, request: Request, send: Send) -> None:
+        """A request's one way through the stages, told of once (to its answer's last byte): read in,
+        sent upstream with its call in custody, answered whole or streamed; any failure answered in the
+        client's dialect."""
+        with self.telemetry.report(dialect.name) as report:
+            response: Response
+            try:
+                turn = await self.intake.turn_of(request, dialect, report)
+                async with turn.custody:  # begun before anything is sent; a stream's own end comes with its events
+                    reply = await self.upstreams.send(turn)
+                    if reply.stream is not None:
+                        response = serve_stream(turn, reply, self.client_timeout)
+                    else:
+                        response = await serve_whole(turn, reply)
+            except Exception as exc:
+                failure = exc if isinstance(exc, ProxyError) else None
+                if failure is None:  # a defect of ours: logged, and still an answer the client's SDK parses
+                    logger.error(
+                        "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
+                    )
+                    failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
+                report.error = failure
+                response = JSONResponse(dialect.error_body(failure), status_code=failure.status)
+            await response(request.scope, request.receive, send)
 
     async def models(self) -> Response:
         try:

@@ -77,7 +77,7 @@ class Intake:
         self.responses_upstream = responses_upstream
         self.recorder = recorder
 
-    async def read(self, request: Request, dialect: Dialect, report: Report) -> Turn:
+    async def turn_of(self, request: Request, dialect: Dialect, report: Report) -> Turn:
         """The request read and checked, as the ``Turn`` the stages serve (nothing is sent yet)."""
         body = await read_json(request, self.max_request_bytes, self.client_timeout)
         report.stream = stream = bool(body.get("stream"))

@@ -1,6 +1,6 @@
 """The proxy's telemetry: a span and a duration per proxied call by dialect, capture failures by type.
 
-A call is told once: ``ProxyTelemetry.call`` opens its span (current for the whole call, so the
+A call is told once: ``ProxyTelemetry.report`` opens its span (current for the whole call, so the
 capture's own spans are its children), hands the stages a ``Report`` to fill as they go (stream or
 not, which upstream API, the failure answered), and reads it when the call is over, after its
 answer's last byte. Only the OpenTelemetry API, through the lazy never-raising helpers the rest of
@@ -88,7 +88,7 @@ class ProxyTelemetry:
         return error
 
     @contextmanager
-    def call(self, dialect: str) -> Iterator[Report]:
+    def report(self, dialect: str) -> Iterator[Report]:
         """One proxied call, from its request to its answer's last byte: its span current throughout,
         then its duration, its span's end and any capture failure, from the ``Report`` the stages filled."""
         report = Report(dialect)

@@ -89,33 +89,10 @@ class Upstream:
         response = await self.client.get(self.base + "/models")
         return await read_body(response, "models", 2**20)
 
-    async def chat(self, body: Mapping[str, Any]) -> bytes:
-        """A chat completion's answer, whole, as the upstream sent it."""
-        response = await self.client.post(self.base + "/chat/completions", content=_ENCODE.encode(body), headers=_JSON)
-        return await read_body(response, "answer", self.max_response_bytes)
-
-    async def chat_stream(self, body: Mapping[str, Any]) -> httpx.Response:
-        """A chat completion's stream, opened (its events not yet read)."""
-        request = self.client.build_request(
-            "POST", self.base + "/chat/completions", content=_ENCODE.encode(body), headers=_JSON
-        )
-        response = await self.client.send(request, stream=True)
-        if response.status_code >= 400:
-            await read_body(response, "answer", self.max_response_bytes)  # raises the typed error
-        return response
-
-    async def responses(self, body: dict[str, Any], fall_back: bool) -> tuple[dict[str, Any], TokenBundle] | None:
-        """vLLM's ``/v1/responses`` answer and its bundle, captured by the chain; None (and remembered)
-        when ``fall_back`` and it is not served."""
-        response = await self.client.post(self.base + "/responses", json=body)
-        if response.status_code in (404, 405) and fall_back:
-            await response.aclose()
-            self.serves_responses = False  # remembered: chat completions from now on
-            return None
-        decoded = decode_responses(await read_body(response, "answer", self.max_response_bytes))
-        bundle = await self.chain(Exchange(body, decoded))
-        self.serves_responses = True
-        return decoded.answer, bundle
+    async def ask(self, path: str, body: Mapping[str, Any]) -> httpx.Response:
+        """``body`` posted to ``path`` (under the base URL): the answer with its head read, its body not yet."""
+        request = self.client.build_request("POST", self.base + path, content=_ENCODE.encode(body), headers=_JSON)
+        return await self.client.send(request, stream=True)
 
 
 class Upstreams:
@@ -127,20 +104,35 @@ class Upstreams:
         self.fall_back = fall_back
 
     async def send(self, turn: Turn) -> Reply:
-        """The turn sent to the upstream of its model, by the API it asks, and the upstream's reply."""
+        """The turn sent to the upstream of its model, by the API it asks, and the upstream's reply:
+        vLLM's own answer and its bundle (captured by the chain), or a chat completion whole or opened
+        as a stream; a Responses request whose upstream has no ``/v1/responses`` (a 404, remembered)
+        is asked as a chat completion when ``fall_back``."""
         upstream = self.pick(turn.body)
         report = turn.report
+        native = turn.native if upstream.serves_responses is not False else None
+        chat = turn.chat
         try:
-            if turn.native is not None and upstream.serves_responses is not False:
+            if native is not None:
                 report.upstream_api = "responses"
-                answered = await upstream.responses(turn.native, self.fall_back)
-                if answered is not None:
-                    return Reply(turn.chat or {}, *answered)
-            chat = turn.dialect.to_chat(turn.body, turn.history) if turn.chat is None else turn.chat
-            report.upstream_api = "chat"
-            if turn.stream:
-                return Reply(chat, stream=await upstream.chat_stream(chat))
-            return Reply(chat, _DECODE.decode(await upstream.chat(chat)))
+                response = await upstream.ask("/responses", native)
+                if response.status_code in (404, 405) and self.fall_back:
+                    await response.aclose()
+                    native = None
+                    upstream.serves_responses = False  # remembered: chat completions from now on
+            if native is None:
+                chat = turn.dialect.to_chat(turn.body, turn.history) if chat is None else chat
+                report.upstream_api = "chat"
+                response = await upstream.ask("/chat/completions", chat)
+                if turn.stream and response.status_code < 400:
+                    return Reply(chat, stream=response)
+            data = await read_body(response, "answer", upstream.max_response_bytes)  # a failure raises, typed
+            if native is None:
+                return Reply(chat or {}, _DECODE.decode(data))
+            decoded = decode_responses(data)
+            bundle = await upstream.chain(Exchange(native, decoded))
+            upstream.serves_responses = True
+            return Reply(chat or {}, decoded.answer, bundle)
         except (TokensError, httpx.HTTPError) as exc:
             report.cause = exc
             raise upstream_error(exc) from None
