@@ -27,14 +27,7 @@ __all__ = ["serve_stream"]
 
 def serve_stream(turn: Turn, reply: Reply, client_timeout: float) -> Response:
     """The reply's chat stream answered event by event in the client's dialect."""
-    dialect, body, history, call, custody, report = (
-        turn.dialect,
-        turn.body,
-        turn.history,
-        turn.call,
-        turn.custody,
-        turn.report,
-    )
+    dialect, body, custody, report = turn.dialect, turn.body, turn.custody, turn.report
     response, chat = reply.stream, reply.chat
     assert response is not None  # a streamed reply
     closed = False
@@ -76,7 +69,7 @@ def serve_stream(turn: Turn, reply: Reply, client_timeout: float) -> Response:
             if converter is not None:
                 for out in converter.finish():
                     yield out
-                dialect.ended(converter, body, history, call.model_call_id)
+                dialect.ended(converter, body, turn.history, turn.call.model_call_id)
         except (TokensError, httpx.HTTPError, ProxyError) as exc:
             report.error, report.cause = upstream_error(exc), exc
             await custody.end(report.error)
@@ -87,4 +80,4 @@ def serve_stream(turn: Turn, reply: Reply, client_timeout: float) -> Response:
         finally:
             await close()
 
-    return EventStream(events(), client_timeout, call.headers, closing=gone)
+    return EventStream(events(), client_timeout, turn.call.headers, closing=gone)
