@@ -27,7 +27,7 @@ from ..records import (
 )
 from ..records._writer import UNRECORDED
 from ._chat import TOKEN_FIELDS
-from ._errors import CaptureFailedError, ProxyError, RequestRejectedError
+from ._errors import CaptureFailedError, ProxyError
 
 __all__ = ["Recorder", "StreamRecord"]
 
@@ -95,18 +95,11 @@ def _capture_failed(exc: BaseException) -> bool:
 
 
 class _ProxyCustody(Custody):
-    """A recorded call's custody as the proxy answers it: a call of ``n`` > 1 refused, a frozen or
-    retired rollout a 409, a failing store a 503 (its details go to the log only)."""
-
-    def __init__(self, writer: RecordWriter, coordinates: Coordinates, chat: Mapping[str, Any]) -> None:
-        super().__init__(writer, coordinates, _capture_failed)
-        self.chat = chat
+    """A recorded call's custody as the proxy answers it: a frozen or retired rollout a 409, a failing
+    store a 503 (its details go to the log only)."""
 
     async def begin(self) -> None:
         coordinates = self.coordinates
-        n = self.chat.get("n")
-        if n is not None and n != 1:
-            raise RequestRejectedError(f"n={n!r} with a rollout id: a record holds one choice; send n=1", param="n")
         try:
             await super().begin()
         except (RolloutFrozenError, RolloutRetiredError) as exc:  # a frozen or retired rollout takes no more calls
@@ -144,12 +137,8 @@ class Recorder:
     def __init__(self, store: Any) -> None:
         self.writer = None if store is None else RecordWriter(store)
 
-    def records(self, coordinates: Coordinates | None) -> bool:
-        """Whether a call at ``coordinates`` is recorded: with a store and a rollout id."""
-        return self.writer is not None and coordinates is not None
-
-    def custody(self, coordinates: Coordinates | None, chat: Mapping[str, Any]) -> Custody:
-        """The call's custody (``chat``: the request as served); one that records nothing when it is not recorded."""
+    def custody(self, coordinates: Coordinates | None) -> Custody:
+        """The call's custody; one that records nothing (``recorded`` False) without a store or a rollout id."""
         if self.writer is None or coordinates is None:
             return UNRECORDED
-        return _ProxyCustody(self.writer, coordinates, chat)
+        return _ProxyCustody(self.writer, coordinates, _capture_failed)
