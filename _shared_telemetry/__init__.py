@@ -9,6 +9,7 @@ span processor that throws) is logged once and never reaches the caller.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 import logging
@@ -208,80 +209,110 @@ class InstrumentBundle:
         return bundle
 
 
-class Instruments(Generic[B]):
+T = TypeVar("T")
+
+
+class _FromSDK(abc.ABC, Generic[T]):
+    """The base of ``Instruments`` and ``Tracing``: ``get()`` is what ``_make`` makes from the SDK
+    provider (the one given, else the global one), made once and kept. None while that provider is
+    no SDK's (none, a no-op, the API's placeholder) or when making it failed (reported once)."""
+
+    __slots__ = ("_made", "_provider", "_scope")
+    _NO_SDK: tuple[type, ...]
+
+    def __init__(self, provider: Any, scope: str) -> None:
+        self._provider = provider
+        self._scope = scope
+        self._made: T | None = None
+
+    @staticmethod
+    @abc.abstractmethod
+    def _global_provider() -> Any:
+        """The global provider, None while none is set."""
+
+    @abc.abstractmethod
+    def _make(self, provider: Any) -> T:
+        """What ``get()`` returns, from the SDK ``provider``."""
+
+    @abc.abstractmethod
+    def _what(self) -> str:
+        """What making it is, for the report of its failure."""
+
+    def get(self) -> T | None:
+        made = self._made
+        if made is not None:
+            return made
+        provider = self._provider
+        if provider is None:
+            provider = self._global_provider()
+            if provider is None:
+                return None
+        if isinstance(provider, self._NO_SDK):
+            return None
+        try:
+            made = self._make(provider)
+        except Exception as exc:
+            report_once(self._what(), exc)
+            return None
+        self._made = made
+        return made
+
+
+class Instruments(_FromSDK[B]):
     """A middleware's instruments from ``meter_provider`` (default: the global one), or None.
 
     ``factory`` builds the instrument bundle from a meter; it runs once per meter, whichever
     middleware instance asks first. Returns None while no SDK is configured.
     """
 
-    __slots__ = ("_bundle", "_factory", "_provider", "_scope")
+    __slots__ = ("_factory",)
+    _NO_SDK = _NO_SDK_METER_PROVIDERS
 
     def __init__(self, factory: Callable[[Meter], B], meter_provider: MeterProvider | None, scope: str = SCOPE) -> None:
+        super().__init__(meter_provider, scope)
         self._factory = factory
-        self._provider = meter_provider
-        self._scope = scope
-        self._bundle: B | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Instruments belong to this process: the receiving one creates its own from the provider.
         return (type(self), (self._factory, _portable(self._provider, "meter_provider"), self._scope))
 
-    def get(self) -> B | None:
-        bundle = self._bundle
-        if bundle is not None:
-            return bundle
-        provider = self._provider
-        if provider is None:
-            provider = _metrics_globals._METER_PROVIDER if _FAST_METRICS else _public_meter_provider()
-            if provider is None:
-                return None
-        if isinstance(provider, _NO_SDK_METER_PROVIDERS):
-            return None
-        try:
-            meter = provider.get_meter(self._scope)
-            per_meter = _instrument_cache.setdefault(meter, {})
-            bundle = per_meter.get(self._factory)
-            if bundle is None:
-                bundle = per_meter[self._factory] = self._factory(meter)
-        except Exception as exc:
-            report_once(f"creating instruments ({getattr(self._factory, '__qualname__', self._factory)})", exc)
-            return None
-        self._bundle = bundle
+    @staticmethod
+    def _global_provider() -> MeterProvider | None:
+        return _metrics_globals._METER_PROVIDER if _FAST_METRICS else _public_meter_provider()
+
+    def _make(self, provider: MeterProvider) -> B:
+        meter = provider.get_meter(self._scope)
+        per_meter = _instrument_cache.setdefault(meter, {})
+        bundle: B | None = per_meter.get(self._factory)
+        if bundle is None:
+            bundle = per_meter[self._factory] = self._factory(meter)
         return bundle
 
+    def _what(self) -> str:
+        return f"creating instruments ({getattr(self._factory, '__qualname__', self._factory)})"
 
-class Tracing:
+
+class Tracing(_FromSDK[Tracer]):
     """The tracer from ``tracer_provider`` (default: the global one), or None without an SDK."""
 
-    __slots__ = ("_provider", "_scope", "_tracer")
+    __slots__ = ()
+    _NO_SDK = _NO_SDK_TRACER_PROVIDERS
 
     def __init__(self, tracer_provider: TracerProvider | None, scope: str = SCOPE) -> None:
-        self._provider = tracer_provider
-        self._scope = scope
-        self._tracer: Tracer | None = None
+        super().__init__(tracer_provider, scope)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (_portable(self._provider, "tracer_provider"), self._scope))
 
-    def get(self) -> Tracer | None:
-        tracer = self._tracer
-        if tracer is not None:
-            return tracer
-        provider = self._provider
-        if provider is None:
-            provider = _trace_globals._TRACER_PROVIDER if _FAST_TRACE else _public_tracer_provider()
-            if provider is None:
-                return None
-        if isinstance(provider, _NO_SDK_TRACER_PROVIDERS):
-            return None
-        try:
-            tracer = provider.get_tracer(self._scope)
-        except Exception as exc:
-            report_once("creating the tracer", exc)
-            return None
-        self._tracer = tracer
-        return tracer
+    @staticmethod
+    def _global_provider() -> TracerProvider | None:
+        return _trace_globals._TRACER_PROVIDER if _FAST_TRACE else _public_tracer_provider()
+
+    def _make(self, provider: TracerProvider) -> Tracer:
+        return provider.get_tracer(self._scope)
+
+    def _what(self) -> str:
+        return "creating the tracer"
 
 
 @contextmanager

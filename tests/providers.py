@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import inspect
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -14,9 +15,12 @@ from sandbox_middleware import (
     SandboxEndpoint,
     SandboxExecResult,
     SandboxHandle,
+    SandboxProvider,
     SandboxSpec,
     SandboxStatus,
 )
+
+P = TypeVar("P", bound=SandboxProvider)
 
 
 class PlainProvider:
@@ -151,3 +155,18 @@ async def crashed_worker(argv: Sequence[str]) -> set[str]:
         worker.send_signal(signal.SIGKILL)
         await worker.wait()
     return set(lines.decode().split())
+
+
+@asynccontextmanager
+async def closing_all(provider_class: Callable[..., P]) -> AsyncIterator[Callable[..., P]]:
+    """A factory of ``provider_class(**options)`` whose every provider is closed (``aclose``) at the
+    end of the block: a fixture's providers, closed after its test, even a failed one."""
+    made: list[P] = []
+
+    def build(**options: Any) -> P:
+        made.append(provider_class(**options))
+        return made[-1]
+
+    yield build
+    for provider in made:
+        await provider.aclose()

@@ -13,7 +13,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).parents[1]
+from tests import ROOT
+
 START_TIMEOUT_S = 60.0
 
 

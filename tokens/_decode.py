@@ -83,7 +83,7 @@ def _generic(raw: msgspec.Raw | bytes, field: str) -> Any:
 
 def decode_tokenize(data: bytes) -> list[int]:
     """The ids of a ``/tokenize`` response body, checked like every other source's."""
-    fields = _object(data, "/tokenize response", MalformedResponseError)
+    fields = object_fields(data, "/tokenize response", MalformedResponseError)
     raw = fields.get("tokens")
     try:
         ids: list[int] | None = None if raw is None else _ids.decode(raw)
@@ -188,14 +188,35 @@ def _bad_token(tokens: list[str], field: str) -> MalformedTokenMetadataError:
     raise AssertionError("unreachable: the joined tokens failed the pattern, so one token does")  # pragma: no cover
 
 
-def _object(raw: msgspec.Raw | bytes, field: str, error: type[MalformedResponseError]) -> dict[str, msgspec.Raw]:
-    """``raw`` as an object of raw fields, or ``error`` naming ``field``."""
+# How a failure to decode an object is told: (too deeply nested, JSON but not an object, not JSON),
+# each formatted with ``what`` and msgspec's own words ``exc``, only when it happens.
+_FIELD_PHRASES = (
+    "{what}: JSON nested too deeply",
+    "{what}: expected an object ({exc})",
+    "{what}: expected an object ({exc})",
+)
+_CHAT_PHRASES = (
+    "{what} is JSON nested too deeply to be a chat completion",
+    "{what} is not a JSON object: {exc}",
+    "{what} is not valid JSON: {exc}",
+)
+
+
+def object_fields(
+    raw: msgspec.Raw | bytes | str,
+    what: str,
+    error: type[MalformedResponseError],
+    phrases: tuple[str, str, str] = _FIELD_PHRASES,
+) -> dict[str, msgspec.Raw]:
+    """``raw`` as an object of raw fields, or ``error`` saying what ``what`` is not (``phrases``)."""
     try:
         fields: dict[str, msgspec.Raw] = _fields.decode(raw)
     except RecursionError as exc:
-        raise error(f"{field}: JSON nested too deeply") from exc
-    except msgspec.MsgspecError as exc:
-        raise error(f"{field}: expected an object ({exc})") from exc
+        raise error(phrases[0].format(what=what, exc=exc)) from exc
+    except msgspec.ValidationError as exc:
+        raise error(phrases[1].format(what=what, exc=exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise error(phrases[2].format(what=what, exc=exc)) from exc
     return fields
 
 
@@ -214,14 +235,7 @@ def _split(
 
 def decode_response(data: bytes | str) -> DecodedResponse:
     """Decode a chat completion body; token fields are kept raw for typed decoding later."""
-    try:
-        top = _fields.decode(data)
-    except RecursionError as exc:
-        raise MalformedResponseError("the response is JSON nested too deeply to be a chat completion") from exc
-    except msgspec.ValidationError as exc:
-        raise MalformedResponseError(f"the response is not a JSON object: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise MalformedResponseError(f"the response is not valid JSON: {exc}") from exc
+    top = object_fields(data, "the response", MalformedResponseError, _CHAT_PHRASES)
     if "choices" not in top:
         raise MalformedResponseError("the response has no 'choices'; is this a chat completion response?")
     raw: dict[str, msgspec.Raw] = {}
@@ -246,7 +260,10 @@ def decode_response(data: bytes | str) -> DecodedResponse:
             {}
             if message_raw is None
             else _split(
-                _object(message_raw, prefix + "message", MalformedResponseError), _MESSAGE_RAW, prefix + "message.", raw
+                object_fields(message_raw, prefix + "message", MalformedResponseError),
+                _MESSAGE_RAW,
+                prefix + "message.",
+                raw,
             )
         )
         choice["message"] = message
@@ -265,7 +282,7 @@ def _nvext(value: msgspec.Raw, raw: dict[str, msgspec.Raw]) -> Any:
     engine_data = fields.pop("engine_data", None)
     nvext = {key: _generic(item, f"nvext.{key}") for key, item in fields.items()}
     if engine_data is not None:
-        engine_fields = _object(engine_data, "nvext.engine_data", MalformedTokenMetadataError)
+        engine_fields = object_fields(engine_data, "nvext.engine_data", MalformedTokenMetadataError)
         rest = _split(engine_fields, _ENGINE_DATA_RAW, "nvext.engine_data.", raw)
         if rest:
             nvext["engine_data"] = rest

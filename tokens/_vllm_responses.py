@@ -20,7 +20,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from ._decode import MAX_TOKEN_ID, DecodedResponse
+from ._decode import MAX_TOKEN_ID, DecodedResponse, object_fields
 from ._errors import (
     ConflictingTokenMetadataError,
     MalformedResponseError,
@@ -73,9 +73,13 @@ class ResponsesAnswer(DecodedResponse):
 
 _messages = msgspec.json.Decoder(list[_RawMessage] | None)
 _logprobs = msgspec.json.Decoder(list[_Logprob] | None)
-_body = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _any = msgspec.json.Decoder()
 _HELD = ("input_messages", "output_messages")
+_PHRASES = (
+    "{what} is JSON nested too deeply",
+    "{what} is not a JSON object: {exc}",
+    "{what} is not a JSON object: {exc}",
+)
 
 
 def prepare_responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -102,12 +106,7 @@ def without_token_fields(item: Any) -> Any:
 
 def decode_responses(data: bytes | str) -> ResponsesAnswer:
     """A ``/v1/responses`` answer held for the chain as one choice (``ResponsesAnswer``)."""
-    try:
-        fields = _body.decode(data)
-    except RecursionError as exc:
-        raise MalformedResponseError("the Responses answer is JSON nested too deeply") from exc
-    except msgspec.MsgspecError as exc:
-        raise MalformedResponseError(f"the Responses answer is not a JSON object: {exc}") from exc
+    fields = object_fields(data, "the Responses answer", MalformedResponseError, _PHRASES)
     held = {name: fields.pop(name) for name in _HELD if name in fields}
     try:
         body = {key: _any.decode(value) for key, value in fields.items()}

@@ -131,6 +131,12 @@ def _version() -> str:
         return "unknown"
 
 
+def _stack_source(command: argparse.ArgumentParser, config_help: str, provider_help: str) -> None:
+    """A command's two ways to name its stack: a YAML config (positional), or ``--provider NAME``."""
+    command.add_argument("config", nargs="?", help=config_help)
+    command.add_argument("--provider", default=None, metavar="NAME", help=provider_help)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sandbox-middleware", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -140,12 +146,10 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", help="run a rollout-shaped workload through a stack and print its telemetry", description=__doc__
     )
-    run.add_argument("config", nargs="?", help="YAML stack config (default: local provider, full recommended stack)")
-    run.add_argument(
-        "--provider",
-        default=None,
-        metavar="NAME",
-        help="without a config: the default stack over this provider (e.g. docker) with its defaults",
+    _stack_source(
+        run,
+        "YAML stack config (default: local provider, full recommended stack)",
+        "without a config: the default stack over this provider (e.g. docker) with its defaults",
     )
     run.add_argument(
         "--image",
@@ -243,12 +247,10 @@ def _parser() -> argparse.ArgumentParser:
         "0 when every chosen sandbox was closed (or listed, with --dry-run), 1 when one "
         "could not be, 2 on a usage or config error or a provider that cannot list.",
     )
-    reap_.add_argument("config", nargs="?", help="YAML stack config (its provider is searched)")
-    reap_.add_argument(
-        "--provider",
-        default=None,
-        metavar="NAME",
-        help="instead of a config: search this provider, built with its defaults (e.g. docker)",
+    _stack_source(
+        reap_,
+        "YAML stack config (its provider is searched)",
+        "instead of a config: search this provider, built with its defaults (e.g. docker)",
     )
     reap_.add_argument("--run", default=None, metavar="ID", help="only this run's sandboxes (its id is printed by run)")
     reap_.add_argument("--force", action="store_true", help="with --run: also the run's sandboxes of live owners")

@@ -64,12 +64,12 @@ import respx
 from pytest_llm_sandbox_middleware import running_capture_proxy
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
+from tests import ROOT
 from tests.bwrap import bwrap_problem, unavailable
 from tests.sandbox.providers.docker._support import require_docker
 from tests.served import environment, served
 from tokens.testing import FAKE_VLLM_URL, FakeVLLM
 
-ROOT = Path(__file__).parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SCRIPT_SERVERS = ("http://localhost:8000", FAKE_VLLM_URL)  # where a script example may find vLLM
 VLLM_URLS = ("http://localhost:8000", "http://127.0.0.1:8000")  # vLLM's, in a pasted example

@@ -19,6 +19,7 @@ from sandbox_middleware import (
     SandboxSpec,
     SandboxStatus,
 )
+from sandbox_middleware.testing import FaultInjectingProvider, InjectedFault
 from tests.leftovers import sandbox_dirs
 from tests.providers import PlainProvider
 
@@ -28,16 +29,6 @@ pytestmark = pytest.mark.anyio
 class UploadFails(ProviderMiddleware):
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         raise OSError("disk full")
-
-
-class CloseFailsOnce(ProviderMiddleware):
-    failures = 1
-
-    async def close(self, handle: SandboxHandle) -> None:
-        if self.failures:
-            self.failures -= 1
-            raise ConnectionError("control plane unavailable")
-        await super().close(handle)
 
 
 async def test_lifecycle_with_local_provider(tmp_path: Path, sandbox_base: Path) -> None:
@@ -100,9 +91,9 @@ async def test_cancellation_in_body_closes() -> None:
 async def test_failed_close_then_retry() -> None:
     """A rejected close leaves the sandbox started; a second stop closes it; a third is a no-op."""
     plain = PlainProvider()
-    sandbox = Sandbox(CloseFailsOnce(plain))
+    sandbox = Sandbox(FaultInjectingProvider(plain, close_failures=1))
     await sandbox.start()
-    with pytest.raises(ConnectionError):
+    with pytest.raises(InjectedFault, match="injected close failure 1/1"):
         await sandbox.stop()
     assert sandbox.started and plain.alive
     await sandbox.stop()

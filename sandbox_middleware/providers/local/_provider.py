@@ -545,17 +545,15 @@ class LocalProvider:
 
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         box = self._box(handle)
-        parts = sandbox_parts(target_path, box.roots, "target_path")
-        source = Path(check_text(fspath(source_path, "source_path"), "source_path"))
         what = f"upload {source_path} to {target_path!r} in sandbox {handle.sandbox_id!r}"
-        await _transfer(handle, what, upload, box.root, parts, target_path, source, box.uid)
+        inside, outside = ("target_path", target_path), ("source_path", source_path)
+        await _transfer(handle, box, what, upload, inside, outside, box.uid)
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         box = self._box(handle)
-        parts = sandbox_parts(source_path, box.roots, "source_path")
-        target = Path(check_text(fspath(target_path, "target_path"), "target_path"))
         what = f"download {source_path!r} from sandbox {handle.sandbox_id!r} to {target_path}"
-        await _transfer(handle, what, download, box.root, parts, source_path, target, self._max_transfer)
+        inside, outside = ("source_path", source_path), ("target_path", target_path)
+        await _transfer(handle, box, what, download, inside, outside, self._max_transfer)
 
     # --- capabilities ------------------------------------------------------------------------------
 
@@ -684,10 +682,23 @@ def _restore(options: dict[str, Any]) -> LocalProvider:
     return LocalProvider(**options)
 
 
-async def _transfer(handle: SandboxHandle, what: str, move: Callable[..., None], *args: Any) -> None:
-    """``move(*args)`` in a worker thread; a bare ``SandboxError`` or an ``OSError`` names the sandbox."""
+async def _transfer(
+    handle: SandboxHandle,
+    box: Box,
+    what: str,
+    move: Callable[..., None],
+    inside: tuple[str, str],
+    outside: tuple[str, object],
+    last: Any,
+) -> None:
+    """A file moved either way between the sandbox path ``inside`` and the host path ``outside``,
+    each ``(argument name, value)``: both checked (the sandbox's first), then ``move(root, parts,
+    path, host path, last)`` in a worker thread (``last``: the owner's uid for an upload, the size
+    limit for a download); a bare ``SandboxError`` or an ``OSError`` names the sandbox."""
+    parts = sandbox_parts(inside[1], box.roots, inside[0])
+    host = Path(check_text(fspath(outside[1], outside[0]), outside[0]))
     try:
-        await anyio.to_thread.run_sync(move, *args)
+        await anyio.to_thread.run_sync(move, box.root, parts, inside[1], host, last)
     except SandboxError as exc:
         if type(exc) is SandboxError:
             raise SandboxError(f"LocalProvider: sandbox {handle.sandbox_id!r}: {exc}") from exc

@@ -66,19 +66,24 @@ def retries(output: str) -> dict[str, int]:
     return {"create": int(create), "close": int(close), "other": int(other)}
 
 
+def assert_clean_run(output: str, sessions: int, concurrency: int) -> None:
+    """The report of a run whose ``sessions`` all succeeded: each started one sandbox, at most
+    ``concurrency`` were active at once, none is active or held at the end, each startup was measured."""
+    assert row(output, "sessions ok / failed") == f"{sessions} / 0"
+    assert row(output, "sandboxes started") == str(sessions)
+    peak, final = row(output, "gym.sandbox.active peak / final").split(" / ")
+    assert 1 <= int(peak) <= concurrency and final == "0"
+    assert row(output, "sandboxes still held") == "0"
+    assert f"({sessions} samples)" in row(output, "startup ms p50 / p95 / max")
+
+
 @default_stack
 def test_default_run_leaks_nothing() -> None:
     """With no config, a run on the local provider exits 0, leaks nothing, and peaks at most at concurrency."""
     done = run("run", "--sessions", "24", "--concurrency", "4", "--commands", "2")
     assert done.returncode == 0, done.stderr
-    out = done.stdout
-    assert row(out, "sessions ok / failed") == "24 / 0"
-    assert row(out, "sandboxes started") == "24"
-    peak, final = row(out, "gym.sandbox.active peak / final").split(" / ")
-    assert 1 <= int(peak) <= 4 and final == "0"
-    assert row(out, "sandboxes still held") == "0"
-    assert "(24 samples)" in row(out, "startup ms p50 / p95 / max")
-    assert "(48 samples)" in row(out, "exec ms p50 / p95 / max")
+    assert_clean_run(done.stdout, sessions=24, concurrency=4)
+    assert "(48 samples)" in row(done.stdout, "exec ms p50 / p95 / max")
     assert "1. tracing" in done.stderr and "4. retry" in done.stderr and "5. retry" in done.stderr
 
 

@@ -42,7 +42,7 @@ from sandbox_middleware import (
 from tests.needs import unavailable
 from tests.vllm.server import free_port
 
-from .test_cli import CLI, row
+from .test_cli import CLI, assert_clean_run, row
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray keeps to 127.0.0.1 instead of the host's address
@@ -241,12 +241,7 @@ def test_run_over_ray_aggregates_and_one_prometheus_sees_every_worker(
         big.kill()
     out = "".join(lines) + rest
     assert big.returncode == 0, out + err
-    assert row(out, "sessions ok / failed") == "200 / 0"
-    assert row(out, "sandboxes started") == "200"
-    peak, final = row(out, "gym.sandbox.active peak / final").split(" / ")
-    assert 1 <= int(peak) <= 8 and final == "0"
-    assert row(out, "sandboxes still held") == "0"
-    assert "(200 samples)" in row(out, "startup ms p50 / p95 / max")
+    assert_clean_run(out, sessions=200, concurrency=8)
     workers = [line for line in out.splitlines() if line.startswith("worker ")]
     assert len(workers) == 2 and all("sessions ok / failed 100 / 0" in line for line in workers)
     assert (active, startups) == (0, 200)

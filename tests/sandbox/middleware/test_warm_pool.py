@@ -32,13 +32,12 @@ from sandbox_middleware import (
 from sandbox_middleware.middleware._warm_pool import spec_key
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
+from tests import ROOT
 
 from ..cli.test_cli import CLI
 from .admission.test_admission import RateLimitedProvider, most_in_one_second
 
 pytestmark = pytest.mark.anyio
-
-ROOT = Path(__file__).parents[3]
 
 
 class SlowStart(ProviderMiddleware):

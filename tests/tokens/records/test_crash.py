@@ -9,15 +9,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from tests import ROOT
 from tests.tokens.records.helpers import make_record
 from tokens.records import compute_digest, open_store, order_records
 
 pytestmark = pytest.mark.anyio
-ROOT = Path(__file__).parents[3]
 
 
 def writer(url: str, rollout: str, count: int, tokens: int) -> subprocess.Popen[str]:

@@ -10,16 +10,15 @@ import json
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+from tests import ROOT
 from tests.needs import unavailable
 from tests.tokens.records.rollout_worker import capture_turns
 
-ROOT = Path(__file__).parents[3]
 ROLLOUTS = [f"rollout-{i}" for i in range(4)]
 TURNS = 8
 WORKERS = 4  # processes 0 and 1, Ray workers 2 and 3

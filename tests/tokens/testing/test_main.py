@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.served import ROOT, served
+from tests import ROOT
+from tests.served import served
 
 PROGRAM = ["-m", "tokens.testing.server"]
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200}

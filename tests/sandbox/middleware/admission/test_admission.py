@@ -34,10 +34,9 @@ from sandbox_middleware import (
 from sandbox_middleware.middleware.admission._quota import QUOTA_CLASSIFIERS, classify, retry_after_seconds
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
+from tests import ROOT
 
 pytestmark = pytest.mark.anyio
-
-ROOT = Path(__file__).parents[4]
 
 
 class TooManyRequests(Exception):

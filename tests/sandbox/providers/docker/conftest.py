@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
 
 import pytest
 
 from sandbox_middleware import DockerProvider
+from tests.providers import closing_all
 
 from ._support import docker_problem, remove_containers, require_docker
 
@@ -28,15 +28,8 @@ def docker() -> None:
 @pytest.fixture
 async def make(docker: None) -> AsyncIterator[Callable[..., DockerProvider]]:
     """Builds providers and closes every one after the test, even a failed one."""
-    made: list[DockerProvider] = []
-
-    def build(**options: Any) -> DockerProvider:
-        made.append(DockerProvider(**options))
-        return made[-1]
-
-    yield build
-    for provider in made:
-        await provider.aclose()
+    async with closing_all(DockerProvider) as build:
+        yield build
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from sandbox_middleware import LocalProvider
+from tests.providers import closing_all
 
 from ._support import ISOLATIONS
 
@@ -24,15 +24,8 @@ def isolation(request: pytest.FixtureRequest) -> str:
 async def make(sandbox_base: Path) -> AsyncIterator[Callable[..., LocalProvider]]:
     """Builds providers and closes every one of them after the test, even a failed one (before
     ``sandbox_base`` is removed, which is why it is requested here)."""
-    made: list[LocalProvider] = []
-
-    def build(**options: Any) -> LocalProvider:
-        made.append(LocalProvider(**options))
-        return made[-1]
-
-    yield build
-    for local in made:
-        await local.aclose()
+    async with closing_all(LocalProvider) as build:
+        yield build
 
 
 @pytest.fixture

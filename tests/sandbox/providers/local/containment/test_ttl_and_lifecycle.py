@@ -75,9 +75,7 @@ def _alive(pid: int) -> bool:
 
 
 @as_root
-async def test_close_kills_escaped_sessions(
-    make: Callable[..., LocalProvider], tmp_path: Path, sandbox_base: Path
-) -> None:
+async def test_close_kills_escaped_sessions(make: Callable[..., LocalProvider], sandbox_base: Path) -> None:
     """A command that leaves its process group (setsid) still dies at close: the cgroup holds it."""
     local = make(isolation="none", base_dir=sandbox_base)
     handle = await local.create(SandboxSpec())
