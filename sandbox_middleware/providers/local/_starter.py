@@ -21,6 +21,9 @@ which no command ever holds:
 - Inits are made ahead, one spare at a time: once the last command ended, or, when commands come
   back to back, while one runs; a command then costs one message to the starter, one to its init
   and one ``posix_spawn``.
+- A plain ``bash -c`` command (plain words, a program bash would exec in its own place, an
+  environment bash passes on as it came) is started by the init as bash would exec it, without
+  bash's start (``direct_command``); anything else is bash's, as before.
 - Commands cannot reach the starter: it lives in a PID namespace they cannot see (so they can
   neither signal nor ptrace it), it is non-dumpable, and none of its descriptors reaches a command.
   Each command's result travels on a socket pair of its own, made by the provider and held by the
@@ -626,7 +629,7 @@ def _runs_as_program(path: bytes, depth: int = 0) -> bool:
     except OSError:
         return False
     try:
-        head = os.read(fd, 256)
+        head = os.read(fd, 256) if os.fstat(fd).st_mode & _S_IFMT == _S_IFREG else b""  # no FIFO, no device
     except OSError:
         return False
     finally:
