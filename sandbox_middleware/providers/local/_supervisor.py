@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -25,8 +26,8 @@ import anyio
 from ..._errors import SandboxError
 from .._common._output import OutputPump
 from . import _starter
-from ._bwrap import memfd
-from ._starter import CODE, EXEC, EXIT, FAIL, INLINE_SPEC, KILL, READY, encode_spec, rights
+from ._bwrap import BASE_PATH, memfd
+from ._starter import CODE, EXEC, EXIT, FAIL, INLINE_SPEC, KILL, READY, bash_environment, encode_spec, rights
 
 __all__ = ["CommandStarter", "find_python"]
 
@@ -48,6 +49,36 @@ def find_python(visible: Sequence[str]) -> str | None:
         ):
             return real
     return None
+
+
+# What the calibration gives bash: names that share its variable table's buckets with PWD, SHLVL,
+# PATH and HOME (so the order within a bucket shows), and a HOME that is the cwd by another name.
+_CALIBRATION = {
+    b"SANDBOX_401": b"a", b"PATH": BASE_PATH.encode(), b"SANDBOX_3509": b"b", b"HOME": b"//",
+    b"SANDBOX_1794": b"c", b"SANDBOX_2599": b"d", b"SANDBOX_3246": b"e", b"LANG": b"C.UTF-8",
+}  # fmt: skip
+
+
+@functools.cache
+def plain_bash() -> str:
+    """The bash whose plain commands a starter may start itself (``_starter.direct_command``), as
+    "device:inode", or "-" for none: the one in ``BASE_PATH`` (the sandbox sees the host's ``/usr``), when
+    the environment it execs ``env`` with is what ``bash_environment`` says. Run once per process, on the
+    host, with a fixed command and environment (blocking: call it in a worker thread)."""
+    path = _CALIBRATION[b"PATH"]
+    try:
+        bash = _starter._which(b"bash", path)
+        program = _starter._bash_lookup(b"env", path)
+        ran = subprocess.run([bash, b"-c", b"env -0"], env=_CALIBRATION, cwd="/", capture_output=True, timeout=10)
+        info = os.stat(bash)
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+    expected = b"".join(
+        name + b"=" + value + b"\0" for name, value in bash_environment(_CALIBRATION, b"/", program or b"").items()
+    )
+    if ran.returncode or ran.stderr or program is None or ran.stdout != expected:
+        return "-"
+    return f"{info.st_dev}:{info.st_ino}"
 
 
 # bwrap's --die-with-parent is PR_SET_PDEATHSIG, which fires when the *thread* that forked it exits.
@@ -92,7 +123,7 @@ class CommandStarter:
             os.set_blocking(err_w, False)  # the starter never blocks on a message nobody reads
             fds.append(memfd("sandbox-starter", _SOURCE))
             script = f"/proc/self/fd/{fds[0]}"
-            command = [python, "-I", "-S", "-B", script, str(theirs.fileno()), str(oom_score_adj)]
+            command = [python, "-I", "-S", "-B", script, str(theirs.fileno()), str(oom_score_adj), plain_bash()]
             argv = build(command, fds)
             process = _SPAWNER.submit(
                 subprocess.Popen,
