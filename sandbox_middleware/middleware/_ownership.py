@@ -34,7 +34,8 @@ class OwnershipMiddleware(ProviderMiddleware):
     gives it ``ttl_s`` when the spec has none, so the provider ends it even if this process dies.
 
     ``run_id`` defaults to a fresh random id (``self.run_id``); give every worker of one run the
-    same id. Keys: ``sandbox_middleware.run_id`` and ``sandbox_middleware.owner.{host,pid,started}``.
+    same id. Keys: ``sandbox_middleware.run_id`` and ``sandbox_middleware.owner.{host,pid,started,pidns}``
+    (the owner's PID namespace: only a process in it can tell whether the owner lives, see ``Owner``).
     """
 
     def __init__(self, inner: SandboxProvider, *, run_id: str | None = None, ttl_s: float | None = 3600.0) -> None:
