@@ -6,9 +6,11 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import anyio.lowlevel
 
+from ._core import innermost
 from ._errors import SandboxError
 from ._owner import RUN_KEY, Owner
 from ._protocol import SandboxListing, SandboxProvider, SupportsSandboxList
@@ -51,6 +53,13 @@ class ReapReport(list[ReapedSandbox]):
         self.unknown: tuple[UnreapedSandbox, ...] = tuple(unknown)
 
 
+@runtime_checkable
+class _SweepsLeftovers(Protocol):
+    """A provider that can remove what dead processes left half-made (``LocalProvider``)."""
+
+    async def sweep_leftovers(self, *, dry_run: bool = False) -> tuple[list[ReapedSandbox], list[UnreapedSandbox]]: ...
+
+
 def _judge(listing: SandboxListing, run_id: str | None, force: bool) -> tuple[str | None, str | None]:
     """(why to close it, or None; why it is left alone as of unknown liveness, or None)."""
     run = listing.metadata.get(RUN_KEY)
@@ -84,7 +93,9 @@ async def reap(
     of another run, or without ownership metadata is never touched; one whose owner's liveness cannot
     be told from here (another host, boot or PID namespace: a trainer in a container of the host's
     network has the host's hostname but pids of its own) is left alone unless forced, and reported
-    in the result's ``unknown`` (and logged). ``dry_run=True`` only lists. Each close is shielded
+    in the result's ``unknown`` (and logged). Without ``run_id``, what dead processes left half-made
+    is removed too, where the provider keeps such (``LocalProvider``: a sandbox directory, its mount
+    and cgroups without a record). ``dry_run=True`` only lists. Each close is shielded
     and bounded by ``close_timeout_s``; a failed one is reported, not raised.
     """
     if not isinstance(provider, SupportsSandboxList):
@@ -110,6 +121,10 @@ async def reap(
             "; ".join(f"{entry.sandbox_id} (run {entry.run_id}: {entry.reason})" for entry in unknown),
         )
     reaped = await close_listed(provider, chosen, dry_run=dry_run, close_timeout_s=close_timeout_s)
+    bottom = innermost(provider)
+    if run_id is None and isinstance(bottom, _SweepsLeftovers):  # they belong to no run
+        swept, unseen = await bottom.sweep_leftovers(dry_run=dry_run)
+        reaped, unknown = [*reaped, *swept], [*unknown, *unseen]
     return ReapReport(reaped, unknown)
 
 
