@@ -445,17 +445,13 @@ class LocalProvider:
             alive, why = owner.liveness() if owner is not None else (None, "its maker file names no process")
             if alive:
                 continue
-            outers = directories_of(self._base, sandbox_id)
-            if any((outer / name).exists() for outer in outers for name in (RECORD, SPARE_RECORD)):
-                if alive is False and not dry_run:  # made: its record names its owner, which reap judges
-                    drop_maker(self._base / sandbox_id)
-                continue
             if alive is None:
                 unknown.append(UnreapedSandbox(sandbox_id, "", str(owner or "unknown"), f"half-made; {why}"))
                 continue
+            # Its maker died before the create returned, or while it removed it: nobody holds it, record or not.
             why = f"half-made: {owner} died while making or removing it"
-            outer = outers[0] if outers else self._base / sandbox_id  # none yet: only its maker file and cgroups
-            removed.append(self._remove_leftover(sandbox_id, outer, str(owner), why, dry_run))
+            outers = directories_of(self._base, sandbox_id) or [self._base / sandbox_id]  # none: a maker file, cgroups
+            removed += [self._remove_leftover(sandbox_id, outer, str(owner), why, dry_run) for outer in outers]
         return removed, unknown
 
     def _remove_leftover(self, sandbox_id: str, outer: Path, owner: str, why: str, dry_run: bool) -> ReapedSandbox:

@@ -319,7 +319,8 @@ def teardown(box: Box, base: Path) -> list[str]:
     if not box.outer.is_relative_to(base):
         return [f"{box.outer} (outside base_dir {base}; not touched)"]
     try:
-        write_maker(base, box.sandbox_id)  # killed while removing it, the next sweep ends the work
+        with contextlib.suppress(OSError):  # base_dir gone, say: nothing of it is left to remove
+            write_maker(base, box.sandbox_id)  # killed while removing it, the next sweep ends the work
         return remove_box(box.outer, box.mounted, box.cgroups)
     finally:
         if box.lease is not None:  # its processes are dead: the uid is free for another sandbox
