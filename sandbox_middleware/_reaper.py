@@ -73,7 +73,7 @@ def _judge(listing: SandboxListing, run_id: str | None, force: bool) -> tuple[st
         return None, why
     if alive:
         return None, None
-    return (f"run {run_id} finished; {why}" if run_id is not None else why), None
+    return (f"run {run_id} finished; owner {owner} gone" if run_id is not None else why), None
 
 
 async def reap(
