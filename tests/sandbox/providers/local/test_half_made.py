@@ -19,8 +19,9 @@ import pytest
 
 from sandbox_middleware import LocalProvider, reap
 from sandbox_middleware.providers.local._cgroups import CgroupBackend
-from sandbox_middleware.providers.local._records import MAKER
+from sandbox_middleware.providers.local._records import MAKER, remove_box
 from tests.leftovers import mounts_below
+from tests.providers import in_own_pid_namespace
 
 pytestmark = pytest.mark.anyio
 
@@ -157,3 +158,38 @@ async def test_reap_removes_a_dead_makers_leftovers_and_never_a_live_makers_work
         assert _left(sandbox_base) == ([], [], [])
     finally:
         await provider.aclose()
+
+
+async def test_a_maker_in_another_pid_namespace_is_left_alone_and_reported(sandbox_base: Path) -> None:
+    """A maker in a PID namespace of its own, held mid-make: from here its liveness is unknown, so
+    neither a new provider nor reap removes its work; reap reports it in ``unknown``."""
+    sandbox_base.mkdir(parents=True)
+    argv = in_own_pid_namespace([sys.executable, "-c", _CHILD, str(sandbox_base), "none", "layout", "hold"])
+    provider = LocalProvider(isolation="none", base_dir=sandbox_base)
+    try:
+        async with await anyio.open_process(argv) as child:
+            try:
+                assert child.stdout is not None
+                with anyio.fail_after(60):
+                    assert (await child.stdout.receive()).strip() == b"layout"
+                names, _, groups = _left(sandbox_base)
+                [sandbox_id] = [name[:18] for name in names if name.endswith(MAKER)]
+                LocalProvider(isolation="none", base_dir=sandbox_base)  # sweeps: not this one
+                report = await reap(provider)
+                assert report == [] and [entry.sandbox_id for entry in report.unknown] == [sandbox_id]
+                assert "half-made" in report.unknown[0].reason and "PID namespace" in report.unknown[0].reason
+                assert _left(sandbox_base)[0] == names and _left(sandbox_base)[2] == groups
+            finally:
+                child.send_signal(signal.SIGKILL)
+                with anyio.CancelScope(shield=True):
+                    await child.wait()
+    finally:
+        await provider.aclose()
+        for name in sorted(os.listdir(sandbox_base), key=lambda name: name.endswith(MAKER)):  # directories first
+            groups = CgroupBackend().groups_of(name[:18])  # its namespace is gone, which no one here can tell
+            if not name.endswith(MAKER):
+                remove_box(sandbox_base / name, False, groups)  # its maker file with it
+            elif (sandbox_base / name).exists():
+                os.unlink(sandbox_base / name)
+                CgroupBackend.remove(groups)
+    assert _left(sandbox_base) == ([], [], [])
