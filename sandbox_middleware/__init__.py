@@ -50,7 +50,7 @@ from ._protocol import (
     SupportsSandboxRuntimeRequirements,
     SupportsSandboxSharedStorage,
 )
-from ._reaper import ReapedSandbox, reap
+from ._reaper import ReapedSandbox, ReapReport, UnreapedSandbox, reap
 from ._registry import register_middleware, register_provider
 from ._sandbox import Sandbox
 from .middleware import (
@@ -97,6 +97,7 @@ __all__ = [
     "QuotaClassifier",
     "QuotaExhausted",
     "RateLimited",
+    "ReapReport",
     "ReapedSandbox",
     "RegistryError",
     "ReleaseAccountingMiddleware",
@@ -141,6 +142,7 @@ __all__ = [
     "SupportsSandboxRuntimeRequirements",
     "SupportsSandboxSharedStorage",
     "TracingMiddleware",
+    "UnreapedSandbox",
     "WarmPoolMiddleware",
     "build_provider",
     "load_config",

@@ -12,7 +12,7 @@ from ._errors import as_create_error
 from ._nemo import NEMO_GYM, NemoCreateError
 from ._protocol import CAPABILITIES, SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
 
-__all__ = ["OPERATIONS", "Middleware", "Operation", "ProviderMiddleware", "stack"]
+__all__ = ["OPERATIONS", "Middleware", "Operation", "ProviderMiddleware", "innermost", "stack"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -361,4 +361,11 @@ def stack(provider: SandboxProvider, middleware: Sequence[Middleware[Any]]) -> S
     """
     for entry in reversed(middleware):
         provider = entry.build(provider)
+    return provider
+
+
+def innermost(provider: Any) -> Any:
+    """The provider under every layer of a stack (``provider`` itself when it has no ``inner``)."""
+    while getattr(provider, "inner", None) is not None:
+        provider = provider.inner
     return provider

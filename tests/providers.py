@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import signal
+import subprocess
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,6 +20,8 @@ from sandbox_middleware import (
     SandboxSpec,
     SandboxStatus,
 )
+
+from .needs import unavailable
 
 P = TypeVar("P", bound=SandboxProvider)
 
@@ -144,17 +147,48 @@ async def round_trip(provider: Any, handle: SandboxHandle, tmp_path: Path, direc
 async def crashed_worker(argv: Sequence[str]) -> set[str]:
     """Run a worker that prints the ids of the three sandboxes it creates, one a line, then SIGKILL
     it: its sandboxes are held by nobody. Returns their ids."""
+    async with live_worker(argv) as ids:
+        return ids
+
+
+@asynccontextmanager
+async def live_worker(argv: Sequence[str]) -> AsyncIterator[set[str]]:
+    """Run a worker that prints the ids of the three sandboxes it creates, one a line; yield their ids
+    while it lives; SIGKILL it after."""
     async with await anyio.open_process(list(argv)) as worker:
-        assert worker.stdout is not None
-        lines = b""
-        with anyio.fail_after(60):
-            async for chunk in worker.stdout:
-                lines += chunk
-                if lines.count(b"\n") == 3:
-                    break
-        worker.send_signal(signal.SIGKILL)
-        await worker.wait()
-    return set(lines.decode().split())
+        try:
+            assert worker.stdout is not None
+            lines = b""
+            with anyio.fail_after(60):
+                async for chunk in worker.stdout:
+                    lines += chunk
+                    if lines.count(b"\n") == 3:
+                        break
+            yield set(lines.decode().split())
+        finally:
+            worker.send_signal(signal.SIGKILL)
+            with anyio.CancelScope(shield=True):
+                await worker.wait()
+
+
+PIDNS_REQUIRE = "REQUIRE_PIDNS"
+
+
+def in_own_pid_namespace(argv: Sequence[str]) -> list[str]:
+    """``argv`` as pid 1 of a PID namespace of its own with a /proc of it, the host's hostname and
+    network (a trainer in a host-network container); its namespace, and all in it, die with it.
+    Skips the test where unshare cannot make one (it needs root)."""
+    command = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    try:
+        made = subprocess.run([*command, "true"], capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        made = False
+    if not made:
+        unavailable(
+            "unshare cannot make a PID namespace here (needs root and util-linux: apt-get install util-linux)",
+            PIDNS_REQUIRE,
+        )
+    return [*command, *argv]
 
 
 @asynccontextmanager

@@ -243,7 +243,9 @@ def _parser() -> argparse.ArgumentParser:
         help="close the sandboxes a crashed or finished run left behind",
         description="Close, and report by id, the sandboxes that the ownership layer "
         "stamped and whose owner process is gone (any run), or of one run (--run) whose "
-        "owners are gone. A live owner's sandbox is left alone unless --force. Exit code "
+        "owners are gone. A live owner's sandbox is left alone unless --force, and so is one "
+        "whose owner's liveness cannot be told from here (another host, boot or PID namespace), "
+        "listed as 'left alone'. Exit code "
         "0 when every chosen sandbox was closed (or listed, with --dry-run), 1 when one "
         "could not be, 2 on a usage or config error or a provider that cannot list.",
     )
@@ -253,7 +255,11 @@ def _parser() -> argparse.ArgumentParser:
         "instead of a config: search this provider, built with its defaults (e.g. docker)",
     )
     reap_.add_argument("--run", default=None, metavar="ID", help="only this run's sandboxes (its id is printed by run)")
-    reap_.add_argument("--force", action="store_true", help="with --run: also the run's sandboxes of live owners")
+    reap_.add_argument(
+        "--force",
+        action="store_true",
+        help="with --run: also the run's sandboxes of live owners and of owners of unknown liveness",
+    )
     reap_.add_argument("--dry-run", action="store_true", help="list what would be closed; close nothing")
     return parser
 
@@ -413,10 +419,15 @@ def _reap_command(args: argparse.Namespace) -> int:
     for entry in reaped:
         state = "would close" if args.dry_run else ("closed" if entry.closed else f"NOT closed ({entry.error})")
         print(f"{entry.sandbox_id}  {state}  run {entry.run_id}  owner {entry.owner}  {entry.reason}")
+    for left in reaped.unknown:
+        print(f"{left.sandbox_id}  left alone  run {left.run_id}  owner {left.owner}  liveness unknown: {left.reason}")
     failed = [entry for entry in reaped if not args.dry_run and not entry.closed]
     verb = "found" if args.dry_run else "closed"
     summary = f"{len(reaped) - len(failed)} sandbox(es) {verb}"
-    print(summary + (f", {len(failed)} could not be closed" if failed else ""), file=sys.stderr)
+    summary += f", {len(failed)} could not be closed" if failed else ""
+    if reaped.unknown:
+        summary += f", {len(reaped.unknown)} left alone (owner liveness unknown here; --run ID --force takes them)"
+    print(summary, file=sys.stderr)
     return EXIT_LEAKED if failed else EXIT_OK
 
 

@@ -19,7 +19,7 @@ import logging
 import uuid
 from typing import Any
 
-from .._core import ProviderMiddleware
+from .._core import ProviderMiddleware, innermost
 from .._owner import RUN_KEY, Owner
 from .._protocol import SandboxHandle, SandboxProvider, SandboxSpec, SupportsSandboxList
 
@@ -34,7 +34,8 @@ class OwnershipMiddleware(ProviderMiddleware):
     gives it ``ttl_s`` when the spec has none, so the provider ends it even if this process dies.
 
     ``run_id`` defaults to a fresh random id (``self.run_id``); give every worker of one run the
-    same id. Keys: ``sandbox_middleware.run_id`` and ``sandbox_middleware.owner.{host,pid,started}``.
+    same id. Keys: ``sandbox_middleware.run_id`` and ``sandbox_middleware.owner.{host,pid,started,pidns}``
+    (the owner's PID namespace: only a process in it can tell whether the owner lives, see ``Owner``).
     """
 
     def __init__(self, inner: SandboxProvider, *, run_id: str | None = None, ttl_s: float | None = 3600.0) -> None:
@@ -46,8 +47,8 @@ class OwnershipMiddleware(ProviderMiddleware):
         """Whether the provider under this layer can list its sandboxes, so ``reap`` and the
         orphan search can find what this layer stamps; where not, only its TTL (if it honours
         ``ttl_s``) or a person ends a sandbox nobody holds."""
-        innermost = _innermost(inner)
-        kind = f"{type(innermost).__module__}.{type(innermost).__qualname__}"
+        bottom = innermost(inner)
+        kind = f"{type(bottom).__module__}.{type(bottom).__qualname__}"
         if not self.reapable and kind not in _WARNED:
             _WARNED.add(kind)
             logger.warning(
@@ -55,7 +56,7 @@ class OwnershipMiddleware(ProviderMiddleware):
                 "reap and the orphan search can never find the ones it stamps; a sandbox whose create response "
                 "is lost or whose process dies lives until the provider's own TTL (if it honours spec.ttl_s) "
                 "or until someone removes it by hand",
-                getattr(innermost, "name", "?"),
+                getattr(bottom, "name", "?"),
                 kind,
             )
 
@@ -68,9 +69,3 @@ class OwnershipMiddleware(ProviderMiddleware):
         ttl = spec.ttl_s if spec.ttl_s is not None else self.ttl_s
         stamped = dataclasses.replace(spec, metadata={**spec.metadata, **self._stamp}, ttl_s=ttl)
         return await self.inner.create(stamped, **extensions)
-
-
-def _innermost(provider: Any) -> Any:
-    while getattr(provider, "inner", None) is not None:
-        provider = provider.inner
-    return provider

@@ -21,7 +21,7 @@ from sandbox_middleware import (
     stack,
 )
 from sandbox_middleware.testing import FaultInjectingProvider
-from tests.providers import crashed_worker
+from tests.providers import crashed_worker, in_own_pid_namespace, live_worker
 
 pytestmark = pytest.mark.anyio
 
@@ -30,7 +30,8 @@ import anyio, sys
 from sandbox_middleware import LocalProvider, Middleware, OwnershipMiddleware, SandboxSpec, stack
 
 async def main():
-    provider = stack(LocalProvider(isolation="none", base_dir=sys.argv[1]),
+    disk = {"disk_gib": None} if sys.argv[3:] == ["unbounded"] else {}
+    provider = stack(LocalProvider(isolation="none", base_dir=sys.argv[1], **disk),
                      [Middleware(OwnershipMiddleware, run_id=sys.argv[2])])
     for _ in range(3):
         handle = await provider.create(SandboxSpec())
@@ -73,6 +74,36 @@ async def test_reap_closes_exactly_what_a_killed_worker_held(
     remaining = {listing.handle.sandbox_id for listing in await local.list()}
     assert remaining == {mine.sandbox_id, unowned.sandbox_id}
     assert not [path for path in sandbox_base.iterdir() if path.name[:18] in crashed]
+
+
+async def test_a_trainer_in_its_own_pid_namespace_is_of_unknown_liveness_here(
+    local: LocalProvider, sandbox_base: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trainer with the host's hostname in a PID namespace of its own (a host-network container): its
+    pid means nothing here (it is 1 there; 1 here is init, started at another time), so reap, from the
+    host, with or without its run id, leaves its sandboxes alone and reports them as of unknown
+    liveness; only force takes them. It took them as of a dead owner: the hostname was the same.
+    (Its sandboxes have no tmpfs of their own: mounts made in its private mount namespace would hide
+    their records from the host, as a container's do; its PID namespace is what this is about.)"""
+    argv = in_own_pid_namespace([sys.executable, "-c", _WORKER, str(sandbox_base), "ns-run", "unbounded"])
+    async with live_worker(argv) as made:
+        listed = await local.list(metadata={"sandbox_middleware.run_id": "ns-run"})
+        assert {listing.handle.sandbox_id for listing in listed} == made
+        stamp = listed[0].metadata
+        assert stamp["sandbox_middleware.owner.host"] == os.uname().nodename
+        assert stamp["sandbox_middleware.owner.pidns"] != os.readlink("/proc/self/ns/pid")
+        assert stamp["sandbox_middleware.owner.pid"] == "1"  # the namespace's first process
+        for report in (await reap(local), await reap(local, run_id="ns-run"), await reap(local, dry_run=True)):
+            assert report == []
+            assert {entry.sandbox_id for entry in report.unknown} == made
+            assert all("PID namespace" in entry.reason and entry.run_id == "ns-run" for entry in report.unknown)
+        assert "left 3 sandbox(es) alone, their owners' liveness unknown here" in caplog.text
+        assert {listing.handle.sandbox_id for listing in await local.list()} == made
+        forced = await reap(local, run_id="ns-run", force=True)
+        assert {entry.sandbox_id for entry in forced} == made and all(entry.closed for entry in forced)
+        assert forced.unknown == ()
+        assert await local.list() == []
+        assert not [path for path in sandbox_base.iterdir() if path.name[:18] in made]
 
 
 async def test_reap_by_run_spares_live_owners_unless_forced(local: LocalProvider) -> None:

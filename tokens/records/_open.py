@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .._http import redact
 from ._errors import RecordStoreError
 from ._postgres import PostgresBackend
+from ._secrets import StoreSecrets
 from ._sqlite import SQLiteBackend
 from ._store import RecordStore
 
@@ -22,10 +22,14 @@ def open_store(url: str, *, pool_size: int = 4) -> RecordStore:
       path follows the third slash): one file, created with its tables when missing.
     - ``postgresql://user:password@host:port/database`` (or ``postgres://``): the tables are
       created when missing; needs the ``postgres`` extra (psycopg 3).
+
+    No secret of the URL (the password in the authority; ``password=``, ``sslpassword=`` and libpq's
+    other secret parameters in the query) appears in the client's ``repr`` or in any error it raises.
     """
     if not isinstance(url, str):
         raise TypeError(f"open_store: url must be a string such as 'sqlite:///records.db', not {type(url).__name__}")
-    shown = redact(url)  # the URL without its password, for messages and repr
+    secrets = StoreSecrets(url)
+    shown = secrets.shown  # the URL without its secrets, for messages and repr
     if isinstance(pool_size, bool) or not isinstance(pool_size, int) or not 1 <= pool_size <= 64:
         raise ValueError(f"open_store: pool_size must be an int between 1 and 64, not {pool_size!r}")
     scheme = urlsplit(url).scheme.lower()
@@ -39,7 +43,7 @@ def open_store(url: str, *, pool_size: int = 4) -> RecordStore:
         file = Path(path)
         if not file.parent.is_dir():
             raise RecordStoreError(f"open_store({shown!r}): the folder {file.parent} does not exist; create it first")
-        return RecordStore(SQLiteBackend(file), url=shown, pool_size=pool_size)
+        return RecordStore(SQLiteBackend(file), url=shown, hide=secrets.hide, pool_size=pool_size)
     if scheme in ("postgresql", "postgres"):
-        return RecordStore(PostgresBackend(url, shown), url=shown, pool_size=pool_size)
+        return RecordStore(PostgresBackend(url, secrets), url=shown, hide=secrets.hide, pool_size=pool_size)
     raise RecordStoreError(f"open_store({shown!r}): unknown scheme {scheme!r}; use sqlite:///FILE or postgresql://...")

@@ -11,6 +11,7 @@ from typing import Any
 
 from ._errors import RecordStoreError
 from ._schema import ddl
+from ._secrets import StoreSecrets
 
 __all__ = ["PostgresBackend"]
 
@@ -30,23 +31,24 @@ class _Cursor:
 class PostgresBackend:
     name = "postgresql"
 
-    def __init__(self, url: str, shown: str) -> None:
+    def __init__(self, url: str, secrets: StoreSecrets) -> None:
         try:
             import psycopg
         except ImportError as exc:
-            raise RecordStoreError(f"{shown}: PostgreSQL needs psycopg 3; install it with {INSTALL}") from exc
+            raise RecordStoreError(f"{secrets.shown}: PostgreSQL needs psycopg 3; install it with {INSTALL}") from exc
         self._psycopg = psycopg
         self.errors: tuple[type[Exception], ...] = (psycopg.Error,)
         self._url = url
-        self._shown = shown
+        self._secrets = secrets
         self._schema_ready = False
 
     def connect(self) -> Any:
         try:
             connection = self._psycopg.connect(self._url, autocommit=False, connect_timeout=10)
-        except self._psycopg.OperationalError as exc:
+        except self._psycopg.Error as exc:  # the driver's message may quote the URL: its secrets are hidden
             raise RecordStoreError(
-                f"{self._shown}: cannot connect to PostgreSQL ({exc}); check the URL, the server and its pg_hba.conf"
+                f"{self._secrets.shown}: cannot connect to PostgreSQL ({self._secrets.hide(str(exc))}); check the "
+                "URL, the server and its pg_hba.conf"
             ) from None
         if not self._schema_ready:
             try:

@@ -109,8 +109,17 @@ class RecordStore:
     releases its connections; clients over the same URL share the records.
     """
 
-    def __init__(self, backend: Backend, *, url: str, pool_size: int = 4, process_shared: bool = True) -> None:
-        self.url = url
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        url: str,
+        hide: Callable[[str], str],
+        pool_size: int = 4,
+        process_shared: bool = True,
+    ) -> None:
+        self.url = url  # shown: without its secrets
+        self._hide = hide  # the driver's messages without the URL's secrets
         self._backend = backend
         self._pool: Pool[Any] = Pool(backend.connect, pool_size)
         self._process_shared = process_shared
@@ -156,8 +165,8 @@ class RecordStore:
             return await anyio.to_thread.run_sync(run)
         except self._backend.errors as exc:
             raise RecordStoreError(
-                f"{self.url}: {what} failed ({type(exc).__name__}: {exc}); check that the store is reachable and "
-                "writable (the server up, the disk not full, the file not replaced), then retry"
+                f"{self.url}: {what} failed ({type(exc).__name__}: {self._hide(str(exc))}); check that the store is "
+                "reachable and writable (the server up, the disk not full, the file not replaced), then retry"
             ) from exc
 
     def _lock(self, cursor: Cursor, rollout_id: str) -> _State:

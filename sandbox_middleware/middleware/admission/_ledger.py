@@ -41,14 +41,13 @@ BACKEND_TIMEOUT_S = 30.0
 
 def owner_key(owner: Owner | None = None) -> str:
     owner = owner or Owner.current()
-    return f"{owner.host}|{owner.pid}|{owner.started}"
+    return f"{owner.host}|{owner.pid}|{owner.started}|{owner.pidns or ''}"
 
 
 def _dead(key: str) -> bool:
-    host, _, rest = key.partition("|")
-    pid, _, started = rest.partition("|")
+    host, pid, started, pidns = [*key.split("|", 3), "", "", ""][:4]
     try:
-        return Owner(host, int(pid), started).alive() is False
+        return Owner(host, int(pid), started, pidns or None).alive() is False
     except ValueError:
         return False
 

@@ -36,6 +36,7 @@ from ..._errors import (
 )
 from ..._owner import Owner
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
+from ..._reaper import ReapedSandbox, UnreapedSandbox
 from .._common._arguments import (
     DEFAULT_VIEW_ROOT,
     SYSTEM_DIRS,
@@ -64,14 +65,18 @@ from ._records import (
     SPARE_RECORD,
     Box,
     check_reachable,
+    directories_of,
+    drop_maker,
     intact,
     is_real_directory,
     kill_box,
     lay_out,
+    makers,
     prepare_base,
     remove_box,
     scan,
     teardown,
+    write_maker,
     write_private,
 )
 from ._spares import Spares
@@ -208,7 +213,7 @@ class LocalProvider:
         )
         self._python: str | None = None
         self._starting = threading.Lock()  # one starter per sandbox adopted from another process
-        self._sweep_spares()
+        self._sweep()
         self._spares: Spares[Shape] | None = None
         if self._bwrap is not None and prestart:  # removed with this provider, if not at aclose (or at exit)
             self._spares = Spares(weakref.WeakMethod(self._make_spare), partial(discard, self._base))
@@ -339,6 +344,7 @@ class LocalProvider:
             write_private(box.outer, RECORD, json.dumps(box.record()).encode())
             with contextlib.suppress(FileNotFoundError):  # a spare's, which list() never shows
                 os.unlink(box.outer / SPARE_RECORD)
+            drop_maker(box.outer)  # its record names its owner now (a spare's maker went with its SPARE_RECORD)
             with open_directory(box.root, cwd, "spec.workdir", create=True, owner=box.uid):
                 pass
         except BaseException as exc:
@@ -360,6 +366,7 @@ class LocalProvider:
         mounted = False
         lease: UidLease | None = None
         try:
+            write_maker(self._base, sandbox_id)  # first: killed from here on, this process's leftovers are found
             uid, lease = self._enforcement.new_uid()
             outer = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=self._base))
             if self._cgroups is not None:
@@ -395,6 +402,8 @@ class LocalProvider:
             return box
         except BaseException as exc:
             leftovers = remove_box(outer, mounted, cgroups) if outer is not None else []
+            if outer is None:
+                drop_maker(self._base / sandbox_id)
             if lease is not None:
                 lease.release()
             suffix = f"; could not remove {leftovers}" if leftovers else ""
@@ -409,21 +418,53 @@ class LocalProvider:
         box = self._prepare(shape)
         try:
             write_private(box.outer, SPARE_RECORD, json.dumps(Owner.current().metadata()).encode())
+            drop_maker(box.outer)
         except BaseException:
             discard(self._base, box)
             raise
         return box
 
-    def _sweep_spares(self) -> None:
-        """Remove the spares that processes which died without closing them left in base_dir."""
+    async def sweep_leftovers(self, *, dry_run: bool = False) -> tuple[list[ReapedSandbox], list[UnreapedSandbox]]:
+        """Remove what processes that died left in base_dir: their spares, and the sandboxes they were
+        making or removing when they died (a directory, cgroups, a mount, but no record: their maker
+        file names them). A live maker's work, or one whose liveness is unknown here (another PID
+        namespace, say), is left alone. ``reap`` calls this; a new provider does it at construction.
+        Returns what was removed (``dry_run``: what would be), and what was left as of unknown liveness."""
+        return await anyio.to_thread.run_sync(self._sweep, dry_run)
+
+    def _sweep(self, dry_run: bool = False) -> tuple[list[ReapedSandbox], list[UnreapedSandbox]]:
+        removed, unknown = [], []
         for sandbox_id, outer, record in scan(self._base, SPARE_RECORD):
             owner = Owner.from_metadata(record)
             if owner is None or owner.alive() is not False or (outer / RECORD).exists():
                 continue
-            cgroups = self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else []
-            leftovers = remove_box(outer, is_mount_point(outer), cgroups)
-            if leftovers:
-                logger.warning("LocalProvider: a dead process's spare sandbox left %s behind", ", ".join(leftovers))
+            why = f"a spare of {owner}, which died without removing it"
+            removed.append(self._remove_leftover(sandbox_id, outer, str(owner), why, dry_run))
+        for sandbox_id, record in makers(self._base):
+            owner = Owner.from_metadata(record)
+            alive, why = owner.liveness() if owner is not None else (None, "its maker file names no process")
+            if alive:
+                continue
+            if alive is None:
+                unknown.append(UnreapedSandbox(sandbox_id, "", str(owner or "unknown"), f"half-made; {why}"))
+                continue
+            # Its maker died before the create returned, or while it removed it: nobody holds it, record or not.
+            why = f"half-made: {owner} died while making or removing it"
+            outers = directories_of(self._base, sandbox_id) or [self._base / sandbox_id]  # none: a maker file, cgroups
+            removed += [self._remove_leftover(sandbox_id, outer, str(owner), why, dry_run) for outer in outers]
+        return removed, unknown
+
+    def _remove_leftover(self, sandbox_id: str, outer: Path, owner: str, why: str, dry_run: bool) -> ReapedSandbox:
+        """Remove a dead process's leftover sandbox (its directory, mount and cgroups); report it."""
+        entry = ReapedSandbox(sandbox_id, "", owner, why, closed=False)
+        if dry_run:
+            return entry
+        cgroups = self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else []
+        leftovers = remove_box(outer, is_mount_point(outer), cgroups)
+        if leftovers:
+            logger.warning("LocalProvider: %s (%s) left %s behind", sandbox_id, why, ", ".join(leftovers))
+            return dataclasses.replace(entry, error=f"could not remove {', '.join(leftovers)}")
+        return dataclasses.replace(entry, closed=True)
 
     def _box(self, handle: SandboxHandle) -> Box:
         box = self._boxes.get(sandbox_id_of(handle))

@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..._errors import SandboxArgumentError, SandboxError
+from ..._owner import Owner
 from .._common._limits import Limits
 from ._bwrap import OWN_ETC
 from ._cgroups import CgroupBackend
@@ -31,26 +32,36 @@ from ._transfers import open_directory
 from ._uids import UidLease
 
 __all__ = [
+    "MAKER",
     "RECORD",
     "SANDBOX_ID",
     "SPARE_RECORD",
     "Box",
     "check_reachable",
+    "directories_of",
+    "drop_maker",
     "intact",
     "is_real_directory",
     "kill_box",
     "lay_out",
+    "makers",
     "prepare_base",
     "read_record",
     "remove_box",
     "scan",
     "teardown",
+    "write_maker",
     "write_private",
 ]
 
 SANDBOX_ID = re.compile(r"local-[0-9a-f]{12}")
 RECORD = "meta.json"  # beside box/, out of the sandbox's view
 SPARE_RECORD = "spare.json"  # instead of RECORD while the sandbox is a spare (``_spares.py``): its maker
+# base_dir/<sandbox id>.maker: the process making (or removing) that sandbox (``Owner`` metadata), written
+# before anything else of it and removed once it has a record (or is gone), so a maker killed in between
+# leaves a trail: the next provider on base_dir, or reap, removes what it left once it is found dead.
+MAKER = ".maker"
+_MAKER: tuple[int, bytes] | None = None  # this process's pid and maker record
 
 
 @dataclass
@@ -235,6 +246,52 @@ def scan(base: Path, name: str = RECORD) -> list[tuple[str, Path, dict[str, Any]
     return [item for item in found.values() if item is not None]
 
 
+def write_maker(base: Path, sandbox_id: str) -> None:
+    """Name this process (its ``Owner`` metadata) as the maker of ``sandbox_id``, unless a maker is
+    named already (a sandbox this process closes was made here, or by a dead process)."""
+    global _MAKER
+    if _MAKER is None or _MAKER[0] != os.getpid():  # once per process (a fork is another)
+        _MAKER = (os.getpid(), json.dumps(Owner.current().metadata()).encode())
+    with contextlib.suppress(FileExistsError):
+        write_private(base, sandbox_id + MAKER, _MAKER[1])
+
+
+def drop_maker(outer: Path) -> None:
+    """The sandbox at ``outer`` has its record, or is gone: its maker file goes."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(outer.parent / (outer.name[:18] + MAKER))
+
+
+def makers(base: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The maker files in base_dir (ours only: regular 0600 files of this uid), with the sandbox id each names."""
+    found = []
+    uid = os.geteuid()
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(base):
+            sandbox_id = entry.name.removesuffix(MAKER)
+            if sandbox_id == entry.name or not SANDBOX_ID.fullmatch(sandbox_id):
+                continue
+            try:
+                found.append((sandbox_id, read_record(base, uid, entry.name)))
+            except (OSError, SandboxError, ValueError, RecursionError):
+                continue  # removed meanwhile, or not ours
+    return found
+
+
+def directories_of(base: Path, sandbox_id: str) -> list[Path]:
+    """The directories of sandbox ``sandbox_id`` in base_dir (real ones, of this uid)."""
+    found = []
+    uid = os.geteuid()
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(base):
+            if entry.name.startswith(sandbox_id + "-"):
+                with contextlib.suppress(OSError):
+                    info = entry.stat(follow_symlinks=False)
+                    if stat.S_ISDIR(info.st_mode) and info.st_uid == uid:
+                        found.append(Path(entry.path))
+    return found
+
+
 def is_real_directory(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink()
 
@@ -254,13 +311,16 @@ def kill_box(box: Box) -> None:
 
 def teardown(box: Box, base: Path) -> list[str]:
     """End the sandbox's starter and processes, then remove it (only ever inside ``base``, where its
-    provider made it or ``connect`` checked it lies); returns what could not be removed."""
+    provider made it or ``connect`` checked it lies), this process named as its remover meanwhile;
+    returns what could not be removed."""
     if box.starter is not None:
         box.starter.close()
     kill_box(box)
     if not box.outer.is_relative_to(base):
         return [f"{box.outer} (outside base_dir {base}; not touched)"]
     try:
+        with contextlib.suppress(OSError):  # base_dir gone, say: nothing of it is left to remove
+            write_maker(base, box.sandbox_id)  # killed while removing it, the next sweep ends the work
         return remove_box(box.outer, box.mounted, box.cgroups)
     finally:
         if box.lease is not None:  # its processes are dead: the uid is free for another sandbox
@@ -278,7 +338,10 @@ def remove_box(outer: Path, mounted: bool, cgroups: list[Path]) -> list[str]:
             failed.append(f"{outer} (unmount: {exc.strerror})")
     if os.path.lexists(outer):
         failed += remove_tree(outer)
-    return (CgroupBackend.remove(cgroups) if cgroups else []) + failed
+    failed = (CgroupBackend.remove(cgroups) if cgroups else []) + failed
+    if not failed:
+        drop_maker(outer)
+    return failed
 
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

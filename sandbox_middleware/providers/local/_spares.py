@@ -7,9 +7,10 @@ so the next create of that shape takes it and only writes its record and makes i
 directory; the next spare is made behind it (shortly after, see ``_REFILL_AFTER_S``), one at a
 time, in one background thread. A spare has run nothing: no command has started in it, nothing
 else holds it. While it is a spare its directory holds ``SPARE_RECORD`` (its maker: host, pid,
-start time) instead of the record ``list`` reads, so no listing shows it. Spares are removed at
-``aclose``, when the provider is collected or at interpreter exit (its finalizer), and, when their
-process died without either, by the next provider made on the same base_dir.
+start time, PID namespace) instead of the record ``list`` reads, so no listing shows it. Spares are
+removed at ``aclose``, when the provider is collected or at interpreter exit (its finalizer), and,
+when their process died without either, by the next provider made on the same base_dir or by
+``reap`` (``LocalProvider.sweep_leftovers``).
 """
 
 from __future__ import annotations

@@ -6,13 +6,14 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+from functools import partial
 from pathlib import Path
 
 import anyio
 import pytest
 
 from sandbox_middleware import LocalProvider, Middleware, OwnershipMiddleware, SandboxHandle, SandboxSpec, stack
-from tests.providers import crashed_worker
+from tests.providers import crashed_worker, in_own_pid_namespace, live_worker
 from tests.sandbox.test_reaper import _WORKER
 from tests.vllm.server import free_port
 
@@ -96,6 +97,36 @@ def test_reap_command_closes_a_crashed_run_and_spares_a_live_one(tmp_path: Path,
         assert remaining == mine
     finally:
         anyio.run(close_all)
+
+
+def test_reap_command_leaves_a_trainer_of_another_pid_namespace_alone_and_says_so(
+    tmp_path: Path, sandbox_base: Path
+) -> None:
+    """A live trainer with the host's hostname in a PID namespace of its own: reap lists each of its
+    sandboxes as left alone, of unknown liveness (exit 0: nothing it chose failed); --force takes them."""
+    config = _config(tmp_path, sandbox_base)
+    argv = in_own_pid_namespace([sys.executable, "-c", _WORKER, str(sandbox_base), "ns-run", "unbounded"])
+
+    async def check() -> None:
+        async with live_worker(argv) as made:
+            for arguments in ((), ("--run", "ns-run")):
+                left = await anyio.to_thread.run_sync(partial(run, "reap", str(config), *arguments))
+                assert left.returncode == 0, left.stderr
+                assert {line.split()[0] for line in left.stdout.splitlines()} == made
+                assert all(
+                    "  left alone  run ns-run  owner " in line
+                    and "liveness unknown: " in line
+                    and "PID namespace" in line
+                    for line in left.stdout.splitlines()
+                ), left.stdout
+                assert "0 sandbox(es) closed, 3 left alone (owner liveness unknown here" in left.stderr
+            forced = await anyio.to_thread.run_sync(partial(run, "reap", str(config), "--run", "ns-run", "--force"))
+            assert forced.returncode == 0, forced.stderr
+            assert {line.split()[0] for line in forced.stdout.splitlines()} == made
+            assert all("  closed  run ns-run" in line for line in forced.stdout.splitlines())
+            assert not [path for path in sandbox_base.iterdir() if path.name[:18] in made]
+
+    anyio.run(check)
 
 
 @pytest.mark.parametrize(
