@@ -6,10 +6,11 @@ for as long as its maker holds it. Taking one draws a uid at random in the range
 lease is held, tries the next ones. A LocalProvider lease is free when nobody holds its lock (its
 process closed the sandbox, or died: the kernel drops the lock then, and the sandbox's processes
 die with it). A container outlives the process that made it, so a DockerProvider lease also
-*claims* the uid for its container (``Lease.claim``: the daemon's socket and the container, written
+*claims* the uid for its container (``UidLease.claim``: the daemon's socket and the container, written
 into the file): unlocked, such a lease stays held for as long as the daemon says that container
 exists, and is free once it answers 404 (removed by ``close``, ``reap``, the TTL watchdog or by
-hand); a daemon that does not answer keeps it held. ``close`` and ``reap`` unlink it at once
+hand); a daemon that does not answer keeps it held, unless its socket is gone and no process of
+the host runs as that uid. ``close`` and ``reap`` unlink it at once
 (``release_claim``). Released leases are unlinked while still locked, and a taker checks that the
 file it locked is still the one at that path, so two processes never both think they hold one uid.
 """
@@ -91,14 +92,31 @@ def _claimed(text: bytes) -> tuple[str, str] | None:
     return (socket, container) if isinstance(socket, str) and isinstance(container, str) else None
 
 
-def _exists(socket: str, container: str) -> bool:
-    """Whether the daemon at ``socket`` has ``container``: True unless it answers 404. A daemon that is
-    down keeps the uid held (with ``live-restore`` its containers outlive it)."""
+def _exists(socket: str, container: str, uid: int) -> bool:
+    """Whether the daemon at ``socket`` has ``container``: True unless it answers 404. A daemon that does
+    not answer keeps the uid held (with ``live-restore`` its containers outlive it), unless its socket
+    is gone and no process of this host runs as ``uid``."""
+    if not os.path.exists(socket):
+        return _runs_as(uid)
     try:
         with httpx.Client(transport=httpx.HTTPTransport(uds=socket), timeout=_ASK_S) as client:
             return client.get(f"http://docker/containers/{container}/json").status_code != 404
     except httpx.HTTPError:
         return True
+
+
+def _runs_as(uid: int) -> bool:
+    """Whether a process in this host's ``/proc`` has ``uid`` (real, effective, saved or filesystem)."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/status", "rb") as status:
+                    uids = next(line for line in status if line.startswith(b"Uid:")).split()[1:]
+            except (OSError, StopIteration):
+                continue  # it ended meanwhile
+            if str(uid).encode() in uids:
+                return True
+    return False
 
 
 def _leases_dir(directory: Path) -> int:
@@ -144,7 +162,7 @@ def _try(dir_fd: int, directory: Path, uid: int) -> UidLease | None:
     if fd is None:
         return None
     claim = _claimed(os.pread(fd, 4096, 0))
-    if claim is not None and _exists(*claim):  # a live container's, though its maker let go
+    if claim is not None and _exists(*claim, uid):  # a live container's, though its maker let go
         os.close(fd)
         return None
     os.ftruncate(fd, 0)
