@@ -92,6 +92,7 @@ class Plan:
     nproc: int | None  # RLIMIT_NPROC of its uid (None: not set; a uid shared by sandboxes)
     ptys: int  # pseudo-terminals at most (0: no devpts)
     tcp_bytes: int | None  # its TCP buffers at most (cgroup v1, written from the host after start)
+    remapped: bool = False  # the daemon maps container uids to others on the host (userns-remap, rootless)
 
 
 def workdir_of(workdir: str | None) -> tuple[PurePosixPath, PurePosixPath]:
@@ -108,12 +109,13 @@ def workdir_of(workdir: str | None) -> tuple[PurePosixPath, PurePosixPath]:
     return DEFAULT_MOUNT, cwd
 
 
-def _tmpfs(target: PurePosixPath, size: int | None, owner: tuple[int, int]) -> dict[str, Any]:
-    """An anonymous volume on a tmpfs of ``size`` bytes: unlike a plain tmpfs mount, the archive API sees it."""
+def _tmpfs(target: PurePosixPath, size: int | None, owner: tuple[int, int] | None) -> dict[str, Any]:
+    """An anonymous volume on a tmpfs of ``size`` bytes: unlike a plain tmpfs mount, the archive API sees it.
+    Owned by ``owner``, host uid and gid; None (a remapping daemon: the host uid is not known): mode 1777."""
     options = ["nosuid", "nodev"]
     if size is not None:
         options.append(f"size={size}")
-    options += [f"uid={owner[0]}", f"gid={owner[1]}", "mode=0700"]
+    options += [f"uid={owner[0]}", f"gid={owner[1]}", "mode=0700"] if owner else ["mode=1777"]
     return {
         "Type": "volume",
         "Target": str(target),
@@ -131,12 +133,13 @@ def create_body(plan: Plan, owner: tuple[int, int], leased: bool) -> dict[str, A
     default), ports published on 127.0.0.1 only, and the labels."""
     limits = plan.limits
     user = f"{owner[0]}:{owner[1]}"
+    files_owner = None if plan.remapped else owner
     host: dict[str, Any] = {
         "NetworkMode": plan.network,
         "Init": plan.init,
         "Mounts": [
-            _tmpfs(plan.mount, limits.disk_bytes, owner),
-            _tmpfs(TMP, plan.tmp_bytes, owner),
+            _tmpfs(plan.mount, limits.disk_bytes, files_owner),
+            _tmpfs(TMP, plan.tmp_bytes, files_owner),
             pts_mount(plan.ptys),
         ],
         "Ulimits": ulimits(plan.nofile, plan.nproc),

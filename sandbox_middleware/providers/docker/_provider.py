@@ -186,6 +186,8 @@ class DockerProvider:
             "cpu": bool(info.get("CpuCfsQuota")),
         }
         self._cgroup_version = str(info.get("CgroupVersion") or "1")
+        options = " ".join(map(str, info.get("SecurityOptions") or ()))
+        self._remapped = "name=userns" in options or "name=rootless" in options
         # Why TCP buffers go unbounded (None: bounded): v1 needs root beside the daemon to write the file.
         self._tcp_problem: str | None = None
         if self._cgroup_version == "1" and self._tcp_bytes is not None and not _pools.tcp_v1():
@@ -239,12 +241,14 @@ class DockerProvider:
         else:
             tcp = f"cgroup v1 memory.kmem.tcp.limit_in_bytes {self._tcp_bytes}, written from the host after start"
         per_uid = "the sandbox's own uid" if self._fixed_user is None else "one uid shared by all sandboxes (user=)"
+        remap = "; the daemon remaps uids: on the host, its remap range's base plus this" if self._remapped else ""
         return {
             "user": (
                 "a host uid of its own per sandbox, leased host-wide from 1,500,000,000 + [0, 2^24)"
                 if self._fixed_user is None
                 else f"host uid:gid {self._fixed_user[0]}:{self._fixed_user[1]}, shared by all sandboxes"
-            ),
+            )
+            + remap,
             "open files": files,
             "pty": f"devpts of its own, max={self._ptys}"
             if self._ptys
@@ -278,7 +282,7 @@ class DockerProvider:
                     await _identity.release(uid, self._socket, (container, name))
             if isinstance(exc, EngineError | DockerUnavailableError):
                 raise SandboxCreateError(
-                    f"DockerProvider: cannot start a container of {plan.image!r}: {exc}{left}"
+                    f"DockerProvider: cannot start a container of {plan.image!r}: {exc}{left}{self._unmapped(exc)}"
                 ) from exc
             raise
         box = Box(
@@ -345,6 +349,7 @@ class DockerProvider:
             nproc=limits.pids if self._fixed_user is None else None,  # per uid: only a uid of its own
             ptys=self._ptys,
             tcp_bytes=self._tcp_bytes if self._cgroup_version == "1" else None,
+            remapped=self._remapped,
         )
 
     async def check_image(self, image: str) -> None:
@@ -419,6 +424,16 @@ class DockerProvider:
             lease.claim(self._socket, container)
             lease.keep()
         return container, owner, None if lease is None else lease.uid
+
+    def _unmapped(self, exc: SandboxError) -> str:
+        """What to do where a remapping daemon has no host uid for the sandbox's."""
+        if not self._remapped or "unmapped user" not in str(exc):
+            return ""
+        return (
+            f"; the daemon at {self._socket} remaps uids (userns-remap or rootless) through a range without "
+            "this sandbox's uid: give its remap user a subordinate range of at least 1,516,777,216 uids "
+            "(/etc/subuid, /etc/subgid), or pass user='UID:GID' inside the range (docs/docker-provider.md)"
+        )
 
     def _refused(self, exc: EngineError, image: str, what: str) -> SandboxError:
         """The public error of a create the daemon refused."""

@@ -116,9 +116,10 @@ def remove_containers(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[
     return found
 
 
-def free_claims(socket: str = SOCKET) -> list[int]:
+def free_claims(socket: str = SOCKET, *, daemon_gone: bool = False) -> list[int]:
     """Free the uid leases claimed for containers of ``socket`` that are gone (removed behind their
-    provider's back: by a test, the TTL watchdog): what a later create would free lazily; returns the uids."""
+    provider's back: by a test, the TTL watchdog; ``daemon_gone``: all of them, its daemon stopped with
+    its containers): what a later create would free lazily; returns the uids."""
     directory = _uids.lease_directory()
     freed = []
     with engine(socket) as client:
@@ -129,7 +130,7 @@ def free_claims(socket: str = SOCKET) -> list[int]:
                 continue  # a LocalProvider lease (its maker's pid), or gone meanwhile
             if not isinstance(claim, dict) or claim.get("socket") != socket:
                 continue
-            if client.get(f"/containers/{claim.get('container')}/json").status_code == 404:
+            if daemon_gone or client.get(f"/containers/{claim.get('container')}/json").status_code == 404:
                 _uids.release_claim(directory, int(path.name), socket, (str(claim["container"]),))
                 freed.append(int(path.name))
     return freed

@@ -9,20 +9,25 @@ container's cgroup on the host.
 
 from __future__ import annotations
 
+import contextlib
+import grp
 import json
 import os
+import pwd
+import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from sandbox_middleware import DockerProvider, SandboxHandle, _protocol
+from sandbox_middleware import DockerProvider, SandboxCreateError, SandboxHandle, _protocol
 from sandbox_middleware.providers._common import _uids
 
-from ._support import PYTHON, engine, spec
+from ._daemon import private_daemon
+from ._support import BUSYBOX, PYTHON, engine, spec
 
 pytestmark = pytest.mark.anyio
 
@@ -360,3 +365,55 @@ async def test_output_that_looks_like_a_runtime_failure_is_the_commands_result(p
         result = await provider.exec(handle, f"echo '{forged}'; exit {code}")
         assert (result.stdout, result.return_code, result.error_type) == (forged + "\n", code, None)
     await provider.close(handle)
+
+
+_REMAP_BASE, _REMAP_SIZE = 200_000, 1_600_000_000  # a range holding the whole pool (its top: 1,516,777,216)
+
+
+@pytest.fixture
+def remap_ranges() -> Iterator[str]:
+    """Subordinate uid and gid ranges of ``nobody`` in /etc/subuid and /etc/subgid, for a private dockerd
+    with ``--userns-remap=nobody:nogroup``; the lines added are removed afterwards."""
+    if os.geteuid() != 0 or shutil.which("dockerd") is None or shutil.which("unshare") is None:
+        pytest.skip("needs root, dockerd and unshare to start a private dockerd with --userns-remap")
+    try:
+        pwd.getpwnam("nobody")
+        grp.getgrnam("nogroup")
+    except KeyError:
+        pytest.skip("needs the user nobody and the group nogroup (Debian's) to remap to")
+    line = f"nobody:{_REMAP_BASE}:{_REMAP_SIZE}\n"
+    files = [Path("/etc/subuid"), Path("/etc/subgid")]
+    if any("\nnobody:" in "\n" + path.read_text() for path in files if path.exists()):
+        pytest.skip("nobody has subordinate ranges already: not changed by a test")
+    try:
+        for path in files:
+            with path.open("a") as ranges:
+                ranges.write(line)
+        yield "nobody:nogroup"
+    finally:
+        for path in files:
+            with contextlib.suppress(FileNotFoundError):
+                path.write_text(path.read_text().replace(line, ""))
+
+
+async def test_a_daemon_remapping_uids_runs_each_sandbox_as_its_range_base_plus_its_own_uid(
+    remap_ranges: str, make: Callable[..., DockerProvider]
+) -> None:
+    """Against a private dockerd with --userns-remap whose range holds the pool: each sandbox runs as its
+    leased uid inside and base + that uid on the host, its writable directories usable; a uid outside
+    the range is a create error saying what to do."""
+    with private_daemon(remap=remap_ranges) as daemon:
+        provider = make(socket=daemon.socket)
+        assert "the daemon remaps uids" in provider.mechanisms["user"]
+        handle = await provider.create(spec(BUSYBOX, files={"seed.txt": "s"}))
+        inside = _uid(await provider.exec(handle, "id -u"))
+        with engine(daemon.socket) as client:
+            pid = client.get(f"/containers/{handle.sandbox_id}/json").json()["State"]["Pid"]
+        status = Path(f"/proc/{pid}/status").read_text()
+        assert f"Uid:\t{_REMAP_BASE + inside}\t" in status, status
+        written = await provider.exec(handle, "echo w > w.txt && echo t > /tmp/t && stat -c %u seed.txt w.txt /tmp/t")
+        assert written.stdout.split() == [str(inside)] * 3, written
+        await provider.close(handle)
+        outside = make(socket=daemon.socket, user=f"{_REMAP_SIZE + 1}:{_REMAP_SIZE + 1}")
+        with pytest.raises(SandboxCreateError, match=r"remaps uids .* through a range without this sandbox's uid"):
+            await outside.create(spec(BUSYBOX))
