@@ -63,7 +63,7 @@ def exec_user(user: str | int | None, own: str, sandbox_id: str) -> str:
     )
 
 
-async def lease(socket: str) -> UidLease:
+async def lease() -> UidLease:
     """A host uid that no live sandbox holds (of this provider or any other, LocalProvider's too)."""
     return await anyio.to_thread.run_sync(lease_uid, lease_directory(), "DockerProvider")
 

@@ -401,7 +401,7 @@ class DockerProvider:
         host's pool and claimed for the container before the daemon is asked (``_identity.py``), or the
         provider's fixed ``user=``. Its id, its uid and gid, and the leased uid (None: the fixed user)."""
         what = f"create a container of {plan.image!r}"
-        lease = await _identity.lease(self._socket) if self._fixed_user is None else None
+        lease = await _identity.lease() if self._fixed_user is None else None
         owner = (lease.uid, lease.uid) if lease is not None else self._fixed_user
         assert owner is not None
         try:
@@ -410,9 +410,9 @@ class DockerProvider:
             body = create_body(plan, owner, lease is not None)
             reply = await self._api.call("POST", "/containers/create", what, params={"name": name}, body=body)
             container = str(reply.json()["Id"])
-        except EngineError as exc:  # refused: no container was made
-            if lease is not None:
-                lease.release()
+        except EngineError as exc:
+            if lease is not None:  # refused (4xx): no container was made; a 5xx may have left one, which holds it
+                lease.release() if exc.status < 500 else lease.keep()
             raise self._refused(exc, plan.image, what) from exc
         except BaseException as exc:
             if lease is not None:  # it may exist: its claim holds the uid until the daemon says it does not

@@ -16,6 +16,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from sandbox_middleware import DockerProvider, SandboxCreateError, SandboxHandle
 from sandbox_middleware.providers._common import _uids
 
 from ._daemon import private_daemon
-from ._support import BUSYBOX, PYTHON, engine, spec
+from ._support import BUSYBOX, PYTHON, SESSION, SESSION_KEY, engine, spec
 
 pytestmark = pytest.mark.anyio
 
@@ -266,7 +267,8 @@ async def test_default_sandboxes_have_no_pty_and_bounded_files(make: Callable[..
     provider = make()
     handle = await provider.create(spec(PYTHON))
     opened = await provider.exec(handle, "python3 -c 'import os; os.openpty()'")
-    assert opened.return_code == 1 and "No such file or directory" in opened.stderr, opened
+    # runc: /dev/ptmx links into the empty /dev/pts; gVisor (runsc) refuses the read-only mount's ptmx instead
+    assert opened.return_code == 1 and ("No such file" in opened.stderr or "Read-only" in opened.stderr), opened
     limits = await provider.exec(handle, "ulimit -Sn; ulimit -Hn; grep -E 'open files|msgqueue' /proc/1/limits")
     assert limits.stdout.split()[:2] == ["256", "256"]
     assert "256                  256" in limits.stdout and "819200               819200" in limits.stdout
@@ -318,6 +320,43 @@ async def test_live_sandboxes_never_share_a_uid_and_close_or_removal_frees_it(
         await provider.close(handle)
     assert not (_uids.lease_directory() / str(first_uid)).exists()
     assert not (_uids.lease_directory() / str(first_uid + 1)).exists()
+
+
+_MAKER = """
+import sys, anyio
+from sandbox_middleware import DockerProvider, SandboxSpec
+from sandbox_middleware.providers._common import _uids
+_uids.draw = lambda: int(sys.argv[1])  # every process draws the same uid first
+
+async def main():
+    provider = DockerProvider()
+    handle = await provider.create(SandboxSpec(image=sys.argv[2], metadata={sys.argv[3]: sys.argv[4], "maker": "gone"}))
+    print((await provider.exec(handle, "id -u")).stdout.strip())  # and exits, its sandbox left running
+
+anyio.run(main)
+"""
+
+
+async def test_a_sandbox_outliving_its_maker_keeps_its_uid(
+    make: Callable[..., DockerProvider], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that made a sandbox and exited (its lease's lock gone with it) leaves the uid held by the
+    container's claim: another process drawing the same uid gets the next one; closing the listed
+    sandbox frees it."""
+    first_uid = _uids.UID_BASE + 23
+    done = await anyio.run_process(
+        [sys.executable, "-c", _MAKER, str(first_uid), BUSYBOX, SESSION_KEY, SESSION], check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert int(done.stdout) == first_uid
+    monkeypatch.setattr(_uids, "draw", lambda: first_uid)
+    provider = make()
+    handle = await provider.create(spec())
+    assert _uid(await provider.exec(handle, "id -u")) == first_uid + 1
+    (left,) = await provider.list(metadata={"maker": "gone", SESSION_KEY: SESSION})
+    await provider.close(left.handle)
+    assert not (_uids.lease_directory() / str(first_uid)).exists()
+    await provider.close(handle)
 
 
 async def test_reap_from_another_provider_frees_the_uid(make: Callable[..., DockerProvider]) -> None:
