@@ -16,7 +16,7 @@ import re
 import anyio.to_thread
 
 from ..._errors import SandboxArgumentError
-from .._common._uids import UidLease, lease_directory, lease_uid, release_claim
+from .._common._uids import UID_BASE, UID_COUNT, UidLease, lease_directory, lease_uid, release_claim
 
 __all__ = ["checked_user", "exec_user", "lease", "release"]
 
@@ -42,6 +42,11 @@ def checked_user(user: str) -> tuple[int, int] | None:
         raise SandboxArgumentError(
             f"DockerProvider: user={user!r:.80} must be 'auto' (a host uid of its own per sandbox) or numbers "
             "'UID[:GID]', neither 0: a name resolves through the image's /etc/passwd, which may map it to root"
+        )
+    if any(UID_BASE <= number < UID_BASE + UID_COUNT for number in parsed):
+        raise SandboxArgumentError(
+            f"DockerProvider: user={user!r:.80} lies in the range sandboxes' own uids are leased from "
+            f"({UID_BASE} + [0, {UID_COUNT})), where it would share a live sandbox's uid; pick one outside it"
         )
     return parsed
 

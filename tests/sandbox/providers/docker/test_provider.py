@@ -225,6 +225,8 @@ async def test_bad_arguments_are_typed_errors_naming_them(make: Callable[..., Do
     for user in ("root", "0", "0:0", "00", "1000:0", "sandbox", "0x0", "\u0661"):
         with pytest.raises(SandboxArgumentError, match=re.escape("must be 'auto'")):
             make(user=user)
+    with pytest.raises(SandboxArgumentError, match="range sandboxes' own uids are leased from"):
+        make(user=f"{_uids.UID_BASE + 5}:1000")
     for name in ("nofile", "ptys", "tcp_mib"):
         with pytest.raises(SandboxArgumentError, match=name):
             make(**{name: -1})
