@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 from ..._bounds import POSITIVE, Bound
 from ..._errors import SandboxArgumentError
 from ._arguments import positive_number
 
-__all__ = ["LIMIT_BOUNDS", "Limits", "checked_limit"]
+__all__ = ["LIMIT_BOUNDS", "Limits", "checked_limit", "file_max"]
 
 _MiB = 1 << 20
 _GiB = 1 << 30
@@ -93,3 +94,11 @@ def checked_limit(name: str, value: object, what: str) -> float | None:
     """A limit's value checked against its range (``pids`` must be a whole number)."""
     LIMIT_BOUNDS[name].check(value, what)
     return None if value is None else float(cast("float", value))  # checked: a number
+
+
+def file_max() -> int:
+    """The host's open-file table size (``fs.file-max``)."""
+    try:
+        return int(Path("/proc/sys/fs/file-max").read_text())
+    except (OSError, ValueError):
+        return 1 << 20

@@ -76,7 +76,7 @@ class Commands:
         if timed_out:
             with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_TIMEOUT_S):
                 await self._kill(box, marker, stderr.pid, as_user)
-        code = await self._exit_code(exec_id, box)
+        code, started = await self._ended(exec_id, box)
         if box.closed:
             return SandboxExecResult(out.text(), err.text(), code or -9, error_type="closed")
         if box.is_expired():
@@ -85,7 +85,7 @@ class Commands:
             return SandboxExecResult(out.text(), err.text(), code or -9, error_type="timeout")
         if code is None:
             return SandboxExecResult(out.text(), err.text(), -1, error_type="sandbox")
-        if code in (126, 127) and out.text().startswith("OCI runtime exec failed"):
+        if not started and code in (126, 127):  # the runtime's own failure: no process ever ran, so none wrote this
             raise SandboxError(
                 f"DockerProvider: cannot start the command in sandbox {handle.sandbox_id[:12]} (cwd {str(workdir)!r}, "
                 f"user {as_user!r}): {out.text().strip()[:500]}"
@@ -165,18 +165,20 @@ class Commands:
         reply = await self._api.call("GET", f"/exec/{exec_id}/json", f"inspect exec {exec_id[:12]}", ok=(404,))
         return {} if reply.status_code == 404 else dict(reply.json())
 
-    async def _exit_code(self, exec_id: str, box: Box) -> int | None:
+    async def _ended(self, exec_id: str, box: Box) -> tuple[int | None, bool]:
+        """The exec's exit code (None: unknown) and whether its process started, as the daemon says (exec
+        inspect: ``Pid`` 0 is a process the runtime never started), never as its output says."""
         for _ in range(20):
             try:
                 info = await self._info(exec_id)
             except DockerUnavailableError:
-                return None
+                return None, True
             if not info.get("Running") and info.get("ExitCode") is not None:
-                return int(info["ExitCode"])
+                return int(info["ExitCode"]), info.get("Pid") != 0
             if not info or box.closed:
-                return None
+                return None, True
             await anyio.sleep(0.05)
-        return None
+        return None, True
 
     async def _kill(self, box: Box, marker: str, group: int | None, user: str) -> None:
         """Kill every process of one command: from the host where it can (``_kill_from_host``), else

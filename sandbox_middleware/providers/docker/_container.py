@@ -1,8 +1,9 @@
 """One DockerProvider sandbox: the container's create body (hardened), and its labels, read back as a ``Box``.
 
 Everything another process needs to use, list, connect to or reap a sandbox is in the container's
-labels (``LABEL`` marks it as ours): the user commands run as, the work directory, the writable
-mounts, the declared ports, the deadline of its TTL (``_ttl.EXPIRES``) and ``spec.metadata``
+labels (``LABEL`` marks it as ours): the user commands run as, the host uid leased for it
+(``UID``: ``_identity.py``), the work directory, the writable mounts, the declared ports, the
+deadline of its TTL (``_ttl.EXPIRES``) and ``spec.metadata``
 (``META`` + key). Labels are set at create and cannot be changed from inside the container.
 """
 
@@ -17,17 +18,20 @@ from typing import Any
 from ..._errors import SandboxArgumentError
 from .._common._arguments import check_text, checked_view_root
 from .._common._limits import Limits
+from ._pools import pts_mount, ulimits
 from ._ttl import EXPIRES
 
 __all__ = [
     "LABEL",
     "META",
+    "UID",
     "Box",
     "Plan",
     "box_of",
     "checked_metadata",
     "create_body",
     "keepalive_default",
+    "leased_uid",
     "metadata_filters",
     "workdir_of",
 ]
@@ -35,6 +39,7 @@ __all__ = [
 LABEL = "sandbox_middleware.docker"
 META = "sandbox_middleware.docker.meta."
 _USER = "sandbox_middleware.docker.user"
+UID = "sandbox_middleware.docker.uid"  # set where the uid is leased: close and reap release it
 _WORKDIR = "sandbox_middleware.docker.workdir"
 _MOUNTS = "sandbox_middleware.docker.mounts"
 _PORTS = "sandbox_middleware.docker.ports"
@@ -48,7 +53,7 @@ class Box:
     """What a provider keeps of one container it holds (or found by its labels)."""
 
     container: str  # the full container id
-    user: str  # what commands run as: "uid:gid" or a name
+    user: str  # what commands run as: "uid:gid"
     cwd: PurePosixPath  # the default cwd of commands (in the work directory)
     mounts: tuple[PurePosixPath, ...]  # the writable directories: the work directory's mount, /tmp
     ports: tuple[int, ...]
@@ -57,6 +62,7 @@ class Box:
     created: float | None = None
     closed: bool = False
     paused: bool = False  # by this provider's pause(), until its resume()
+    uid: int | None = None  # the host uid leased for it (None: the provider's fixed user=)
 
     def is_expired(self) -> bool:
         return self.deadline is not None and time.time() >= self.deadline
@@ -70,8 +76,6 @@ class Plan:
     """What ``create`` decided from the spec and the provider's options."""
 
     image: str
-    user: str
-    owner: tuple[int, int] | None  # numeric uid and gid of ``user`` where known (tmpfs ownership)
     mount: PurePosixPath  # where the bounded work directory is mounted
     cwd: PurePosixPath
     env: dict[str, str]
@@ -84,6 +88,11 @@ class Plan:
     deadline: float | None
     metadata: dict[str, str]
     init: bool
+    nofile: int  # RLIMIT_NOFILE per process
+    nproc: int | None  # RLIMIT_NPROC of its uid (None: not set; a uid shared by sandboxes)
+    ptys: int  # pseudo-terminals at most (0: no devpts)
+    tcp_bytes: int | None  # its TCP buffers at most (cgroup v1, written from the host after start)
+    remapped: bool = False  # the daemon maps container uids to others on the host (userns-remap, rootless)
 
 
 def workdir_of(workdir: str | None) -> tuple[PurePosixPath, PurePosixPath]:
@@ -101,7 +110,8 @@ def workdir_of(workdir: str | None) -> tuple[PurePosixPath, PurePosixPath]:
 
 
 def _tmpfs(target: PurePosixPath, size: int | None, owner: tuple[int, int] | None) -> dict[str, Any]:
-    """An anonymous volume on a tmpfs of ``size`` bytes: unlike a plain tmpfs mount, the archive API sees it."""
+    """An anonymous volume on a tmpfs of ``size`` bytes: unlike a plain tmpfs mount, the archive API sees it.
+    Owned by ``owner``, host uid and gid; None (a remapping daemon: the host uid is not known): mode 1777."""
     options = ["nosuid", "nodev"]
     if size is not None:
         options.append(f"size={size}")
@@ -116,15 +126,23 @@ def _tmpfs(target: PurePosixPath, size: int | None, owner: tuple[int, int] | Non
     }
 
 
-def create_body(plan: Plan) -> dict[str, Any]:
-    """The body of ``POST /containers/create``: no capabilities, no new privileges, a read-only root,
-    bounded writable directories, the limits, the network asked for (``none`` by default), ports
-    published on 127.0.0.1 only, and the labels."""
+def create_body(plan: Plan, owner: tuple[int, int], leased: bool) -> dict[str, Any]:
+    """The body of ``POST /containers/create``: run as the host uid and gid ``owner`` (``leased``: the
+    sandbox's own), no capabilities, no new privileges, a read-only root, bounded writable directories,
+    the limits, the host's kernel pools bounded (``_pools.py``), the network asked for (``none`` by
+    default), ports published on 127.0.0.1 only, and the labels."""
     limits = plan.limits
+    user = f"{owner[0]}:{owner[1]}"
+    files_owner = None if plan.remapped else owner
     host: dict[str, Any] = {
         "NetworkMode": plan.network,
         "Init": plan.init,
-        "Mounts": [_tmpfs(plan.mount, limits.disk_bytes, plan.owner), _tmpfs(TMP, plan.tmp_bytes, plan.owner)],
+        "Mounts": [
+            _tmpfs(plan.mount, limits.disk_bytes, files_owner),
+            _tmpfs(TMP, plan.tmp_bytes, files_owner),
+            pts_mount(plan.ptys),
+        ],
+        "Ulimits": ulimits(plan.nofile, plan.nproc),
         "PortBindings": {f"{port}/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}] for port in plan.ports},
         "Memory": limits.memory_bytes or 0,
         "MemorySwap": limits.memory_bytes or 0,  # equal to Memory: no swap beyond the limit
@@ -141,18 +159,20 @@ def create_body(plan: Plan) -> dict[str, Any]:
     mounts = ",".join(str(mount) for mount in (plan.mount, TMP))
     labels = {
         LABEL: "1",
-        _USER: plan.user,
+        _USER: user,
         _WORKDIR: str(plan.cwd),
         _MOUNTS: mounts,
         _PORTS: ",".join(map(str, plan.ports)),
         **{META + key: value for key, value in plan.metadata.items()},
     }
+    if leased:
+        labels[UID] = str(owner[0])
     if plan.deadline is not None:
         labels[EXPIRES] = repr(plan.deadline)
     command = plan.entrypoint or plan.keepalive
     return {
         "Image": plan.image,
-        "User": plan.user,
+        "User": user,
         "WorkingDir": str(plan.mount),  # the daemon would make a missing cwd below it as root's
         "Env": [f"{name}={value}" for name, value in plan.env.items()],
         "Entrypoint": command[:1],
@@ -177,12 +197,19 @@ def box_of(container: str, labels: Mapping[str, str], created: float | None) -> 
         mounts = tuple(PurePosixPath(mount) for mount in labels[_MOUNTS].split(","))
         cwd = PurePosixPath(labels[_WORKDIR])
         user = labels[_USER]
+        uid = leased_uid(labels)
     except (KeyError, ValueError):
         return None
     if not cwd.is_absolute() or not all(mount.is_absolute() for mount in mounts):
         return None
     metadata = {key[len(META) :]: value for key, value in labels.items() if key.startswith(META)}
-    return Box(container, user, cwd, mounts, ports, deadline, metadata, created)
+    return Box(container, user, cwd, mounts, ports, deadline, metadata, created, uid=uid)
+
+
+def leased_uid(labels: Mapping[str, str]) -> int | None:
+    """The host uid leased for a container, from its labels (None: none was)."""
+    text = labels.get(UID, "")
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def metadata_filters(metadata: Mapping[str, str]) -> list[str]:

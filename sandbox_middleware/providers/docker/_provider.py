@@ -36,7 +36,8 @@ from ..._errors import (
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
 from .._common._arguments import check_text, checked_env, checked_exec, fspath, sandbox_id_of
 from .._common._deadlines import checked_ttl, exec_deadline
-from .._common._limits import LIMIT_BOUNDS, Limits
+from .._common._limits import LIMIT_BOUNDS, Limits, file_max
+from . import _identity, _pools
 from ._api import EngineAPI, EngineError, message_of, negotiate
 from ._archive import END, TarReader, check_directory, check_stat, located, padding, tar_records, tar_stream
 from ._commands import KILL_TIMEOUT_S, Commands
@@ -48,6 +49,7 @@ from ._container import (
     checked_metadata,
     create_body,
     keepalive_default,
+    leased_uid,
     metadata_filters,
     workdir_of,
 )
@@ -59,8 +61,6 @@ __all__ = ["DockerProvider"]
 logger = logging.getLogger("sandbox_middleware")
 
 _MiB = 1 << 20
-_NOBODY = "65534:65534"
-_ROOT_USERS = ("", "root", "0", "0:0")
 _STATUS = {
     "running": SandboxStatus.RUNNING,
     "paused": SandboxStatus.PAUSED,
@@ -76,8 +76,10 @@ class DockerProvider:
     """Sandboxes as containers of a Docker daemon (``socket``), over its Engine API; see docs/docker-provider.md.
 
     Each container runs ``spec.image`` with no capabilities, ``no-new-privileges``, a read-only
-    root filesystem, no network (``network="none"``) unless asked, a non-root user (the image's
-    own ``USER``, else uid 65534), bounded memory, processes and CPU, and two bounded tmpfs
+    root filesystem, no network (``network="none"``) unless asked, a host uid of its own (leased
+    from the pool LocalProvider uses: ``_identity.py``; never root, whatever the image's ``USER``),
+    bounded memory, processes and CPU, the host's kernel pools bounded (open files, ptys, TCP
+    buffers, message queues, inotify: ``_pools.py``), and two bounded tmpfs
     directories, the work directory (``disk_gib``) and ``/tmp`` (``tmp_mib``), the only places it
     can write. Its main process is ``spec.entrypoint`` or a keep-alive shell loop, under Docker's
     init. ``spec.env`` travels in the API request body, never on a command line. Commands run
@@ -98,6 +100,9 @@ class DockerProvider:
         max_output_bytes=Bound(0, strict=True, whole=True, high=2**53),
         max_transfer_bytes=Bound(0, strict=True, whole=True, high=2**53),
         request_timeout_s=POSITIVE.at_most(86400),
+        nofile=Bound(16, whole=True, high=2**20),  # a shell and its command need a few descriptors
+        ptys=Bound(0, whole=True, high=4096),  # kernel.pty.max is 4096 by default
+        tcp_mib=POSITIVE.at_most(2**24).or_none(),
     )
 
     def __init__(
@@ -119,6 +124,9 @@ class DockerProvider:
         keepalive: Sequence[str] | None = None,
         connect_key: bytes | None = None,
         request_timeout_s: float = 300.0,
+        nofile: int = 256,
+        ptys: int = 0,
+        tcp_mib: float | None = 64,
     ) -> None:
         self._options: dict[str, Any] = {
             "socket": socket,
@@ -137,6 +145,9 @@ class DockerProvider:
             "keepalive": None if keepalive is None else tuple(keepalive),
             "connect_key": connect_key,
             "request_timeout_s": request_timeout_s,
+            "nofile": nofile,
+            "ptys": ptys,
+            "tcp_mib": tcp_mib,
         }
         self.BOUNDS.check(locals())
         self._socket = check_text(fspath(socket, "socket"), "socket")
@@ -148,7 +159,9 @@ class DockerProvider:
                 "loopback (the trainer's, vLLM's, Ray's); use 'bridge' or a network of your own (see "
                 "docs/docker-provider.md)"
             )
-        self._user = check_text(user, "user")
+        self._fixed_user = _identity.checked_user(check_text(user, "user"))
+        self._nofile, self._ptys = nofile, ptys
+        self._tcp_bytes = None if tcp_mib is None else int(tcp_mib * _MiB)
         if api_version is not None:
             check_text(api_version, "api_version")
         self._keepalive = [check_text(arg, "keepalive entry") for arg in (keepalive or keepalive_default())]
@@ -172,6 +185,13 @@ class DockerProvider:
             "pids": bool(info.get("PidsLimit")),
             "cpu": bool(info.get("CpuCfsQuota")),
         }
+        self._cgroup_version = str(info.get("CgroupVersion") or "1")
+        options = " ".join(map(str, info.get("SecurityOptions") or ()))
+        self._remapped = "name=userns" in options or "name=rootless" in options
+        # Why TCP buffers go unbounded (None: bounded): v1 needs root beside the daemon to write the file.
+        self._tcp_problem: str | None = None
+        if self._cgroup_version == "1" and self._tcp_bytes is not None and not _pools.tcp_v1():
+            self._tcp_problem = "cgroup v1 needs this provider to run as root beside the daemon"
         try:
             self._watchdog = WatchdogLauncher(self._socket, version)
         except PermissionError as exc:  # its lock's directory was made by someone else (_ttl.lock_path)
@@ -180,7 +200,7 @@ class DockerProvider:
         self._commands = Commands(self._api, max_output_bytes)
         self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, Box] = {}
-        self._users: dict[str, tuple[str, tuple[int, int] | None]] = {}
+        self._images: set[str] = set()  # seen on the daemon
 
     def __repr__(self) -> str:
         return f"DockerProvider(socket={self._socket!r}, api_version={self.api_version!r})"
@@ -199,42 +219,82 @@ class DockerProvider:
             "disk": "tmpfs size of the work directory (the root filesystem is read-only)",
             "ttl": "deadline label, removed by the watchdog process",
             "output": f"exec stream, {self._max_output} bytes kept per stream",
+            **self._pool_mechanisms(),
+        }
+
+    def _pool_mechanisms(self) -> dict[str, str]:
+        """How the host's shared kernel pools are bounded per sandbox (``_pools.py``)."""
+        pids = self._defaults["pids"]
+        files = f"RLIMIT_NOFILE {self._nofile} per process"
+        if pids is not None:
+            most = self._nofile * int(pids)
+            files += (
+                f" x pids {int(pids)}: at most {most} per sandbox, of fs.file-max {file_max()} "
+                f"({file_max() // most} default sandboxes fill it)"
+            )
+        if self._cgroup_version != "1":
+            tcp = f"cgroup v{self._cgroup_version} memory.max (socket buffers are charged to the sandbox's memory)"
+        elif self._tcp_bytes is None:
+            tcp = "not limited (tcp_mib=None)"
+        elif self._tcp_problem is not None:
+            tcp = f"not limited: {self._tcp_problem}"
+        else:
+            tcp = f"cgroup v1 memory.kmem.tcp.limit_in_bytes {self._tcp_bytes}, written from the host after start"
+        per_uid = "the sandbox's own uid" if self._fixed_user is None else "one uid shared by all sandboxes (user=)"
+        remap = "; the daemon remaps uids: on the host, its remap range's base plus this" if self._remapped else ""
+        return {
+            "user": (
+                "a host uid of its own per sandbox, leased host-wide from 1,500,000,000 + [0, 2^24)"
+                if self._fixed_user is None
+                else f"host uid:gid {self._fixed_user[0]}:{self._fixed_user[1]}, shared by all sandboxes"
+            )
+            + remap,
+            "open files": files,
+            "pty": f"devpts of its own, max={self._ptys}"
+            if self._ptys
+            else "none: /dev/pts is an empty read-only tmpfs",
+            "tcp buffers": tcp,
+            "message queues": f"RLIMIT_MSGQUEUE {_pools.MSGQUEUE_BYTES} bytes per uid: {per_uid}",
+            "inotify": f"fs.inotify.max_user_instances and max_user_watches per uid: {per_uid}",
         }
 
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
         plan = await self._plan(spec)
-        body = create_body(plan)
         name = f"sandbox-{uuid.uuid4().hex[:12]}"
         if plan.deadline is not None:  # before the container exists: a worker killed from here leaves none unwatched
             self._watchdog.ensure()
-        container = await self._create_container(name, body, plan.image)
+        container, owner, uid = await self._create_container(name, plan)
         try:
             await self._api.call("POST", f"/containers/{container}/start", f"start container {name}")
+            await self._bound_tcp(container, plan)
             # After start: a tmpfs volume written to before would be unmounted again, and its files lost.
             files = [(PurePosixPath(target), text.encode()) for target, text in spec.files.items()]
-            await self._seed(container, plan, files)
+            await self._seed(container, plan, owner, files)
         except BaseException as exc:
             left = f"; container {container[:12]} was not removed (its labels let reap find it)"
             # A removal that fails too (the daemon died) must not replace the start's error.
             with anyio.CancelScope(shield=True), anyio.move_on_after(30), contextlib.suppress(SandboxError):
                 await self._remove(container)
                 left = ""
+                if uid is not None:
+                    await _identity.release(uid, self._socket, (container, name))
             if isinstance(exc, EngineError | DockerUnavailableError):
                 raise SandboxCreateError(
-                    f"DockerProvider: cannot start a container of {plan.image!r}: {exc}{left}"
+                    f"DockerProvider: cannot start a container of {plan.image!r}: {exc}{left}{self._unmapped(exc)}"
                 ) from exc
             raise
         box = Box(
             container,
-            plan.user,
+            f"{owner[0]}:{owner[1]}",
             plan.cwd,
             (plan.mount, PurePosixPath("/tmp")),
             plan.ports,
             plan.deadline,
             plan.metadata,
             time.time(),
+            uid=uid,
         )
         self._boxes[container] = box
         if plan.deadline is not None:
@@ -269,12 +329,10 @@ class DockerProvider:
                 "with network='bridge' (published on 127.0.0.1 only)"
             )
         mount, cwd = workdir_of(spec.workdir)
-        user, owner = await self._user_of(image)
+        await self._check_image(image)
         env = {"HOME": str(mount), **env}
         return Plan(
             image=image,
-            user=user,
-            owner=owner,
             mount=mount,
             cwd=cwd,
             env=env,
@@ -287,20 +345,23 @@ class DockerProvider:
             deadline=None if ttl is None else time.time() + ttl,
             metadata=metadata,
             init=self._init,
+            nofile=self._nofile,
+            nproc=limits.pids if self._fixed_user is None else None,  # per uid: only a uid of its own
+            ptys=self._ptys,
+            tcp_bytes=self._tcp_bytes if self._cgroup_version == "1" else None,
+            remapped=self._remapped,
         )
 
     async def check_image(self, image: str) -> None:
         """Raise ``SandboxImageNotFoundError`` unless ``image`` is on the daemon (pulled first with
         ``pull=True``), as a create of it would: asked once before many creates (``sandbox-middleware run``)."""
-        await self._user_of(check_text(image, "image").removeprefix("docker://"))
+        await self._check_image(check_text(image, "image").removeprefix("docker://"))
 
-    async def _user_of(self, image: str) -> tuple[str, tuple[int, int] | None]:
-        """Who commands run as (``user="auto"``: the image's non-root USER, else uid 65534), and its
-        numeric uid and gid where known. Asking also says whether the image is there (and pulls it
-        with ``pull=True``); the answer is kept per image."""
-        known = self._users.get(image)
-        if known is not None:
-            return known
+    async def _check_image(self, image: str) -> None:
+        """Raise ``SandboxImageNotFoundError`` unless ``image`` is on the daemon (pulled with ``pull=True``);
+        an image found is remembered."""
+        if image in self._images:
+            return
         reply = await self._inspect_image(image)
         if reply.status_code == 404:
             if not self._pull:
@@ -315,13 +376,7 @@ class DockerProvider:
                     f"DockerProvider: pulled image {image!r}, yet the daemon at {self._socket} has no image of that "
                     "name (another platform's, or a tag resolved differently?); name the image as the daemon lists it"
                 )
-        if self._user != "auto":
-            chosen = self._user, _numeric(self._user)
-        else:
-            configured = str((reply.json().get("Config") or {}).get("User") or "")
-            chosen = (configured, _numeric(configured)) if configured not in _ROOT_USERS else (_NOBODY, (65534, 65534))
-        self._users[image] = chosen
-        return chosen
+        self._images.add(image)
 
     async def _inspect_image(self, image: str) -> httpx.Response:
         try:
@@ -341,25 +396,72 @@ class DockerProvider:
         except DockerUnavailableError as exc:
             raise SandboxCreateError(str(exc)) from exc
 
-    async def _create_container(self, name: str, body: dict[str, Any], image: str) -> str:
-        what = f"create a container of {image!r}"
+    async def _create_container(self, name: str, plan: Plan) -> tuple[str, tuple[int, int], int | None]:
+        """Create (not start) the container ``name`` of ``plan``, as a host uid of its own: leased from the
+        host's pool and claimed for the container before the daemon is asked (``_identity.py``), or the
+        provider's fixed ``user=``. Its id, its uid and gid, and the leased uid (None: the fixed user)."""
+        what = f"create a container of {plan.image!r}"
+        lease = await _identity.lease() if self._fixed_user is None else None
+        owner = (lease.uid, lease.uid) if lease is not None else self._fixed_user
+        assert owner is not None
         try:
+            if lease is not None:
+                lease.claim(self._socket, name)  # a create whose reply is lost holds it by name
+            body = create_body(plan, owner, lease is not None)
             reply = await self._api.call("POST", "/containers/create", what, params={"name": name}, body=body)
-        except DockerUnavailableError as exc:  # its response may be lost: the labels let reap find it
-            raise SandboxCreateError(f"DockerProvider: {exc}") from exc
+            container = str(reply.json()["Id"])
         except EngineError as exc:
-            if exc.status == 404:
-                self._users.pop(image, None)
-                raise SandboxImageNotFoundError(
-                    f"DockerProvider: image {image!r} is not on the daemon at {self._socket} (removed since it was "
-                    "inspected?); build or load it again"
-                ) from exc
-            if exc.status == 400:
-                raise SandboxArgumentError(f"DockerProvider: the daemon refused the container: {exc.message}") from exc
-            raise SandboxCreateError(f"DockerProvider: cannot {what}: {exc.message}") from exc
-        return str(reply.json()["Id"])
+            if lease is not None:  # refused (4xx): no container was made; a 5xx may have left one, which holds it
+                lease.release() if exc.status < 500 else lease.keep()
+            raise self._refused(exc, plan.image, what) from exc
+        except BaseException as exc:
+            if lease is not None:  # it may exist: its claim holds the uid until the daemon says it does not
+                lease.keep()
+            if isinstance(exc, DockerUnavailableError):  # its response may be lost: the labels let reap find it
+                raise SandboxCreateError(f"DockerProvider: {exc}") from exc
+            raise
+        if lease is not None:
+            lease.claim(self._socket, container)
+            lease.keep()
+        return container, owner, None if lease is None else lease.uid
 
-    async def _seed(self, container: str, plan: Plan, files: list[tuple[PurePosixPath, bytes]]) -> None:
+    def _unmapped(self, exc: SandboxError) -> str:
+        """What to do where a remapping daemon has no host uid for the sandbox's."""
+        if not self._remapped or "unmapped user" not in str(exc):
+            return ""
+        return (
+            f"; the daemon at {self._socket} remaps uids (userns-remap or rootless) through a range without "
+            "this sandbox's uid: give its remap user a subordinate range of at least 1,516,777,216 uids "
+            "(/etc/subuid, /etc/subgid), or pass user='UID:GID' inside the range (docs/docker-provider.md)"
+        )
+
+    def _refused(self, exc: EngineError, image: str, what: str) -> SandboxError:
+        """The public error of a create the daemon refused."""
+        if exc.status == 404:
+            self._images.discard(image)
+            return SandboxImageNotFoundError(
+                f"DockerProvider: image {image!r} is not on the daemon at {self._socket} (removed since it was "
+                "inspected?); build or load it again"
+            )
+        if exc.status == 400:
+            return SandboxArgumentError(f"DockerProvider: the daemon refused the container: {exc.message}")
+        return SandboxCreateError(f"DockerProvider: cannot {what}: {exc.message}")
+
+    async def _bound_tcp(self, container: str, plan: Plan) -> None:
+        """On cgroup v1, bound the started container's TCP buffers from the host (``_pools.bound_tcp``);
+        where this provider cannot, say so once and in ``mechanisms``."""
+        if plan.tcp_bytes is None or self._tcp_problem is not None:
+            return
+        info = await self._api.inspect(container, f"inspect container {container[:12]}") or {}
+        pid = int((info.get("State") or {}).get("Pid") or 0)
+        problem = _pools.bound_tcp(container, pid, plan.tcp_bytes) if pid else "the container has no process"
+        if problem is not None and info:
+            self._tcp_problem = problem
+            logger.warning("DockerProvider: the sandboxes' TCP buffers are not bounded: %s", problem)
+
+    async def _seed(
+        self, container: str, plan: Plan, owner: tuple[int, int], files: list[tuple[PurePosixPath, bytes]]
+    ) -> None:
         """The cwd below the work directory, and ``spec.files``, in one archive per writable directory."""
         entries: list[tuple[PurePosixPath, tuple[str, ...], bytes | None]] = []
         mounts = (plan.mount, PurePosixPath("/tmp"))
@@ -371,7 +473,7 @@ class DockerProvider:
         for mount in mounts:
             chunks = []
             for _, parts, contents in (entry for entry in entries if entry[0] == mount):
-                chunks += tar_records(parts, plan.owner or (0, 0), None if contents is None else len(contents))
+                chunks += tar_records(parts, owner, None if contents is None else len(contents))
                 chunks += [] if contents is None else [contents, padding(len(contents))]
             if chunks:
                 await self._api.call(
@@ -432,9 +534,11 @@ class DockerProvider:
             info = await self._api.inspect(sandbox_id, f"close {sandbox_id[:12]}")
             if info is None or _labels(info).get(LABEL) != "1":
                 return  # gone, or not a sandbox of ours: never touched
-            sandbox_id = str(info["Id"])
+            sandbox_id, names = str(info["Id"]), [str(info.get("Name") or "").lstrip("/")]
+            uid = leased_uid(_labels(info))
         else:
             box.closed = True  # a command running now returns error_type="closed"
+            uid, names = box.uid, []
         try:
             await self._remove(sandbox_id)
         except BaseException:
@@ -442,6 +546,8 @@ class DockerProvider:
                 box.closed = False
             raise
         self._boxes.pop(sandbox_id, None)
+        if uid is not None:  # removed (or being removed: a claim is freed only once the daemon says it is gone)
+            await _identity.release(uid, self._socket, (sandbox_id, *names))
 
     async def aclose(self) -> None:
         """Close every sandbox still open here, then the connection pool; one error names those that failed."""
@@ -474,7 +580,7 @@ class DockerProvider:
         call_env, timeout = checked_exec(command, env, timeout_s)
         box = self._box(handle)
         workdir = box.cwd if cwd is None else box.cwd / check_text(cwd, "cwd")
-        as_user = box.user if user is None else _exec_user(user)
+        as_user = _identity.exec_user(user, box.user, box.container)
         deadline = exec_deadline(timeout, box.remaining())
         return await self._commands.run(handle, box, command, call_env, workdir, as_user, deadline)
 
@@ -499,7 +605,8 @@ class DockerProvider:
                     f"{self._max_transfer}"
                 )
             os.set_blocking(fd, True)
-            owner = _numeric(box.user) or (0, 0)
+            uid, _, gid = box.user.partition(":")
+            owner = int(uid), int(gid or uid)
             await self._api.call(
                 "PUT",
                 f"/containers/{box.container}/archive",
@@ -636,19 +743,3 @@ def _labels(info: Mapping[str, Any]) -> Mapping[str, str]:
 
 def _restore(options: dict[str, Any]) -> DockerProvider:
     return DockerProvider(**options)
-
-
-def _numeric(user: str) -> tuple[int, int] | None:
-    """``"uid"`` or ``"uid:gid"`` as numbers; None for a user name (resolved inside the container)."""
-    uid, _, gid = user.partition(":")
-    if uid.isdigit() and (not gid or gid.isdigit()):
-        return int(uid), int(gid or uid)
-    return None
-
-
-def _exec_user(user: str | int) -> str:
-    if isinstance(user, bool) or not isinstance(user, str | int):
-        raise SandboxArgumentError(f"user must be a name or a uid, not {user!r:.80}")
-    if user in ("root", 0):
-        return "0"
-    return check_text(str(user), "user")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..._errors import SandboxLimitError
-from .._common._limits import Limits
+from .._common._limits import Limits, file_max
 
 __all__ = ["MEMORY_RESERVE", "CgroupBackend", "MemoryBudget", "file_max"]
 
@@ -360,14 +360,6 @@ def _meminfo() -> tuple[int, int]:
             values[name] = int(value.split()[0]) * 1024
     total = values.get("MemTotal", 0)
     return total, values.get("MemAvailable", total)
-
-
-def file_max() -> int:
-    """The host's open-file table size (``fs.file-max``)."""
-    try:
-        return int(Path("/proc/sys/fs/file-max").read_text())
-    except (OSError, ValueError):
-        return 1 << 20
 
 
 def _read_int(path: Path) -> int | None:

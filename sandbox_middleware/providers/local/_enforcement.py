@@ -15,10 +15,10 @@ from pathlib import Path
 
 from ..._errors import SandboxLimitError
 from .._common._limits import Limits
+from .._common._uids import UidLease, lease_uid
 from ._bwrap import BwrapCommand
 from ._cgroups import CgroupBackend, file_max
 from ._launch import OOM_SCORE_ADJ, STARTER_OOM_SCORE_ADJ, Launch
-from ._uids import UidLease, lease_uid
 
 __all__ = ["Enforcement"]
 

@@ -52,6 +52,7 @@ from .._common._arguments import (
 )
 from .._common._deadlines import checked_ttl, exec_deadline
 from .._common._limits import LIMIT_BOUNDS, Limits
+from .._common._uids import UidLease
 from ._bwrap import BASE_PATH, HOST_ENV, BwrapCommand
 from ._cgroups import CgroupBackend
 from ._commands import run_command, run_process
@@ -82,7 +83,6 @@ from ._records import (
 from ._spares import Spares
 from ._supervisor import CommandStarter, find_python
 from ._transfers import check_directory, download, open_directory, upload
-from ._uids import UidLease
 from ._watchdog import Watchdog
 
 __all__ = [

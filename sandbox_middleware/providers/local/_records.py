@@ -22,6 +22,7 @@ from typing import Any
 from ..._errors import SandboxArgumentError, SandboxError
 from ..._owner import Owner
 from .._common._limits import Limits
+from .._common._uids import UidLease
 from ._bwrap import OWN_ETC
 from ._cgroups import CgroupBackend
 from ._launch import Launch
@@ -29,7 +30,6 @@ from ._mounts import is_mount_point, unmount
 from ._process import kill_group
 from ._supervisor import CommandStarter
 from ._transfers import open_directory
-from ._uids import UidLease
 
 __all__ = [
     "MAKER",

@@ -17,14 +17,15 @@ from pathlib import Path
 
 import httpx
 
-from ._support import build_failure
+from ._support import build_failure, free_claims
 
 __all__ = ["PrivateDaemon", "private_daemon"]
 
 
 class PrivateDaemon:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, remap: str | None = None) -> None:
         self.root = root
+        self.remap = remap  # --userns-remap's USER:GROUP
         self.socket = str(root / "docker.sock")
         self.process: subprocess.Popen[bytes] | None = None
         self._log = open(root / "dockerd.log", "ab")  # noqa: SIM115 - closed in stop()
@@ -37,6 +38,9 @@ class PrivateDaemon:
             "--storage-driver=vfs", "--containerd-namespace", f"sm-test-{self.root.name}",
             "--containerd-plugins-namespace", f"sm-test-{self.root.name}-plugins",
         ]  # fmt: skip
+        if self.remap is not None:
+            argv.append(f"--userns-remap={self.remap}")
+            self.root.chmod(0o711)  # the remapped root must reach its data root below it
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=self._log, start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -101,10 +105,11 @@ def _mounts(root: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def private_daemon() -> Iterator[PrivateDaemon]:
-    """A started private daemon holding the busybox test image; stopped and removed afterwards."""
+def private_daemon(remap: str | None = None) -> Iterator[PrivateDaemon]:
+    """A started private daemon holding the busybox test image (``remap``: with ``--userns-remap``);
+    stopped and removed afterwards."""
     root = Path(tempfile.mkdtemp(prefix="dockerd-", dir="/var/tmp"))
-    daemon = PrivateDaemon(root)
+    daemon = PrivateDaemon(root, remap)
     try:
         daemon.start()
         env = {**os.environ, "DOCKER_HOST": f"unix://{daemon.socket}"}
@@ -113,4 +118,5 @@ def private_daemon() -> Iterator[PrivateDaemon]:
         yield daemon
     finally:
         daemon.stop()
+        free_claims(daemon.socket, daemon_gone=True)  # its containers ended with it
         shutil.rmtree(root, ignore_errors=True)

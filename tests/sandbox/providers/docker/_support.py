@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from sandbox_middleware import SandboxSpec
+from sandbox_middleware.providers._common import _uids
 from tests.needs import unavailable
 
 SOCKET = "/var/run/docker.sock"
@@ -113,6 +114,26 @@ def remove_containers(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[
         for container in found:
             client.delete(f"/containers/{container}", params={"force": "1", "v": "1"})
     return found
+
+
+def free_claims(socket: str = SOCKET, *, daemon_gone: bool = False) -> list[int]:
+    """Free the uid leases claimed for containers of ``socket`` that are gone (removed behind their
+    provider's back: by a test, the TTL watchdog; ``daemon_gone``: all of them, its daemon stopped with
+    its containers): what a later create would free lazily; returns the uids."""
+    directory = _uids.lease_directory()
+    freed = []
+    with engine(socket) as client:
+        for path in directory.glob("[0-9]*") if directory.is_dir() else ():
+            try:
+                claim = json.loads(path.read_bytes())
+            except (OSError, ValueError):
+                continue  # a LocalProvider lease (its maker's pid), or gone meanwhile
+            if not isinstance(claim, dict) or claim.get("socket") != socket:
+                continue
+            if daemon_gone or client.get(f"/containers/{claim.get('container')}/json").status_code == 404:
+                _uids.release_claim(directory, int(path.name), socket, (str(claim["container"]),))
+                freed.append(int(path.name))
+    return freed
 
 
 def spec(image: str = BUSYBOX, metadata: Mapping[str, str] | None = None, **fields: Any) -> SandboxSpec:

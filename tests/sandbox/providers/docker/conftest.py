@@ -9,15 +9,16 @@ import pytest
 from sandbox_middleware import DockerProvider
 from tests.providers import closing_all
 
-from ._support import docker_problem, remove_containers, require_docker
+from ._support import docker_problem, free_claims, remove_containers, require_docker
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _remove_session_containers() -> Iterator[None]:
-    """Whatever happens, no container of this session outlives it."""
+    """Whatever happens, no container of this session outlives it, nor the uid lease claimed for one."""
     yield
     if docker_problem() is None:
         remove_containers()
+        free_claims()
 
 
 @pytest.fixture

@@ -21,15 +21,15 @@ async def test_no_capability_no_new_privileges(provider: DockerProvider) -> None
     handle = await provider.create(spec())
     status = (await provider.exec(handle, "grep -E '^(CapEff|CapBnd|CapPrm|NoNewPrivs)' /proc/self/status")).stdout
     assert status.split() == ["CapPrm:", "0" * 16, "CapEff:", "0" * 16, "CapBnd:", "0" * 16, "NoNewPrivs:", "1"]
-    assert (await provider.exec(handle, "mknod /tmp/dev c 1 3", user="root")).return_code != 0
-    assert (await provider.exec(handle, "chown 0 /tmp", user="root")).return_code != 0
+    assert (await provider.exec(handle, "mknod /tmp/dev c 1 3")).return_code != 0
+    assert (await provider.exec(handle, "chown 0 /tmp")).return_code != 0
     await provider.close(handle)
 
 
 async def test_the_root_filesystem_is_read_only(provider: DockerProvider) -> None:
     handle = await provider.create(spec())
     for target in ("/etc/passwd", "/bin/evil", "/newfile", "/home/sandbox/x"):
-        result = await provider.exec(handle, f"echo pwned > {target}", user="root")
+        result = await provider.exec(handle, f"echo pwned > {target}")
         assert result.return_code != 0 and "Read-only file system" in result.stderr, target
     assert "root:x:0:0" in (await provider.exec(handle, "cat /etc/passwd")).stdout
     await provider.close(handle)

@@ -28,6 +28,7 @@ from sandbox_middleware import (
     SupportsSandboxPauseResume,
     build_provider,
 )
+from sandbox_middleware.providers._common import _uids
 
 from ._support import PYTHON, SESSION, SESSION_KEY, containers, require_bridge, spec
 
@@ -61,15 +62,21 @@ async def test_a_command_silent_longer_than_the_request_timeout_runs_to_its_end(
     await provider.close(handle)
 
 
-async def test_user_is_non_root_and_user_root_has_no_capabilities(provider: DockerProvider) -> None:
-    """The busybox image sets no USER: commands run as uid 65534; the python image's USER is kept;
-    ``user="root"`` is root without capabilities."""
+async def test_each_sandbox_runs_as_a_host_uid_of_its_own_whatever_the_image_user(provider: DockerProvider) -> None:
+    """The busybox image sets no USER, the python image's is ``sandbox``: both run as a uid (and gid) of
+    their own, from the host's pool; exec(user=) takes that uid and refuses root in any spelling."""
     handle = await provider.create(spec())
-    assert (await provider.exec(handle, "id -u; id -g")).stdout == "65534\n65534\n"
-    root = await provider.exec(handle, "id -u; grep CapEff /proc/self/status", user="root")
-    assert root.stdout.split() == ["0", "CapEff:", "0000000000000000"]
     python = await provider.create(spec(PYTHON))
-    assert (await provider.exec(python, "id -un")).stdout == "sandbox\n"
+    ids = [(await provider.exec(box, "id -u; id -g; id -G")).stdout.split() for box in (handle, python)]
+    assert all(uid == gid == groups for uid, gid, groups in ids), ids
+    uids = [int(uid) for uid, _, _ in ids]
+    assert uids[0] != uids[1] and all(_uids.UID_BASE <= uid < _uids.UID_BASE + _uids.UID_COUNT for uid in uids)
+    own = await provider.exec(handle, "id -u", user=uids[0])
+    assert own.stdout == f"{uids[0]}\n"
+    assert (await provider.exec(handle, "id -u", user=f"{uids[0]}:{uids[0]}")).stdout == f"{uids[0]}\n"
+    for root in ("root", 0, "0", "0:0", "root:root", "0:1000", "00", "0x0", "+0", "\u0660", uids[1], "nobody"):
+        with pytest.raises(SandboxArgumentError, match="runs every command as host uid:gid"):
+            await provider.exec(handle, "id -u", user=root)
     await provider.close(handle)
     await provider.close(python)
 
@@ -84,7 +91,8 @@ async def test_files_workdir_and_transfers(provider: DockerProvider, tmp_path: P
     await provider.upload_file(handle, source, "data/deep/in.bin")
     await provider.upload_file(handle, source, "/tmp/in.bin")
     listing = await provider.exec(handle, "stat -c '%u %s' data/deep/in.bin /tmp/in.bin; echo more >> data/deep/in.bin")
-    assert listing.stdout == "65534 9000\n65534 9000\n" and listing.return_code == 0
+    uid = (await provider.exec(handle, "id -u")).stdout.strip()
+    assert listing.stdout == f"{uid} 9000\n{uid} 9000\n" and listing.return_code == 0
     await provider.download_file(handle, "/tmp/in.bin", tmp_path / "back" / "in.bin")
     assert (tmp_path / "back" / "in.bin").read_bytes() == source.read_bytes()
     await provider.download_file(handle, "data/deep/in.bin", tmp_path / "grown.bin")
@@ -194,8 +202,7 @@ async def test_a_missing_image_is_a_typed_error_naming_it(provider: DockerProvid
 async def test_pull_is_asked_once_whatever_the_user_and_then_trusted_no_further(
     make: Callable[..., DockerProvider], monkeypatch: pytest.MonkeyPatch, user: str
 ) -> None:
-    """With user= given, pull=True never pulled (only the "auto" path asked for the image); with
-    "auto", a pull that left no image under that name asked again without end."""
+    """Whatever the user, a pull that left no image under that name is not asked again without end."""
     provider = make(pull=True, user=user)
     pulled: list[str] = []
 
@@ -215,6 +222,14 @@ async def test_bad_arguments_are_typed_errors_naming_them(make: Callable[..., Do
         make(socket="/nowhere.sock")
     with pytest.raises(DockerUnavailableError, match=re.escape("api_version '1.99'")):
         make(api_version="1.99")
+    for user in ("root", "0", "0:0", "00", "1000:0", "sandbox", "0x0", "\u0661"):
+        with pytest.raises(SandboxArgumentError, match=re.escape("must be 'auto'")):
+            make(user=user)
+    with pytest.raises(SandboxArgumentError, match="range sandboxes' own uids are leased from"):
+        make(user=f"{_uids.UID_BASE + 5}:1000")
+    for name in ("nofile", "ptys", "tcp_mib"):
+        with pytest.raises(SandboxArgumentError, match=name):
+            make(**{name: -1})
     provider = make()
     with pytest.raises(SandboxLimitError, match="no GPUs"):
         await provider.create(spec(resources={"gpu": 1}))

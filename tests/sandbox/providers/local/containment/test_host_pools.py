@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 from sandbox_middleware import LocalProvider, SandboxSpec
-from sandbox_middleware.providers.local import _uids
+from sandbox_middleware.providers._common import _uids
 from sandbox_middleware.providers.local._cgroups import file_max
 
 from ._support import as_root, bwrap_only, run_unprivileged
@@ -309,7 +309,7 @@ _HOLDER = """
 import anyio, json, sys
 from pathlib import Path
 from sandbox_middleware import LocalProvider, SandboxSpec
-from sandbox_middleware.providers.local import _uids
+from sandbox_middleware.providers._common import _uids
 
 _uids.draw = lambda: _uids.UID_BASE + 7  # every process draws the same uid first
 
