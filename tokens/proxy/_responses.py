@@ -75,10 +75,11 @@ def responses_to_chat(body: Mapping[str, Any], history: Sequence[Any] = ()) -> d
             chat[name] = body[name]
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    if body.get("tools"):
-        chat["tools"] = [_tool(tool, index) for index, tool in enumerate(body["tools"])]
+    tools = chat_tools(body)
+    if tools:
+        chat["tools"] = tools
     choice = body.get("tool_choice")
-    if choice is not None:
+    if choice is not None and tools:
         chat["tool_choice"] = _tool_choice(choice)
     response_format = _format(body.get("text"))
     if response_format is not None:
@@ -99,11 +100,13 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         content = text_parts(item.get("content", ""), f"{where}.content", text_types=_TEXT, image="input_image")
         messages.append({"role": "system" if role == "developer" else role, "content": content})
     elif kind == "function_call":
+        name = required_string(item, "input", "name", where)
+        namespace = item.get("namespace")
         call = {
             "id": required_string(item, "input", "call_id", where),
             "type": "function",
             "function": {
-                "name": required_string(item, "input", "name", where),
+                "name": flat_name(namespace, name) if isinstance(namespace, str) and namespace else name,
                 "arguments": required_string(item, "input", "arguments", where),
             },
         }
@@ -128,20 +131,97 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         )
 
 
-def _tool(tool: Any, index: int) -> dict[str, Any]:
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+NAMESPACE_SEPARATOR = "__"
+"""A function ``f`` of a namespace tool group ``ns`` is the chat function ``ns__f`` (mapped back on the way out)."""
+
+
+def flat_name(namespace: str, name: str) -> str:
+    """The chat function name of function ``name`` in the namespace tool group ``namespace``."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def _function(tool: Any, where: str) -> tuple[str, Any, Any]:
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise RequestRejectedError(f"{where}: a function tool needs a name (a non-empty string)", param="tools")
+    return tool["name"], tool.get("description"), tool.get("parameters")
+
+
+def dropped_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The request's tools that are not sent upstream, each ``{"where", "type", "reason"}``: hosted tools
+    (``web_search``, ``file_search``, ...: the upstream has no server-side tools) and non-function tools
+    inside a namespace group."""
+    dropped: list[dict[str, Any]] = []
+    for index, tool in enumerate(_listed(body.get("tools"))):
         kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            for inner, member in enumerate(_listed(tool.get("tools"))):
+                member_kind = member.get("type") if isinstance(member, dict) else None
+                if member_kind != "function":
+                    dropped.append(_drop(f"tools[{index}].tools[{inner}]", member_kind))
+        elif kind != "function":
+            dropped.append(_drop(f"tools[{index}]", kind))
+    return dropped
+
+
+def _drop(where: str, kind: Any) -> dict[str, Any]:
+    return {"where": where, "type": str(kind), "reason": "a hosted tool: the upstream serves function tools only"}
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat tools of a Responses request: its function tools, and the functions of each namespace
+    group flattened (``flat_name``); hosted tools are left out (``dropped_tools`` says which)."""
+    tools: list[dict[str, Any]] = []
+    given = body.get("tools")
+    if given is not None and not isinstance(given, list):
+        raise RequestRejectedError("tools: must be a list of tools", param="tools")
+    for index, tool in enumerate(_listed(given)):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            name, description, parameters = _function(tool, f"tools[{index}]")
+            tools.append(function_tool(name, description, parameters))
+        elif kind == "namespace":
+            namespace = tool.get("name")
+            if not isinstance(namespace, str) or not namespace:
+                raise RequestRejectedError(f"tools[{index}]: a namespace needs a name", param="tools")
+            for inner, member in enumerate(_listed(tool.get("tools"))):
+                if isinstance(member, dict) and member.get("type") == "function":
+                    name, description, parameters = _function(member, f"tools[{index}].tools[{inner}]")
+                    tools.append(function_tool(flat_name(namespace, name), description, parameters))
+    names = [tool["function"]["name"] for tool in tools]
+    if len(set(names)) != len(names):
+        twice = next(name for name in names if names.count(name) > 1)
         raise RequestRejectedError(
-            f"tools[{index}]: only function tools are served by the capture proxy (not {kind!r})", param="tools"
+            f"tools: two tools are called {twice!r} once namespaces are flattened (namespace{NAMESPACE_SEPARATOR}name); "
+            "rename one",
+            param="tools",
         )
-    return function_tool(tool["name"], tool.get("description"), tool.get("parameters"))
+    return tools
+
+
+def tool_names(request: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """The flattened names of a request's namespaced functions, each to its ``(namespace, name)``."""
+    found: dict[str, tuple[str, str]] = {}
+    for tool in _listed(request.get("tools")):
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
+            for member in _listed(tool.get("tools")):
+                if isinstance(member, dict) and isinstance(member.get("name"), str):
+                    found[flat_name(tool["name"], member["name"])] = (tool["name"], member["name"])
+    return found
 
 
 def _tool_choice(choice: Any) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+        namespace = choice.get("namespace")
+        name = flat_name(namespace, choice["name"]) if isinstance(namespace, str) and namespace else choice["name"]
+        return {"type": "function", "function": {"name": name}}
+    if isinstance(choice, dict) and choice.get("type") in ("allowed_tools", "auto"):
+        return choice.get("mode", "auto") if choice.get("mode") in ("auto", "required") else "auto"
     raise RequestRejectedError(
         f"tool_choice: {choice!r} is not served (auto, none, required or a function)", param="tool_choice"
     )
@@ -217,15 +297,20 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "type": "function_call",
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
+def _call_item(
+    item_id: str,
+    call_id: str,
+    name: str,
+    arguments: str,
+    status: str = "completed",
+    names: Mapping[str, tuple[str, str]] | None = None,
+) -> dict[str, Any]:
+    """A ``function_call`` item; a flattened namespaced name (``names``) back as its ``namespace`` and ``name``."""
+    item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}
+    if names and name in names:
+        item["namespace"], item["name"] = names[name]
+    item["status"] = status
+    return item
 
 
 def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any], response_id: str) -> dict[str, Any]:
@@ -237,6 +322,7 @@ def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any],
     calls = message.get("tool_calls") or []
     if content or not calls:
         output.append(_message_item(f"msg_{response_id[5:]}", content or ""))
+    names = tool_names(request)
     for index, call in enumerate(calls):
         function = call.get("function") or {}
         output.append(
@@ -245,6 +331,7 @@ def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any],
                 call.get("id", ""),
                 function.get("name", ""),
                 function.get("arguments", ""),
+                names=names,
             )
         )
     output[-1].update({name: message[name] for name in TOKEN_FIELDS if name in message})
@@ -308,6 +395,12 @@ class ResponsesEvents:
     _bundles: Any = None
     completed: dict[str, Any] | None = None
     """The whole answer, once ``finish`` has run (what ``response.completed`` carries)."""
+    _names: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._names = tool_names(self.request)
+        if self.model is None:  # known from the request before the upstream's first chunk names it
+            self.model = self.request.get("model")
 
     def _event(self, kind: str, **data: Any) -> bytes:
         event = sse({"type": kind, "sequence_number": self._sequence, **data}, kind)
@@ -341,8 +434,8 @@ class ResponsesEvents:
         return opened, self._event("response.output_item.added", output_index=opened.index, item=added)
 
     def feed(self, chunk: Mapping[str, Any]) -> list[bytes]:
-        if self.model is None:
-            self.model = chunk.get("model")
+        if chunk.get("model"):
+            self.model = chunk["model"]
         if chunk.get("usage") is not None:
             self._usage = chunk["usage"]
         if chunk.get("token_bundles"):
@@ -384,7 +477,11 @@ class ResponsesEvents:
         function = call.get("function") or {}
         if state is None:
             item = _call_item(
-                f"fc_{self.response_id[5:]}_{position}", call.get("id") or "", function.get("name") or "", ""
+                f"fc_{self.response_id[5:]}_{position}",
+                call.get("id") or "",
+                function.get("name") or "",
+                "",
+                names=self._names,
             )
             state, added = self._open(item)
             self._calls[position] = state
@@ -410,7 +507,7 @@ class ResponsesEvents:
                 ]
             else:
                 item = state.item
-                final = _call_item(item["id"], item["call_id"], item["name"], joined)
+                final = {**item, "arguments": joined, "status": "completed"}
                 out.append(
                     self._item_event(
                         "response.function_call_arguments.done", state, name=final["name"], arguments=joined

@@ -109,6 +109,8 @@ class FakeVLLM:
     model: str = "tiny"
     max_model_len: int = 2048
     replies: Sequence[str] = ()
+    default_max_tokens: int = 16
+    """The generation limit of a request that names none (vLLM's is the rest of the context)."""
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     requests: list[tuple[str, Any]] = field(default_factory=list)
     _script: deque[str | _Tokens | _Fault] = field(default_factory=deque, repr=False)
@@ -125,7 +127,8 @@ class FakeVLLM:
     def reply_tool_call(self, name: str, arguments: Mapping[str, Any]) -> None:
         """Script the next chat answer as a call of tool ``name``: generated as Hermes' ``<tool_call>``
         text, returned parsed as vLLM's ``hermes`` tool parser does (``message.tool_calls``, no content,
-        finish reason ``tool_calls``). Not compared with a recording (none has a tool call)."""
+        finish reason ``tool_calls``), and streamed as its ``tool_calls`` deltas. Not compared with a
+        recording (none has a tool call)."""
         self._script.append(TOOL_CALL.format(json.dumps({"name": name, "arguments": dict(arguments)})))
 
     def reply_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
@@ -276,7 +279,7 @@ class FakeVLLM:
     # -- generation -------------------------------------------------------------------------
 
     def _check_lengths(self, prompt: list[int], body: Mapping[str, Any]) -> httpx.Response | None:
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or self.default_max_tokens
         if max_tokens > self.max_model_len:
             return _error(
                 400,
@@ -301,7 +304,8 @@ class FakeVLLM:
         """Per choice: generated ids, their log probabilities and the finish reason (deterministic)."""
         n = body.get("n") or 1
         max_tokens = min(
-            body.get("max_tokens") or body.get("max_completion_tokens") or 16, self.max_model_len - len(prompt)
+            body.get("max_tokens") or body.get("max_completion_tokens") or self.default_max_tokens,
+            self.max_model_len - len(prompt),
         )
         seed = body.get("seed") or 0
         out = []
@@ -357,10 +361,15 @@ class FakeVLLM:
             first.update(prompt_token_ids=prompt, prompt_text=None)
         events.append(first)
         for index, (ids, lps, reason) in enumerate(choices):
+            deltas = _stream_deltas(self.tokenizer, ids, index)
+            if deltas is not None and reason == "stop":
+                reason = "tool_calls"
             for position, (token, logprob) in enumerate(zip(ids, lps, strict=True)):
                 last = position == len(ids) - 1
                 choice: dict[str, Any] = {
-                    "index": index, "delta": {"content": self.tokenizer.decode(_text_ids([token]))},
+                    "index": index,
+                    "delta": {"content": self.tokenizer.decode(_text_ids([token]))} if deltas is None
+                    else deltas[position],
                     "logprobs": {"content": [self._entry(token, logprob, as_ids)]} if want_logprobs else None,
                     "finish_reason": reason if last else None,
                 }  # fmt: skip
@@ -388,6 +397,24 @@ class FakeVLLM:
 def _text_ids(ids: Sequence[int]) -> list[int]:
     """The ids that are text (the end-of-turn token is not part of the message content)."""
     return [token for token in ids if token not in FakeTokenizer.SPECIAL]
+
+
+def _stream_deltas(tokenizer: FakeTokenizer, ids: Sequence[int], index: int) -> list[dict[str, Any]] | None:
+    """A generation that is one tool call streamed as vLLM's ``hermes`` parser streams it, one delta
+    per token: the call's id and name with the first, its arguments spread over the rest of the
+    call's text, nothing with the end-of-turn token; None for a generation that is not a call."""
+    text_ids = _text_ids(ids)
+    call = _tool_call(tokenizer.decode(text_ids))
+    if call is None:
+        return None
+    arguments = json.dumps(call.get("arguments", {}))
+    head = {"index": 0, "id": f"chatcmpl-tool-fake{index:08x}", "type": "function"}
+    deltas: list[dict[str, Any]] = [{"tool_calls": [{**head, "function": {"name": call["name"], "arguments": ""}}]}]
+    rest = len(text_ids) - 1
+    for position in range(1, len(ids)):
+        piece = arguments[(position - 1) * len(arguments) // rest : position * len(arguments) // rest]
+        deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {})
+    return deltas
 
 
 def _tool_call(text: str) -> dict[str, Any] | None:
