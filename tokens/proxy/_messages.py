@@ -33,19 +33,25 @@ def messages_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(given, list) or not given:
         raise RequestRejectedError("messages: must be a non-empty list", param="messages")
     messages: list[dict[str, Any]] = []
-    system = body.get("system")
-    if system:
-        messages.append({"role": "system", "content": text_parts(system, "system", text_types=_TEXT)})
+    system: list[Any] = []
+    if body.get("system"):
+        system.append(text_parts(body["system"], "system", text_types=_TEXT))
     for index, message in enumerate(given):
-        _add_message(messages, message, f"messages[{index}]")
+        if isinstance(message, dict) and message.get("role") == "system":  # folded into the leading system
+            system.append(text_parts(message.get("content", ""), f"messages[{index}].content", text_types=_TEXT))
+        else:
+            _add_message(messages, message, f"messages[{index}]")
+    if system:
+        messages.insert(0, {"role": "system", "content": _folded(system)})
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages, "max_tokens": body["max_tokens"]}
     for name, chat_name in _PASSED.items():
         if body.get(name) is not None:
             chat[chat_name] = body[name]
-    if body.get("tools"):
-        chat["tools"] = [_tool(tool, index) for index, tool in enumerate(body["tools"])]
+    tools = _tools(body)
+    if tools:
+        chat["tools"] = tools
     choice = body.get("tool_choice")
-    if choice is not None:
+    if choice is not None and tools:
         chat["tool_choice"] = _tool_choice(choice)
         if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):
             chat["parallel_tool_calls"] = False
@@ -54,10 +60,21 @@ def messages_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     return chat
 
 
+def _folded(contents: list[Any]) -> Any:
+    """System contents (each a string or text parts) as one system message's content: a string stays
+    one, several become text parts, in order."""
+    if len(contents) == 1:
+        return contents[0]
+    parts: list[Any] = []
+    for content in contents:
+        parts += [{"type": "text", "text": content}] if isinstance(content, str) else content
+    return parts
+
+
 def _add_message(messages: list[dict[str, Any]], message: Any, where: str) -> None:
     role = message.get("role") if isinstance(message, dict) else None
     if role not in ("user", "assistant"):
-        raise RequestRejectedError(f"{where}.role: must be 'user' or 'assistant'", param="messages")
+        raise RequestRejectedError(f"{where}.role: must be 'user', 'assistant' or 'system'", param="messages")
     content = message.get("content")
     if isinstance(content, str):
         messages.append({"role": role, "content": content})
@@ -106,10 +123,39 @@ def _result(block: Mapping[str, Any], where: str) -> Any:
     return result
 
 
-def _tool(tool: Any, index: int) -> dict[str, Any]:
-    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
-        raise RequestRejectedError(f"tools[{index}]: only client tools (name, input_schema) are served", param="tools")
-    return function_tool(tool["name"], tool.get("description"), tool.get("input_schema"))
+def _client_tool(tool: Any) -> bool:
+    return isinstance(tool, dict) and tool.get("type") in (None, "custom")
+
+
+def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat tools of a Messages request: its client tools (name, input_schema); server tools and
+    Anthropic-defined tools (``web_search_*``, ``bash_*``, ...) are left out (``dropped_tools``)."""
+    given = body.get("tools")
+    if given is None:
+        return []
+    if not isinstance(given, list):
+        raise RequestRejectedError("tools: must be a list of tools", param="tools")
+    tools = []
+    for index, tool in enumerate(given):
+        if _client_tool(tool):
+            if not isinstance(tool.get("name"), str) or not tool["name"]:
+                raise RequestRejectedError(f"tools[{index}]: a client tool needs a name", param="tools")
+            tools.append(function_tool(tool["name"], tool.get("description"), tool.get("input_schema")))
+    return tools
+
+
+def dropped_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The request's tools not sent upstream, each ``{"where", "type", "reason"}``."""
+    given = body.get("tools")
+    return [
+        {
+            "where": f"tools[{index}]",
+            "type": str(tool.get("type") if isinstance(tool, dict) else None),
+            "reason": "a server tool or an Anthropic-defined tool: the upstream serves client tools only",
+        }
+        for index, tool in enumerate(given if isinstance(given, list) else [])
+        if not _client_tool(tool)
+    ]
 
 
 def _tool_choice(choice: Any) -> Any:

@@ -195,8 +195,8 @@ def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     if len(set(names)) != len(names):
         twice = next(name for name in names if names.count(name) > 1)
         raise RequestRejectedError(
-            f"tools: two tools are called {twice!r} once namespaces are flattened (namespace{NAMESPACE_SEPARATOR}name); "
-            "rename one",
+            f"tools: two tools are called {twice!r} once namespace groups are flattened "
+            f"(namespace{NAMESPACE_SEPARATOR}name); rename one",
             param="tools",
         )
     return tools

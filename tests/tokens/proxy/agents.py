@@ -168,3 +168,26 @@ def base_environment(home: Path) -> dict[str, str]:
     env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_CACHE_HOME=str(home / ".cache"))
     env.update(XDG_DATA_HOME=str(home / ".local/share"), XDG_STATE_HOME=str(home / ".local/state"), TMPDIR=str(home))
     return env
+
+
+def full_prompts(records: Sequence[Any]) -> list[list[int]]:
+    """Each record's whole prompt (a delta prompt rebuilt from its parent's tokens)."""
+    whole: dict[str, list[int]] = {}
+    prompts = []
+    for record in records:
+        prompt = list(record.prompt_token_ids)
+        if record.prompt_is_delta:
+            parent = whole[record.parent_call_id]
+            prompt = parent + prompt
+        whole[record.model_call_id] = prompt + list(record.generation_token_ids)
+        prompts.append(prompt)
+    return prompts
+
+
+def check_records(records: Sequence[Any], produced: Sequence[Produced]) -> None:
+    """One record per model call, each with exactly the ids and log probabilities the upstream produced."""
+    assert len(records) == len(produced), (len(records), [p.path for p in produced])
+    for record, prompt, made in zip(records, full_prompts(records), produced, strict=True):
+        assert prompt == made.prompt_token_ids
+        assert list(record.generation_token_ids) == made.generation_token_ids
+        assert list(record.generation_log_probs) == made.generation_log_probs
