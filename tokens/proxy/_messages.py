@@ -51,7 +51,7 @@ def messages_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     if tools:
         chat["tools"] = tools
     choice = body.get("tool_choice")
-    if choice is not None and tools:
+    if choice is not None:
         chat["tool_choice"] = _tool_choice(choice)
         if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):
             chat["parallel_tool_calls"] = False

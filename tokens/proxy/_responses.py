@@ -79,8 +79,10 @@ def responses_to_chat(body: Mapping[str, Any], history: Sequence[Any] = ()) -> d
     if tools:
         chat["tools"] = tools
     choice = body.get("tool_choice")
-    if choice is not None and tools:
-        chat["tool_choice"] = _tool_choice(choice)
+    if choice is not None:
+        choice = _tool_choice(choice)
+        if tools or not body.get("tools"):  # with every tool given left out, there is nothing to choose
+            chat["tool_choice"] = choice
     response_format = _format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
@@ -248,7 +250,7 @@ def _usage(usage: Any) -> dict[str, Any] | None:
     prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
@@ -368,7 +370,7 @@ def error_event(error: ProxyError, sequence: int) -> bytes:
     return sse(
         {
             "type": "error",
-            "code": error.openai_type,
+            "code": error.code or error.openai_type,
             "message": str(error),
             "param": error.param,
             "sequence_number": sequence,

@@ -1,0 +1,145 @@
+"""Every answer, event and error the proxy sends validates, strictly (``model_validate(strict=True)``),
+against the official SDKs' own pydantic types: ``openai`` for chat completions and Responses,
+``anthropic`` for Messages; each event by the type its ``type`` names."""
+
+from __future__ import annotations
+
+import json
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.shared import ErrorObject
+from pydantic import BaseModel
+
+from pytest_llm_sandbox_middleware import CaptureProxy, running_capture_proxy
+from tokens.proxy import ContextWindowError, ProxyError, UpstreamTimeoutError
+from tokens.proxy._messages import MessagesEvents
+from tokens.proxy._responses import ResponsesEvents
+
+FUNCTION = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+NAMESPACE = {"type": "namespace", "name": "clock", "description": "Clocks.", "tools": [FUNCTION]}
+HOSTED = {"type": "web_search", "external_web_access": True}
+CLIENT_TOOL = {"name": "get_time", "input_schema": {"type": "object"}}
+SERVER_TOOL = {"type": "web_search_20250305", "name": "web_search"}
+USER = [{"role": "user", "content": "What time is it?"}]
+
+
+def _by_type(union: Any) -> dict[str, type[BaseModel]]:
+    """The members of a discriminated union of events, by their ``type`` literal."""
+    members = typing.get_args(typing.get_args(union)[0] if typing.get_origin(union) is typing.Annotated else union)
+    return {typing.get_args(member.model_fields["type"].annotation)[0]: member for member in members}
+
+
+RESPONSES_EVENTS = _by_type(ResponseStreamEvent)
+MESSAGES_EVENTS = _by_type(RawMessageStreamEvent)
+
+
+def strict(model: type[BaseModel], data: Any) -> BaseModel:
+    return model.model_validate(data, strict=True)
+
+
+def events(answer: httpx.Response) -> Iterator[tuple[str | None, dict[str, Any]]]:
+    """A stream's events: each ``event:`` name (None without) and its JSON data."""
+    assert answer.headers["content-type"].startswith("text/event-stream"), answer.text[:500]
+    name = None
+    for line in answer.text.splitlines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: {"):
+            yield name, json.loads(line[6:])
+            name = None
+
+
+@pytest.fixture(scope="module")
+def proxy() -> Iterator[CaptureProxy]:
+    with running_capture_proxy() as proxy:
+        yield proxy
+
+
+def post(proxy: CaptureProxy, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(proxy.base_url("rollout-types") + path, json=body, timeout=30)
+
+
+@pytest.mark.parametrize("tools", [None, [FUNCTION], [NAMESPACE, HOSTED]], ids=["text", "function", "namespace"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_responses_answers_and_events(proxy: CaptureProxy, tools: Any, stream: bool) -> None:
+    if tools:
+        proxy.fake.reply_tool_call("clock__get_time" if tools[0] is NAMESPACE else "get_time", {"tz": "Oslo"})
+    body: dict[str, Any] = {"model": "tiny", "input": "What time is it?", "max_output_tokens": 300, "stream": stream}
+    if tools:
+        body["tools"] = tools
+    answer = post(proxy, "/responses", body)
+    assert answer.status_code == 200, answer.text
+    if stream:
+        seen = [strict(RESPONSES_EVENTS[data["type"]], data) for _, data in events(answer)]
+        assert seen[0].type == "response.created" and seen[0].response.model == "tiny"  # type: ignore[attr-defined]
+        final = seen[-1].response  # type: ignore[attr-defined]
+    else:
+        final = strict(Response, answer.json())
+    assert final.status == "completed"
+    if tools:
+        call = final.output[-1]
+        assert call.type == "function_call" and call.name == "get_time"
+        assert call.namespace == ("clock" if tools[0] is NAMESPACE else None)
+
+
+@pytest.mark.parametrize("tools", [None, [CLIENT_TOOL, SERVER_TOOL]], ids=["text", "tools"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_messages_answers_and_events(proxy: CaptureProxy, tools: Any, stream: bool) -> None:
+    if tools:
+        proxy.fake.reply_tool_call("get_time", {"tz": "Oslo"})
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 300, "messages": USER, "stream": stream}
+    if tools:
+        body["tools"] = tools
+    answer = httpx.post(proxy.url + "/r/rollout-types/v1/messages", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    if stream:
+        for name, data in events(answer):
+            assert name == data["type"]
+            strict(MESSAGES_EVENTS[data["type"]], data)
+    else:
+        message = strict(Message, answer.json())
+        assert message.model == "tiny"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_answers_and_chunks(proxy: CaptureProxy, stream: bool) -> None:
+    answer = post(proxy, "/chat/completions", {"model": "tiny", "messages": USER, "stream": stream})
+    assert answer.status_code == 200, answer.text
+    if stream:
+        for _, data in events(answer):
+            strict(ChatCompletionChunk, data)
+    else:
+        strict(ChatCompletion, answer.json())
+
+
+def test_errors_in_each_dialect(proxy: CaptureProxy) -> None:
+    refused = post(proxy, "/responses", {"model": "tiny", "input": 3})
+    assert refused.status_code == 400
+    strict(ErrorObject, refused.json()["error"])
+    refused = httpx.post(proxy.url + "/v1/messages", json={"model": "tiny", "messages": USER}, timeout=30)
+    assert refused.status_code == 400
+    strict(ErrorResponse, refused.json())
+    proxy.fake.reply_error(500, "boom")
+    failed = post(proxy, "/responses", {"model": "tiny", "input": "hi", "stream": True})
+    assert failed.status_code == 502  # before the stream started: a JSON error
+    strict(ErrorObject, failed.json()["error"])
+
+
+@pytest.mark.parametrize("error", [UpstreamTimeoutError("slow"), ContextWindowError("prompt is too long: 9 > 8")])
+def test_error_events_inside_a_stream(error: ProxyError) -> None:
+    [(_, data)] = events_of(ResponsesEvents({"model": "tiny"}, "resp_1").error(error))
+    strict(RESPONSES_EVENTS["error"], data)
+    [(name, data)] = events_of(MessagesEvents().error(error))
+    assert name == "error"
+    strict(ErrorResponse, data)
+
+
+def events_of(data: bytes) -> list[tuple[str | None, dict[str, Any]]]:
+    return list(events(httpx.Response(200, headers={"content-type": "text/event-stream"}, content=data)))
