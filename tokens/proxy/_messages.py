@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._chat import TOKEN_FIELDS, function_tool, required_string, sse, text_parts
+from ._chat import TOKEN_FIELDS, function_tool, reasoning_of, required_string, sse, text_parts
 from ._errors import ProxyError, RequestRejectedError, UpstreamError, anthropic_error_body
 
 __all__ = ["MessagesEvents", "chat_to_messages", "messages_to_chat"]
@@ -83,7 +83,9 @@ def _add_message(messages: list[dict[str, Any]], message: Any, where: str) -> No
         raise RequestRejectedError(f"{where}.content: must be a string or a list of blocks", param="messages")
     parts: list[Any] = []
     calls: list[dict[str, Any]] = []
+    thoughts: list[str] = []
     results = 0
+    first = len(messages)
     for index, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}.content[{index}]"
@@ -101,8 +103,11 @@ def _add_message(messages: list[dict[str, Any]], message: Any, where: str) -> No
                     "function": {"name": name, "arguments": arguments},
                 }
             )
-        elif kind in ("thinking", "redacted_thinking"):
-            continue  # the model's own earlier reasoning: chat completions has no place for it
+        elif kind == "thinking" and role == "assistant":  # the model's reasoning: its reasoning_content
+            if isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
+        elif kind == "redacted_thinking":
+            continue  # encrypted by Anthropic: nothing an upstream can read
         else:
             parts.append(block)
     if parts or not (calls or results):
@@ -113,6 +118,11 @@ def _add_message(messages: list[dict[str, Any]], message: Any, where: str) -> No
             messages[-1]["tool_calls"] = calls
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+    if thoughts:
+        answer = next((m for m in messages[first:] if m["role"] == "assistant"), messages[-1])
+        answer["reasoning_content"] = "".join(thoughts)
+        if answer["content"] == []:
+            answer["content"] = ""
 
 
 def _result(block: Mapping[str, Any], where: str) -> Any:
@@ -186,6 +196,9 @@ def chat_to_messages(completion: Mapping[str, Any]) -> dict[str, Any]:
     choice = completion["choices"][0]
     message = choice.get("message") or {}
     content: list[dict[str, Any]] = []
+    reasoning = reasoning_of(message)
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if message.get("content"):
         content.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or ():
@@ -263,6 +276,11 @@ class MessagesEvents:
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
+            reasoning = reasoning_of(delta)
+            if reasoning:
+                if self._open is None or self._open.kind != "thinking":
+                    out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
             if delta.get("content"):
                 if self._open is None or self._open.kind != "text":
                     out += self._start({"type": "text", "text": ""})

@@ -26,7 +26,7 @@ from ..records import (
     RolloutRetiredError,
 )
 from ..records._writer import UNRECORDED
-from ._chat import TOKEN_FIELDS
+from ._chat import TOKEN_FIELDS, reasoning_of
 from ._errors import CaptureFailedError, ProxyError, RequestRejectedError
 
 __all__ = ["Recorder", "StreamRecord"]
@@ -50,6 +50,7 @@ class StreamRecord:
 
     head: dict[str, Any] = field(default_factory=dict)
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     bundle: dict[str, Any] | None = None
 
@@ -63,6 +64,9 @@ class StreamRecord:
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 self.text.append(delta["content"])
+            thought = reasoning_of(delta)
+            if thought:
+                self.reasoning.append(thought)
             for call in delta.get("tool_calls") or ():
                 state = self.calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": []})
                 function = call.get("function") or {}
@@ -77,6 +81,8 @@ class StreamRecord:
 
     def completion(self) -> TokenCompletion:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}
+        if self.reasoning:
+            message["reasoning"] = "".join(self.reasoning)
         if self.calls:
             message["tool_calls"] = [
                 {

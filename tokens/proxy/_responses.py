@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._chat import TOKEN_FIELDS, function_tool, required_string, sse, strip_token_fields, text_parts
+from ._chat import TOKEN_FIELDS, function_tool, reasoning_of, required_string, sse, strip_token_fields, text_parts
 from ._errors import ProxyError, RequestRejectedError
 
 __all__ = ["ResponsesEvents", "chat_to_responses", "input_items", "responses_to_chat"]
@@ -100,7 +100,11 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         if role not in ("user", "assistant", "system", "developer"):
             raise RequestRejectedError(f"{where}: unknown role {role!r}", param="input")
         content = text_parts(item.get("content", ""), f"{where}.content", text_types=_TEXT, image="input_image")
-        messages.append({"role": "system" if role == "developer" else role, "content": content})
+        last = messages[-1] if messages else None
+        if role == "assistant" and last is not None and _thought_only(last):  # the reasoning before it
+            last["content"] = content
+        else:
+            messages.append({"role": "system" if role == "developer" else role, "content": content})
     elif kind == "function_call":
         name = required_string(item, "input", "name", where)
         namespace = item.get("namespace")
@@ -125,12 +129,36 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         messages.append(
             {"role": "tool", "tool_call_id": required_string(item, "input", "call_id", where), "content": content}
         )
-    elif kind == "reasoning":
-        return  # the model's own earlier reasoning: chat completions has no place for it
+    elif kind == "reasoning":  # the model's earlier reasoning: the next assistant message's reasoning_content
+        text = _reasoning_text(item)
+        if text:
+            messages.append({"role": "assistant", "content": "", "reasoning_content": text})
     else:
         raise RequestRejectedError(
             f"{where}: items of type {kind!r} are not served by the capture proxy", param="input"
         )
+
+
+def _thought_only(message: Mapping[str, Any]) -> bool:
+    """An assistant message that holds only reasoning so far (its text or calls come next)."""
+    return message["role"] == "assistant" and "reasoning_content" in message and message.get("content") in ("", None) \
+        and "tool_calls" not in message  # fmt: skip
+
+
+def _reasoning_text(item: Mapping[str, Any]) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content, else its summary (encrypted content is
+    OpenAI's own and not readable: left out)."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = [p.get("text") for p in _listed(item.get(key)) if isinstance(p, dict) and p.get("type") == kind]
+        text = "".join(part for part in parts if isinstance(part, str))
+        if text:
+            return text
+    return ""
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
 NAMESPACE_SEPARATOR = "__"
@@ -320,6 +348,9 @@ def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any],
     choice = completion["choices"][0]
     message = choice.get("message") or {}
     output: list[dict[str, Any]] = []
+    reasoning = reasoning_of(message)
+    if reasoning:
+        output.append(_reasoning_item(f"rs_{response_id[5:]}", reasoning))
     content = message.get("content")
     calls = message.get("tool_calls") or []
     if content or not calls:
@@ -391,6 +422,7 @@ class ResponsesEvents:
     _sequence: int = 0
     _items: list[_Item] = field(default_factory=list)
     _text: _Item | None = None
+    _reasoning: _Item | None = None
     _calls: dict[int, _Item] = field(default_factory=dict)
     _usage: Any = None
     _finish: Any = None
@@ -447,6 +479,9 @@ class ResponsesEvents:
             if choice.get("index", 0) != 0:
                 continue  # a Responses answer has one generation
             delta = choice.get("delta") or {}
+            reasoning = reasoning_of(delta)
+            if reasoning:
+                out += self._reasoning_delta(reasoning)
             if delta.get("content"):
                 out += self._text_delta(delta["content"])
             for call in delta.get("tool_calls") or ():
@@ -464,6 +499,17 @@ class ResponsesEvents:
             added,
             self._item_event("response.content_part.added", self._text, content_index=0, part=part),
         ]
+
+    def _reasoning_delta(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self._reasoning is None:
+            item = {**_reasoning_item(f"rs_{self.response_id[5:]}", ""), "content": []}
+            self._reasoning, added = self._open(item)
+            part = {"type": "reasoning_text", "text": ""}
+            out += [added, self._item_event("response.content_part.added", self._reasoning, content_index=0, part=part)]
+        self._reasoning.pieces.append(text)
+        out.append(self._item_event("response.reasoning_text.delta", self._reasoning, content_index=0, delta=text))
+        return out
 
     def _text_delta(self, text: str) -> list[bytes]:
         out = self._open_text() if self._text is None else []
@@ -496,11 +542,17 @@ class ResponsesEvents:
 
     def finish(self) -> list[bytes]:
         """The closing events of every item and ``response.completed`` (the bundle on the last item)."""
-        out = self._open_text() if not self._items else []  # an empty answer is still one message
+        out = self._open_text() if self._text is None and not self._calls else []  # still one message
         output: list[dict[str, Any]] = []
         for state in self._items:
             joined = "".join(state.pieces)
-            if state is self._text:
+            if state is self._reasoning:
+                final = _reasoning_item(state.item["id"], joined)
+                out += [
+                    self._item_event("response.reasoning_text.done", state, content_index=0, text=joined),
+                    self._item_event("response.content_part.done", state, content_index=0, part=final["content"][0]),
+                ]
+            elif state is self._text:
                 final = _message_item(state.item["id"], joined)
                 part = final["content"][0]
                 out += [

@@ -111,6 +111,9 @@ class FakeVLLM:
     replies: Sequence[str] = ()
     default_max_tokens: int = 16
     """The generation limit of a request that names none (vLLM's is the rest of the context)."""
+    reasoning_parser: bool = False
+    """A generation's leading ``<think>...</think>`` becomes the message's ``reasoning`` (vLLM's
+    ``--reasoning-parser``), streamed as ``reasoning`` deltas."""
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     requests: list[tuple[str, Any]] = field(default_factory=list)
     _script: deque[str | _Tokens | _Fault] = field(default_factory=deque, repr=False)
@@ -225,7 +228,8 @@ class FakeVLLM:
             "id": f"chatcmpl-fake{next(self._ids):012x}", "object": "chat.completion", "created": 1795957000,
             "model": self.model,
             "choices": [
-                {"index": index, "message": _message(self.tokenizer.decode(_text_ids(ids)), index),
+                {"index": index, "message": _message(self.tokenizer.decode(_text_ids(ids)), index,
+                                                     reasoning=self.reasoning_parser),
                  "logprobs": {"content": [self._entry(t, lp, as_ids) for t, lp in zip(ids, lps, strict=True)]}
                  if want_logprobs else None,
                  "finish_reason": "tool_calls" if _tool_call(self.tokenizer.decode(_text_ids(ids))) and reason == "stop"
@@ -361,7 +365,9 @@ class FakeVLLM:
             first.update(prompt_token_ids=prompt, prompt_text=None)
         events.append(first)
         for index, (ids, lps, reason) in enumerate(choices):
-            deltas = _stream_deltas(self.tokenizer, ids, index)
+            deltas = _stream_deltas(self.tokenizer, ids, index) or (
+                _reasoning_deltas(self.tokenizer, ids) if self.reasoning_parser else None
+            )
             if deltas is not None and reason == "stop":
                 reason = "tool_calls"
             for position, (token, logprob) in enumerate(zip(ids, lps, strict=True)):
@@ -417,6 +423,40 @@ def _stream_deltas(tokenizer: FakeTokenizer, ids: Sequence[int], index: int) -> 
     return deltas
 
 
+THINK, END_THINK = "<think>", "</think>"
+
+
+def _split_reasoning(text: str) -> tuple[str | None, str]:
+    """A text's leading ``<think>...</think>`` (its reasoning) and the rest; None without one."""
+    if not text.startswith(THINK) or END_THINK not in text:
+        return None, text
+    reasoning, _, rest = text[len(THINK) :].partition(END_THINK)
+    return reasoning, rest.lstrip("\n")
+
+
+def _reasoning_deltas(tokenizer: FakeTokenizer, ids: Sequence[int]) -> list[dict[str, Any]] | None:
+    """A generation with a leading ``<think>`` block streamed as vLLM's reasoning parser streams it: one
+    delta per token, ``reasoning`` inside the block, ``content`` after it, nothing for the tags."""
+    text = tokenizer.decode(_text_ids(ids))
+    reasoning, rest = _split_reasoning(text)
+    if reasoning is None:
+        return None
+    start = len(THINK)
+    end = start + len(reasoning)
+    content = len(text) - len(rest)
+    deltas: list[dict[str, Any]] = []
+    position = 0
+    for token in ids:
+        low, position = position, position + len(tokenizer.decode(_text_ids([token])))
+        delta = {}
+        if text[max(low, start) : min(position, end)]:
+            delta["reasoning"] = text[max(low, start) : min(position, end)]
+        if position > content:
+            delta["content"] = text[max(low, content) : position]
+        deltas.append(delta)
+    return deltas
+
+
 def _tool_call(text: str) -> dict[str, Any] | None:
     """The call in a complete ``<tool_call>`` text, else None."""
     prefix, suffix = TOOL_CALL.split("{}")
@@ -429,7 +469,8 @@ def _tool_call(text: str) -> dict[str, Any] | None:
     return call if isinstance(call, dict) and "name" in call else None
 
 
-def _message(content: str, index: int = 0) -> dict[str, Any]:
+def _message(content: str, index: int = 0, *, reasoning: bool = False) -> dict[str, Any]:
+    thought, content = _split_reasoning(content) if reasoning else (None, content)
     message: dict[str, Any] = {
         "role": "assistant",
         "content": content,
@@ -437,7 +478,7 @@ def _message(content: str, index: int = 0) -> dict[str, Any]:
         "annotations": None,
         "audio": None,
         "function_call": None,
-        "reasoning": None,
+        "reasoning": thought,
     }
     call = _tool_call(content)
     if call is not None:

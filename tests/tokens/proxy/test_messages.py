@@ -64,6 +64,7 @@ def test_a_tool_calling_conversation() -> None:
             "tool_calls": [
                 {"id": "t1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "Ø"}'}}
             ],
+            "reasoning_content": "..",  # the thinking block, carried
         },
         {"role": "tool", "tool_call_id": "t1", "content": "10:00"},
         {"role": "user", "content": "and Lima?"},
@@ -142,6 +143,24 @@ def test_system_messages_inside_messages_are_folded_and_server_tools_left_out() 
     ]
     assert [tool["function"]["name"] for tool in chat["tools"]] == ["Bash"]
     assert dropped_tools(body) == [{"where": "tools[1]", "type": "web_search_20250305", "reason": ANY}]
+
+
+def test_thinking_blocks_travel_as_reasoning_content() -> None:
+    thinking = {"type": "thinking", "thinking": "look first", "signature": ""}
+    use = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+    chat = messages_to_chat(
+        {
+            "max_tokens": 9,
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [thinking, use]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "1"}]},
+                {"role": "assistant", "content": [thinking, {"type": "redacted_thinking", "data": "x"}]},
+            ],
+        }
+    )
+    assert chat["messages"][1]["reasoning_content"] == "look first" and chat["messages"][1]["tool_calls"]
+    assert chat["messages"][3] == {"role": "assistant", "content": "", "reasoning_content": "look first"}
 
 
 def test_an_answer_with_a_tool_call() -> None:

@@ -167,6 +167,31 @@ def test_namespace_groups_are_flattened_and_hosted_tools_left_out() -> None:
     assert (item["namespace"], item["name"], item["arguments"]) == ("agents", "spawn", "{}")
 
 
+def test_reasoning_items_travel_as_reasoning_content() -> None:
+    """An earlier ``reasoning`` item is the next assistant message's ``reasoning_content`` (what chat
+    templates of reasoning models read), whether a text or a call follows it."""
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}]}
+    chat = responses_to_chat(
+        {
+            "input": [
+                {"role": "user", "content": "hi"},
+                reasoning,
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "1"},
+                {**reasoning, "content": [], "summary": [{"type": "summary_text", "text": "s"}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]},
+            ]
+        }
+    )
+    assert chat["messages"][1] == {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "t",
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
+    assert chat["messages"][3] == {"role": "assistant", "content": "done", "reasoning_content": "s"}
+
+
 def test_only_hosted_tools_send_no_tools_nor_a_choice() -> None:
     chat = responses_to_chat({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": "auto"})
     assert "tools" not in chat and "tool_choice" not in chat

@@ -143,3 +143,41 @@ def test_error_events_inside_a_stream(error: ProxyError) -> None:
 
 def events_of(data: bytes) -> list[tuple[str | None, dict[str, Any]]]:
     return list(events(httpx.Response(200, headers={"content-type": "text/event-stream"}, content=data)))
+
+
+THOUGHT = "<think>The clock says noon.</think>\n\nIt is noon."
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_reasoning_comes_out_as_each_dialect_s_own(proxy: CaptureProxy, stream: bool) -> None:
+    """vLLM's reasoning (``--reasoning-parser``) becomes a Responses ``reasoning`` item and an Anthropic
+    ``thinking`` block, before the answer's text, whole and streamed."""
+    proxy.fake.reasoning_parser = True
+    try:
+        proxy.fake.reply(THOUGHT)
+        body = {"model": "tiny", "input": "What time is it?", "max_output_tokens": 300, "stream": stream}
+        answer = post(proxy, "/responses", body)
+        if stream:
+            final = [strict(RESPONSES_EVENTS[data["type"]], data) for _, data in events(answer)][-1].response  # type: ignore[attr-defined]
+        else:
+            final = strict(Response, answer.json())
+        reasoning, message = final.output
+        assert reasoning.type == "reasoning" and reasoning.content[0].text == "The clock says noon."
+        assert message.type == "message" and message.content[0].text == "It is noon."
+        proxy.fake.reply(THOUGHT)
+        body = {"model": "tiny", "max_tokens": 300, "messages": USER, "stream": stream}
+        answer = httpx.post(proxy.url + "/v1/messages", json=body, timeout=30)
+        if stream:
+            seen = [strict(MESSAGES_EVENTS[data["type"]], data) for _, data in events(answer)]
+            thinking = "".join(
+                e.delta.thinking for e in seen if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+            )  # type: ignore[attr-defined]
+            text = "".join(
+                e.delta.text for e in seen if e.type == "content_block_delta" and e.delta.type == "text_delta"
+            )  # type: ignore[attr-defined]
+        else:
+            message = strict(Message, answer.json())
+            thinking, text = message.content[0].thinking, message.content[1].text  # type: ignore[attr-defined]
+        assert (thinking, text) == ("The clock says noon.", "It is noon.")
+    finally:
+        proxy.fake.reasoning_parser = False
