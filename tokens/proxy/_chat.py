@@ -21,6 +21,7 @@ __all__ = [
     "sse",
     "strip_token_fields",
     "text_parts",
+    "without_echoes",
 ]
 
 _encode = msgspec.json.Encoder().encode
@@ -39,6 +40,18 @@ def chunks_of(event: bytes) -> Iterator[dict[str, Any] | None]:
         if line.startswith(b"data:"):
             payload = line[5:].strip()
             yield None if payload == b"[DONE]" else _chunk.decode(payload)
+
+
+def without_echoes(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion request without the bundles the proxy added to earlier answers, wherever a
+    client library echoes them on its messages (``strip_token_fields``): they never travel upstream."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return body
+    cleaned = [strip_token_fields(message) for message in messages]
+    if all(new is old for new, old in zip(cleaned, messages, strict=True)):
+        return body
+    return {**body, "messages": cleaned}
 
 
 def reasoning_of(message: Mapping[str, Any]) -> str | None:

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol
 
-from ._chat import sse
+from ._chat import sse, without_echoes
 from ._errors import ProxyError, RequestRejectedError, anthropic_error_body, openai_error_body
 from ._messages import MessagesEvents, chat_to_messages, messages_to_chat
 from ._responses import ResponsesEvents, chat_to_responses, error_event, history_of, responses_to_chat
@@ -45,7 +45,7 @@ class Dialect:
         return [], None
 
     def to_chat(self, body: dict[str, Any], history: list[Any]) -> dict[str, Any]:
-        return body
+        return without_echoes(body)
 
     def answer(
         self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any], call_id: str

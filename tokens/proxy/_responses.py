@@ -383,7 +383,8 @@ def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any],
 def history_of(request: Mapping[str, Any], answer: Mapping[str, Any], earlier: Sequence[Any]) -> list[Any]:
     """The items a ``previous_response_id`` naming ``answer`` stands for: the earlier chain, this
     request's input and the answer's output, without bundle fields."""
-    return [*earlier, *input_items(request), *(strip_token_fields(item) for item in answer.get("output", ()))]
+    items = (*input_items(request), *answer.get("output", ()))
+    return [*earlier, *(strip_token_fields(item) for item in items)]
 
 
 # -- streams ----------------------------------------------------------------------------------
