@@ -19,7 +19,9 @@ from typing import Any, ClassVar, Protocol
 from ._chat import sse, without_echoes
 from ._errors import ProxyError, RequestRejectedError, anthropic_error_body, openai_error_body
 from ._messages import MessagesEvents, chat_to_messages, messages_to_chat
+from ._messages import dropped_tools as messages_dropped
 from ._responses import ResponsesEvents, chat_to_responses, error_event, history_of, responses_to_chat
+from ._responses import dropped_tools as responses_dropped
 
 __all__ = ["Dialect", "Events", "dialects"]
 
@@ -46,6 +48,10 @@ class Dialect:
 
     def to_chat(self, body: dict[str, Any], history: list[Any]) -> dict[str, Any]:
         return without_echoes(body)
+
+    def dropped(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """What ``to_chat`` leaves out of the request, each ``{"where", "type", "reason"}`` (recorded)."""
+        return []
 
     def answer(
         self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any], call_id: str
@@ -75,6 +81,9 @@ class _Messages(Dialect):
 
     def to_chat(self, body: dict[str, Any], history: list[Any]) -> dict[str, Any]:
         return messages_to_chat(body)
+
+    def dropped(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return messages_dropped(body)
 
     def answer(
         self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any], call_id: str
@@ -135,6 +144,9 @@ class _Responses(Dialect):
 
     def to_chat(self, body: dict[str, Any], history: list[Any]) -> dict[str, Any]:
         return responses_to_chat(body, history)
+
+    def dropped(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return responses_dropped(body)
 
     def answer(
         self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any], call_id: str

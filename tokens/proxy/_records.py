@@ -11,7 +11,7 @@ trainer masks it instead of training on a chain with a hole.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,9 +104,16 @@ class _ProxyCustody(Custody):
     """A recorded call's custody as the proxy answers it: a call of ``n`` > 1 refused, a frozen or
     retired rollout a 409, a failing store a 503 (its details go to the log only)."""
 
-    def __init__(self, writer: RecordWriter, coordinates: Coordinates, chat: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        writer: RecordWriter,
+        coordinates: Coordinates,
+        chat: Mapping[str, Any],
+        dropped: Sequence[Mapping[str, Any]] = (),
+    ) -> None:
         super().__init__(writer, coordinates, _capture_failed)
         self.chat = chat
+        self.dropped = dropped
 
     async def begin(self) -> None:
         coordinates = self.coordinates
@@ -130,11 +137,17 @@ class _ProxyCustody(Custody):
             ) from None
 
     async def write_chat(
-        self, request: Mapping[str, Any], completion: TokenCompletion, server_version: str | None = None
+        self,
+        request: Mapping[str, Any],
+        completion: TokenCompletion,
+        server_version: str | None = None,
+        *,
+        dropped: Sequence[Mapping[str, Any]] = (),
     ) -> None:
-        """Put the record (``request`` is the chat request as served: its messages are the lineage's items)."""
+        """Put the record (``request`` is the chat request as served: its messages are the lineage's
+        items), with what the conversion left out of the client's request (``dropped``)."""
         try:
-            await super().write_chat(request, completion, server_version)
+            await super().write_chat(request, completion, server_version, dropped=[*self.dropped, *dropped])
         except RecordWriteError as exc:  # its details (the store's path or host) go to the log only
             logger.error("%s", exc)
             raise ProxyError(
@@ -154,8 +167,11 @@ class Recorder:
         """Whether a call at ``coordinates`` is recorded: with a store and a rollout id."""
         return self.writer is not None and coordinates is not None
 
-    def custody(self, coordinates: Coordinates | None, chat: Mapping[str, Any]) -> Custody:
-        """The call's custody (``chat``: the request as served); one that records nothing when it is not recorded."""
+    def custody(
+        self, coordinates: Coordinates | None, chat: Mapping[str, Any], dropped: Sequence[Mapping[str, Any]] = ()
+    ) -> Custody:
+        """The call's custody (``chat``: the request as served; ``dropped``: what its conversion left out,
+        recorded); one that records nothing when it is not recorded."""
         if self.writer is None or coordinates is None:
             return UNRECORDED
-        return _ProxyCustody(self.writer, coordinates, chat)
+        return _ProxyCustody(self.writer, coordinates, chat, dropped)
