@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 
 from pytest_llm_sandbox_middleware import FakeVLLMTransport
 from tests.tokens.proxy.agents import ShellTask, agent_command, base_environment, check_records, run
@@ -56,49 +57,51 @@ def workspace(tmp_path: Path, secret: str) -> tuple[Path, Path]:
     return home, work
 
 
-def test_codex_cli_completes_a_shell_task_with_every_call_captured(tmp_path: Path) -> None:
-    codex = agent_command("codex")
-    secret = secrets.token_hex(4)
-    task = ShellTask(tool="exec_command", secret=secret)
-    home, work = workspace(tmp_path, secret)
-    with proxied(task, tmp_path) as (server, url):
-        codex_home = home / ".codex"
-        codex_home.mkdir()
-        (codex_home / "config.toml").write_text(
-            'model = "tiny"\n'
-            'model_provider = "capture"\n'
-            "[model_providers.capture]\n"
-            'name = "capture proxy"\n'
-            f'base_url = "{server.base_url("rollout-codex")}"\n'
-            'env_key = "CAPTURE_API_KEY"\n'
-            'wire_api = "responses"\n'
-        )
-        env = {**base_environment(home), "CODEX_HOME": str(codex_home), "CAPTURE_API_KEY": "agent-key"}
-        argv = [codex, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", TASK]
-        done = run(argv, env, work)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert f"The note says {secret}." in done.stdout, done.stdout[-4000:]
-    assert len(task.produced) >= 2 and task.produced[0].request.get("stream") is True  # streamed, as by default
-    check_records(records_of(url, "rollout-codex"), task.produced)
+def codex(command: str, base_url: str, home: Path) -> tuple[list[str], dict[str, str]]:
+    """Codex CLI with a model provider of its own config (the proxy), everything else its default."""
+    codex_home = home / ".codex"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(
+        'model = "tiny"\n'
+        'model_provider = "capture"\n'
+        "[model_providers.capture]\n"
+        'name = "capture proxy"\n'
+        f'base_url = "{base_url}"\n'
+        'env_key = "CAPTURE_API_KEY"\n'
+        'wire_api = "responses"\n'
+    )
+    env = {**base_environment(home), "CODEX_HOME": str(codex_home), "CAPTURE_API_KEY": "agent-key"}
+    return [command, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", TASK], env
 
 
-def test_claude_code_completes_a_shell_task_with_every_call_captured(tmp_path: Path) -> None:
-    claude = agent_command("claude")
+def claude(command: str, base_url: str, home: Path) -> tuple[list[str], dict[str, str]]:
+    """Claude Code with the proxy as its Anthropic base URL, everything else its default."""
+    env = {
+        **base_environment(home),
+        "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
+        "ANTHROPIC_API_KEY": "agent-key",
+        "IS_SANDBOX": "1",  # root may skip permissions inside a sandbox
+        "DISABLE_AUTOUPDATER": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # no telemetry or update checks to the internet
+    }
+    return [command, "-p", "--model", "tiny", "--dangerously-skip-permissions", TASK], env
+
+
+AGENTS = {"codex": ("exec_command", codex), "claude": ("Bash", claude)}
+"""Each agent's command, the name of its own shell tool, and how it is pointed at the proxy."""
+
+
+@pytest.mark.parametrize("agent", sorted(AGENTS))
+def test_a_real_agent_completes_a_shell_task_with_every_call_captured(tmp_path: Path, agent: str) -> None:
+    command = agent_command(agent)
+    tool, setup = AGENTS[agent]
     secret = secrets.token_hex(4)
-    task = ShellTask(tool="Bash", secret=secret)
+    task = ShellTask(tool=tool, secret=secret)
     home, work = workspace(tmp_path, secret)
     with proxied(task, tmp_path) as (server, url):
-        env = {
-            **base_environment(home),
-            "ANTHROPIC_BASE_URL": server.base_url("rollout-claude").removesuffix("/v1"),
-            "ANTHROPIC_API_KEY": "agent-key",
-            "IS_SANDBOX": "1",  # root may skip permissions inside a sandbox
-            "DISABLE_AUTOUPDATER": "1",
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # no telemetry or update checks to the internet
-        }
-        argv = [claude, "-p", "--model", "tiny", "--dangerously-skip-permissions", TASK]
+        argv, env = setup(command, server.base_url(f"rollout-{agent}"), home)
         done = run(argv, env, work)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert f"The note says {secret}." in done.stdout, done.stdout[-4000:]
-    assert len(task.produced) >= 2 and task.produced[0].request.get("stream") is True
-    check_records(records_of(url, "rollout-claude"), task.produced)
+    assert len(task.produced) >= 2 and task.produced[0].request.get("stream") is True  # streamed, as by default
+    check_records(records_of(url, f"rollout-{agent}"), task.produced)
