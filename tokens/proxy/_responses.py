@@ -194,7 +194,11 @@ def dropped_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _drop(where: str, kind: Any) -> dict[str, Any]:
-    return {"where": where, "type": str(kind), "reason": "a hosted tool: the upstream serves function tools only"}
+    return {
+        "where": where,
+        "type": str(kind),
+        "reason": "not a function tool (hosted or custom): the upstream serves functions",
+    }
 
 
 def _listed(value: Any) -> list[Any]:

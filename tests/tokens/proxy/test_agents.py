@@ -17,6 +17,7 @@ import pytest
 
 from pytest_llm_sandbox_middleware import FakeVLLMTransport
 from tests.tokens.proxy.agents import ShellTask, agent_command, base_environment, check_records, run
+from tests.tokens.proxy.sdk_types import Recording
 from tokens.proxy import ProxyServer, create_app
 from tokens.records import open_store, read_rollout
 from tokens.testing import FAKE_VLLM_URL
@@ -26,14 +27,17 @@ TASK = "Read note.txt and tell me what it says."
 
 @contextmanager
 def proxied(task: ShellTask, tmp_path: Path) -> Iterator[tuple[ProxyServer, str]]:
-    """The proxy in front of ``task`` with a SQLite record store; yields the server and the store's URL."""
+    """The proxy in front of ``task`` with a SQLite record store; yields the server and the store's URL.
+    On leaving, everything it answered to a model call is validated strictly with the SDKs' own types."""
     url = f"sqlite:///{tmp_path / 'records.db'}"
     store = open_store(url)
+    app = Recording(create_app(FAKE_VLLM_URL + "/v1", transport=FakeVLLMTransport(task), store=store))
     try:
-        with ProxyServer(create_app(FAKE_VLLM_URL + "/v1", transport=FakeVLLMTransport(task), store=store)) as server:
+        with ProxyServer(app) as server:
             yield server, url
     finally:
         anyio.run(store.close)
+    assert app.check() > 0
 
 
 def records_of(url: str, rollout: str) -> list[Any]:

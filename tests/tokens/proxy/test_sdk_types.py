@@ -4,20 +4,18 @@ against the official SDKs' own pydantic types: ``openai`` for chat completions a
 
 from __future__ import annotations
 
-import json
-import typing
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
+from anthropic.types import ErrorResponse, Message
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response
 from openai.types.shared import ErrorObject
-from pydantic import BaseModel
 
 from pytest_llm_sandbox_middleware import CaptureProxy, running_capture_proxy
+from tests.tokens.proxy.sdk_types import MESSAGES_EVENTS, RESPONSES_EVENTS, sse_events, strict
 from tokens.proxy import ContextWindowError, ProxyError, UpstreamTimeoutError
 from tokens.proxy._messages import MessagesEvents
 from tokens.proxy._responses import ResponsesEvents
@@ -30,30 +28,9 @@ SERVER_TOOL = {"type": "web_search_20250305", "name": "web_search"}
 USER = [{"role": "user", "content": "What time is it?"}]
 
 
-def _by_type(union: Any) -> dict[str, type[BaseModel]]:
-    """The members of a discriminated union of events, by their ``type`` literal."""
-    members = typing.get_args(typing.get_args(union)[0] if typing.get_origin(union) is typing.Annotated else union)
-    return {typing.get_args(member.model_fields["type"].annotation)[0]: member for member in members}
-
-
-RESPONSES_EVENTS = _by_type(ResponseStreamEvent)
-MESSAGES_EVENTS = _by_type(RawMessageStreamEvent)
-
-
-def strict(model: type[BaseModel], data: Any) -> BaseModel:
-    return model.model_validate(data, strict=True)
-
-
 def events(answer: httpx.Response) -> Iterator[tuple[str | None, dict[str, Any]]]:
-    """A stream's events: each ``event:`` name (None without) and its JSON data."""
     assert answer.headers["content-type"].startswith("text/event-stream"), answer.text[:500]
-    name = None
-    for line in answer.text.splitlines():
-        if line.startswith("event: "):
-            name = line[7:]
-        elif line.startswith("data: {"):
-            yield name, json.loads(line[6:])
-            name = None
+    return sse_events(answer.content)
 
 
 @pytest.fixture(scope="module")
