@@ -232,8 +232,7 @@ class FakeVLLM:
                                                      reasoning=self.reasoning_parser),
                  "logprobs": {"content": [self._entry(t, lp, as_ids) for t, lp in zip(ids, lps, strict=True)]}
                  if want_logprobs else None,
-                 "finish_reason": "tool_calls" if _tool_call(self.tokenizer.decode(_text_ids(ids))) and reason == "stop"
-                 else reason, "stop_reason": None, "token_ids": ids if inline else None, "routed_experts": None}
+                 "finish_reason": "tool_calls" if self._calls(ids) and reason == "stop" else reason, "stop_reason": None, "token_ids": ids if inline else None, "routed_experts": None}
                 for index, (ids, lps, reason) in enumerate(choices)
             ],
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
@@ -338,6 +337,11 @@ class FakeVLLM:
             out.append((ids, lps, reason))
         return out
 
+    def _calls(self, ids: Sequence[int]) -> bool:
+        """Whether a generation is parsed as a tool call (after its reasoning, with the reasoning parser)."""
+        text = self.tokenizer.decode(_text_ids(ids))
+        return _tool_call(_split_reasoning(text)[1] if self.reasoning_parser else text) is not None
+
     def _entry(self, token: int, logprob: float, as_ids: bool) -> dict[str, Any]:
         text = f"token_id:{token}" if as_ids else self.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": self.tokenizer.token_bytes(token), "top_logprobs": []}
@@ -365,10 +369,8 @@ class FakeVLLM:
             first.update(prompt_token_ids=prompt, prompt_text=None)
         events.append(first)
         for index, (ids, lps, reason) in enumerate(choices):
-            deltas = _stream_deltas(self.tokenizer, ids, index) or (
-                _reasoning_deltas(self.tokenizer, ids) if self.reasoning_parser else None
-            )
-            if deltas is not None and reason == "stop":
+            deltas = _stream_deltas(self.tokenizer, ids, index, self.reasoning_parser)
+            if self._calls(ids) and reason == "stop":
                 reason = "tool_calls"
             for position, (token, logprob) in enumerate(zip(ids, lps, strict=True)):
                 last = position == len(ids) - 1
@@ -405,21 +407,47 @@ def _text_ids(ids: Sequence[int]) -> list[int]:
     return [token for token in ids if token not in FakeTokenizer.SPECIAL]
 
 
-def _stream_deltas(tokenizer: FakeTokenizer, ids: Sequence[int], index: int) -> list[dict[str, Any]] | None:
-    """A generation that is one tool call streamed as vLLM's ``hermes`` parser streams it, one delta
-    per token: the call's id and name with the first, its arguments spread over the rest of the
-    call's text, nothing with the end-of-turn token; None for a generation that is not a call."""
-    text_ids = _text_ids(ids)
-    call = _tool_call(tokenizer.decode(text_ids))
-    if call is None:
+def _stream_deltas(
+    tokenizer: FakeTokenizer, ids: Sequence[int], index: int, reasoning: bool
+) -> list[dict[str, Any]] | None:
+    """A generation streamed as vLLM's parsers stream it, one delta per token: with ``reasoning`` (the
+    reasoning parser), a leading ``<think>`` block's text as ``reasoning`` deltas; a tool call (all of
+    the rest) as the hermes parser's ``tool_calls`` deltas, its id and name with its first token and
+    its arguments spread over the others; other text as ``content``; nothing for the tags and the
+    end-of-turn token. None for a plain text (each token its own content)."""
+    text = tokenizer.decode(_text_ids(ids))
+    thought, rest = _split_reasoning(text) if reasoning else (None, text)
+    call = _tool_call(rest)
+    if thought is None and call is None:
         return None
-    arguments = json.dumps(call.get("arguments", {}))
-    head = {"index": 0, "id": f"chatcmpl-tool-fake{index:08x}", "type": "function"}
-    deltas: list[dict[str, Any]] = [{"tool_calls": [{**head, "function": {"name": call["name"], "arguments": ""}}]}]
-    rest = len(text_ids) - 1
-    for position in range(1, len(ids)):
-        piece = arguments[(position - 1) * len(arguments) // rest : position * len(arguments) // rest]
-        deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {})
+    start, end, tail = len(THINK), len(THINK) + len(thought or ""), len(text) - len(rest)
+    if thought is None:
+        start = end = 0
+    spans = []
+    position = 0
+    for token in ids:
+        low, position = position, position + len(tokenizer.decode(_text_ids([token])))
+        spans.append((low, position))
+    in_call = [n for n, (low, high) in enumerate(spans) if low >= tail and high > low]
+    arguments = json.dumps(call.get("arguments", {})) if call is not None else ""
+    deltas: list[dict[str, Any]] = []
+    for n, (low, high) in enumerate(spans):
+        delta: dict[str, Any] = {}
+        if text[max(low, start) : min(high, end)]:
+            delta["reasoning"] = text[max(low, start) : min(high, end)]
+        if call is None and high > tail:
+            delta["content"] = text[max(low, tail) : high]
+        elif call is not None and n in in_call:
+            k = in_call.index(n)
+            if k == 0:
+                head = {"index": 0, "id": f"chatcmpl-tool-fake{index:08x}", "type": "function"}
+                delta["tool_calls"] = [{**head, "function": {"name": call["name"], "arguments": ""}}]
+            else:
+                rest_count = len(in_call) - 1
+                piece = arguments[(k - 1) * len(arguments) // rest_count : k * len(arguments) // rest_count]
+                if piece:
+                    delta["tool_calls"] = [{"index": 0, "function": {"arguments": piece}}]
+        deltas.append(delta)
     return deltas
 
 
@@ -432,29 +460,6 @@ def _split_reasoning(text: str) -> tuple[str | None, str]:
         return None, text
     reasoning, _, rest = text[len(THINK) :].partition(END_THINK)
     return reasoning, rest.lstrip("\n")
-
-
-def _reasoning_deltas(tokenizer: FakeTokenizer, ids: Sequence[int]) -> list[dict[str, Any]] | None:
-    """A generation with a leading ``<think>`` block streamed as vLLM's reasoning parser streams it: one
-    delta per token, ``reasoning`` inside the block, ``content`` after it, nothing for the tags."""
-    text = tokenizer.decode(_text_ids(ids))
-    reasoning, rest = _split_reasoning(text)
-    if reasoning is None:
-        return None
-    start = len(THINK)
-    end = start + len(reasoning)
-    content = len(text) - len(rest)
-    deltas: list[dict[str, Any]] = []
-    position = 0
-    for token in ids:
-        low, position = position, position + len(tokenizer.decode(_text_ids([token])))
-        delta = {}
-        if text[max(low, start) : min(position, end)]:
-            delta["reasoning"] = text[max(low, start) : min(position, end)]
-        if position > content:
-            delta["content"] = text[max(low, content) : position]
-        deltas.append(delta)
-    return deltas
 
 
 def _tool_call(text: str) -> dict[str, Any] | None:

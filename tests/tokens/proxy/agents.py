@@ -26,6 +26,7 @@ import httpx
 
 from tests.needs import unavailable
 from tokens.testing import FakeVLLM
+from tokens.testing._fake_vllm import TOOL_CALL
 
 INSTALL = "bash scripts/install-agents.sh (Node.js and npm: apt-get install -y nodejs npm)"
 RUN_TIMEOUT_S = 180.0
@@ -107,7 +108,13 @@ class ShellTask(FakeVLLM):
     tool: str = "shell"
     command: str = "cat note.txt"
     secret: str = ""
+    thought: str = ""
+    """With a thought, the model reasons first (vLLM's reasoning parser): each answer starts with it."""
     produced: list[Produced] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.reasoning_parser = bool(self.thought)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -125,12 +132,13 @@ class ShellTask(FakeVLLM):
         messages = body.get("messages") or []
         outputs = " ".join(_text(m.get("content")) for m in messages if m.get("role") == "tool")
         tools = {t.get("function", {}).get("name"): t for t in body.get("tools") or ()}
+        think = f"<think>{self.thought}</think>\n" if self.thought else ""
         if self.secret and self.secret in outputs:
-            self.reply(f"The note says {self.secret}.")
+            self.reply(f"{think}The note says {self.secret}.")
         elif self.tool in tools and not any(m.get("role") == "tool" for m in messages):
             arguments = shell_arguments(tools[self.tool], self.command)
             assert arguments is not None, f"{self.tool} takes no command: {tools[self.tool]}"
-            self.reply_tool_call(self.tool, arguments)
+            self.reply(think + TOOL_CALL.format(json.dumps({"name": self.tool, "arguments": arguments})))
 
 
 @dataclass

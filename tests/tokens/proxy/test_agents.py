@@ -95,12 +95,15 @@ AGENTS = {"codex": ("exec_command", codex), "claude": ("Bash", claude)}
 """Each agent's command, the name of its own shell tool, and how it is pointed at the proxy."""
 
 
+@pytest.mark.parametrize("thought", ["", "The note will say."], ids=["plain", "reasoning"])
 @pytest.mark.parametrize("agent", sorted(AGENTS))
-def test_a_real_agent_completes_a_shell_task_with_every_call_captured(tmp_path: Path, agent: str) -> None:
+def test_a_real_agent_completes_a_shell_task_with_every_call_captured(tmp_path: Path, agent: str, thought: str) -> None:
+    """With a reasoning model, the reasoning the agent was given (a Responses reasoning item, a thinking
+    block) comes back to the upstream on the next turn as the assistant message's reasoning_content."""
     command = agent_command(agent)
     tool, setup = AGENTS[agent]
     secret = secrets.token_hex(4)
-    task = ShellTask(tool=tool, secret=secret)
+    task = ShellTask(tool=tool, secret=secret, thought=thought)
     home, work = workspace(tmp_path, secret)
     with proxied(task, tmp_path) as (server, url):
         argv, env = setup(command, server.base_url(f"rollout-{agent}"), home)
@@ -109,3 +112,6 @@ def test_a_real_agent_completes_a_shell_task_with_every_call_captured(tmp_path: 
     assert f"The note says {secret}." in done.stdout, done.stdout[-4000:]
     assert len(task.produced) >= 2 and task.produced[0].request.get("stream") is True  # streamed, as by default
     check_records(records_of(url, f"rollout-{agent}"), task.produced)
+    if thought:
+        turn = task.produced[1].request["messages"]
+        assert [m.get("reasoning_content") for m in turn if m["role"] == "assistant"] == [thought]
