@@ -8,15 +8,15 @@ event by event as the upstream produces it; its bundle is complete at its end. E
 event inside one), and never names the upstream.
 
 This module is the composition: the routes and the app's lifetime, and one request's way through
-the stages, each a module the request enters once: ``_intake`` (its body and call), ``_upstream``
-(which upstream, which API), then one of ``_answers`` (whole) or ``_streaming`` (event by event).
+the stages, each a module the request enters once: ``_telemetry`` opens the call's ``Report``
+(told once, after the answer's last byte), ``_intake`` reads and checks it into a ``Turn``,
+``_upstream`` sends it and receives the ``Reply``, then one of ``_answers`` (whole) or
+``_streaming`` (event by event) records it and answers in the client's dialect.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Literal
@@ -28,20 +28,21 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from _shared_telemetry import error_type
 
-from .._chain import DEFAULT_CHAIN, ChainEntry, build_chain
+from .._chain import ChainEntry
 from .._errors import TokensError
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit
-from ._answers import serve_native, serve_whole
+from ._answers import serve_whole
 from ._dialects import CHAT, Dialect, dialects
 from ._errors import ProxyError
-from ._intake import Turn, call_of, read_json
+from ._intake import Intake
 from ._records import Recorder
 from ._sink import TokenSink
 from ._streaming import serve_stream
-from ._telemetry import DIALECT_ATTR, STREAM_ATTR, UPSTREAM_ATTR, ProxyTelemetry
+from ._telemetry import ProxyTelemetry
 from ._upstream import Upstream, Upstreams
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "create_app"]
@@ -56,23 +57,17 @@ class _App:
     def __init__(
         self,
         upstreams: Upstreams,
+        intake: Intake,
         *,
-        store: TokenSink | None,
-        max_request_bytes: int,
         client_timeout: float,
-        responses_upstream: str,
         previous: int,
-        middleware: Sequence[ChainEntry] | None,
         meter_provider: MeterProvider | None,
         tracer_provider: TracerProvider | None,
     ) -> None:
         self.upstreams = upstreams
-        self.recorder = Recorder(store)
-        self.max_request_bytes = max_request_bytes
+        self.intake = intake
         self.client_timeout = client_timeout
-        self.responses_upstream = responses_upstream
         self.dialects = dialects(previous)
-        self.chain = build_chain(DEFAULT_CHAIN if middleware is None else middleware)
         self.telemetry = ProxyTelemetry(meter_provider, tracer_provider)
 
     async def aclose(self) -> None:
@@ -80,60 +75,51 @@ class _App:
 
     # -- the request --------------------------------------------------------------------------
 
-    async def endpoint(self, request: Request) -> Response:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The routes' endpoint (ASGI, so that a call's telemetry lasts to its answer's last byte)."""
+        await self.endpoint(Request(scope, receive), send)
+
+    async def endpoint(self, request: Request, send: Send) -> None:
         """The route: a dialect's POST is served, ``GET /v1/models`` asks the upstream, the rest is a 404."""
         path = request.path_params["path"]
         dialect = self.dialects.get(path)
+        if dialect is not None and request.method == "POST":
+            return await self.serve(dialect, request, send)
         if request.method == "GET" and path == "models":
-            return await self.models()
-        if dialect is None or request.method != "POST":
+            response = await self.models()
+        else:
             error = ProxyError(
                 f"{request.method} /v1/{path[:80]} is not served: POST /v1/chat/completions, "
                 "/v1/responses or /v1/messages (or GET /v1/models)",
                 status=404,
             )
-            return JSONResponse(CHAT.error_body(error), status_code=error.status)
-        return await self.serve(dialect, request, request.path_params.get("rollout"))
+            response = JSONResponse(CHAT.error_body(error), status_code=error.status)
+        await response(request.scope, request.receive, send)
 
-    async def serve(self, dialect: Dialect, request: Request, rollout: str | None) -> Response:
-        """A request's one way through the stages: in (body and call), to its upstream, answered whole
-        (natively or as a chat completion) or streamed; any failure answered in the client's dialect."""
-        started = time.perf_counter()
-        stream = False
-        try:
-            body = await read_json(request, self.max_request_bytes, self.client_timeout)
-            stream = bool(body.get("stream"))
-            call = call_of(request, rollout)
-            upstream = self.upstreams.pick(body)
-            native = dialect.native and upstream.asks_responses(body, self.responses_upstream)
-            history, parent = dialect.history(body)
-            if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
-                call = dataclasses.replace(
-                    call, coordinates=dataclasses.replace(call.coordinates, parent_call_id=parent)
-                )
-            turn = Turn(dialect, upstream, body, history, call, started)
-            if native:
-                served = await serve_native(
-                    self.telemetry, self.chain, self.recorder, self.responses_upstream == "auto", turn
-                )
-                if served is not None:
-                    return served
-            chat = dialect.to_chat(body, history)
-            custody = self.recorder.custody(call.coordinates, chat)
-            attributes = {DIALECT_ATTR: dialect.name, STREAM_ATTR: stream, UPSTREAM_ATTR: "chat"}
-            if stream:
-                await custody.begin()
-                return await serve_stream(self.telemetry, self.client_timeout, turn, chat, attributes, custody)
-            return await serve_whole(self.telemetry, turn, chat, attributes, custody)
-        except Exception as exc:
-            failure = exc if isinstance(exc, ProxyError) else None
-            if failure is None:  # a defect of ours: logged, and still an answer the client's SDK parses
-                logger.error(
-                    "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
-                )
-                failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
-            self.telemetry.finished(dialect, stream, started, failure)
-            return JSONResponse(dialect.error_body(failure), status_code=failure.status)
+    async def serve(self, dialect: Dialect, request: Request, send: Send) -> None:
+        """A request's one way through the stages, told of once (to its answer's last byte): read in,
+        sent upstream with its call in custody, answered whole or streamed; any failure answered in the
+        client's dialect."""
+        with self.telemetry.report(dialect.name) as report:
+            response: Response
+            try:
+                turn = await self.intake.turn_of(request, dialect, report)
+                async with turn.custody:  # begun before anything is sent; a stream's own end comes with its events
+                    reply = await self.upstreams.send(turn)
+                    if reply.stream is not None:
+                        response = serve_stream(turn, reply, self.client_timeout)
+                    else:
+                        response = await serve_whole(turn, reply)
+            except Exception as exc:
+                failure = exc if isinstance(exc, ProxyError) else None
+                if failure is None:  # a defect of ours: logged, and still an answer the client's SDK parses
+                    logger.error(
+                        "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
+                    )
+                    failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
+                report.error = failure
+                response = JSONResponse(dialect.error_body(failure), status_code=failure.status)
+            await response(request.scope, request.receive, send)
 
     async def models(self) -> Response:
         try:
@@ -142,8 +128,6 @@ class _App:
             error = self.telemetry.upstream_error(exc)
             return JSONResponse(CHAT.error_body(error), status_code=error.status)
         return Response(data, media_type="application/json")
-
-    # -- serving ------------------------------------------------------------------------------
 
 
 def create_app(
@@ -218,9 +202,15 @@ def create_app(
     }
     if not upstreams:
         raise ValueError("create_app: upstream_url names no upstream")
-    proxy = _App(Upstreams(upstreams), store=store, max_request_bytes=max_request_bytes,
-                 client_timeout=client_timeout, responses_upstream=responses_upstream, previous=previous_responses,
-                 middleware=middleware, meter_provider=meter_provider, tracer_provider=tracer_provider)  # fmt: skip
+    intake = Intake(max_request_bytes, client_timeout, responses_upstream, Recorder(store))
+    proxy = _App(
+        Upstreams(upstreams, fall_back=responses_upstream == "auto"),
+        intake,
+        client_timeout=client_timeout,
+        previous=previous_responses,
+        meter_provider=meter_provider,
+        tracer_provider=tracer_provider,
+    )
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -231,8 +221,8 @@ def create_app(
 
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
     routes = [
-        Route("/v1/{path:path}", proxy.endpoint, methods=methods),
-        Route("/r/{rollout}/v1/{path:path}", proxy.endpoint, methods=methods),
+        Route("/v1/{path:path}", proxy, methods=methods),
+        Route("/r/{rollout}/v1/{path:path}", proxy, methods=methods),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.proxy = proxy

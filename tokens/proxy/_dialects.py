@@ -4,9 +4,10 @@ A ``Dialect`` turns its request into the chat completion the upstream serves wit
 (``to_chat``, with the ``history`` a Responses ``previous_response_id`` stands for), the chat
 completion back into its own answer (``answer``), the upstream's chat stream into its own events
 (``events``: None when they pass on as the upstream sent them), and a failure into its own error
-shape, as a JSON body (``error_body``) and as a stream's event (``error_event``). ``native`` says
-that vLLM serves the dialect itself with exact ids (``/v1/responses``). ``dialects()`` maps each
-served path to its dialect; nothing outside this module tells one dialect from another.
+shape, as a JSON body (``error_body``) and as a stream's event (``error_event``). A dialect that
+vLLM serves itself with exact ids (Responses, through ``/v1/responses``) gives the request it asks
+there (``native_request``) and makes its answer from vLLM's (``native_answer``). ``dialects()`` maps
+each served path to its dialect; nothing outside this module tells one dialect from another.
 """
 
 from __future__ import annotations
@@ -16,11 +17,20 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol
 
+from .._bundle import TokenBundle
 from ._chat import sse, without_echoes
 from ._errors import ProxyError, RequestRejectedError, anthropic_error_body, openai_error_body
 from ._messages import MessagesEvents, chat_to_messages, messages_to_chat
 from ._messages import dropped_tools as messages_dropped
-from ._responses import ResponsesEvents, chat_to_responses, error_event, history_of, responses_to_chat
+from ._responses import (
+    ResponsesEvents,
+    chat_to_responses,
+    error_event,
+    history_of,
+    native_answer,
+    native_request,
+    responses_to_chat,
+)
 from ._responses import dropped_tools as responses_dropped
 
 __all__ = ["Dialect", "Events", "dialects"]
@@ -40,11 +50,24 @@ class Dialect:
 
     name: ClassVar[str] = "chat"
     """The dialect's name in telemetry (``tokens.proxy.dialect``) and logs."""
-    native: ClassVar[bool] = False
 
     def history(self, body: Mapping[str, Any]) -> tuple[list[Any], str | None]:
         """The earlier items the request continues and the model call id that answered them."""
         return [], None
+
+    def native_request(
+        self, body: Mapping[str, Any], history: list[Any], responses_upstream: str
+    ) -> dict[str, Any] | None:
+        """The request as vLLM's own API for the dialect takes it, with exact ids asked; None when it
+        is asked as a chat completion (``responses_upstream``: the proxy's choice, ``create_app``'s)."""
+        return None
+
+    def native_answer(
+        self, answer: dict[str, Any], bundle: TokenBundle, body: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any], Mapping[str, Any]]:
+        """vLLM's own answer to ``native_request`` with the ``bundle`` on it, the chat completion it is
+        recorded as, and the bundle's fields as the record takes them."""
+        raise NotImplementedError(f"the {self.name} dialect is not served natively")
 
     def to_chat(self, body: dict[str, Any], history: list[Any]) -> dict[str, Any]:
         return without_echoes(body)
@@ -131,7 +154,6 @@ class _Responses(Dialect):
     ``previous_response_id`` (the last ``previous`` of them, in memory)."""
 
     name = "responses"
-    native = True
 
     def __init__(self, previous: int) -> None:
         self.previous = _Previous(previous)
@@ -141,6 +163,20 @@ class _Responses(Dialect):
         if not isinstance(response_id, str):
             return [], None
         return self.previous.get(response_id)
+
+    def native_request(
+        self, body: Mapping[str, Any], history: list[Any], responses_upstream: str
+    ) -> dict[str, Any] | None:
+        """``/v1/responses`` is asked unless the proxy converts (``"chat"``), and in ``"auto"`` only for a
+        request without tools and not streamed (vLLM has no log probabilities for tool calls there)."""
+        if responses_upstream == "chat" or (responses_upstream == "auto" and (body.get("tools") or body.get("stream"))):
+            return None
+        return native_request(body, history)
+
+    def native_answer(
+        self, answer: dict[str, Any], bundle: TokenBundle, body: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any], Mapping[str, Any]]:
+        return native_answer(answer, bundle, body)
 
     def to_chat(self, body: dict[str, Any], history: list[Any]) -> dict[str, Any]:
         return responses_to_chat(body, history)

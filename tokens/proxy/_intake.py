@@ -1,13 +1,16 @@
-"""A request's way in: its body read whole (bounded in size and time) and its call's coordinates.
+"""A request's way in: read, checked and made the ``Turn`` the later stages serve.
 
 The body is read with ``max_request_bytes`` and ``client_timeout``; the call's ids come from the
 URL's rollout id and the ``X-Rollout-Id``, ``X-Model-Call-Id``, ``X-Parent-Call-Id`` and
-``X-Weight-Version`` headers, each checked as the records check it. Every refusal is a typed
-``ProxyError``. The call carries the headers every answer gives back.
+``X-Weight-Version`` headers, each checked as the records check it; the dialect gives the history
+it continues, the request it asks of vLLM itself (if any) and the chat completion it is served or
+recorded as. Every refusal is a typed ``ProxyError``, before anything goes upstream. The call
+carries the headers every answer gives back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,13 +20,14 @@ import anyio
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
-from ..records import CoordinateError, Coordinates
+from ..records import CoordinateError, Coordinates, Custody
 from ..records._coordinates import check_id, check_weight_version
 from ._dialects import Dialect
 from ._errors import ClientTimeoutError, RequestRejectedError, RequestTooLargeError
-from ._upstream import Upstream
+from ._records import Recorder
+from ._telemetry import Report
 
-__all__ = ["Call", "Turn", "call_of", "read_json"]
+__all__ = ["Call", "Intake", "Turn", "call_of", "read_json"]
 
 ROLLOUT_HEADER, CALL_HEADER, PARENT_HEADER, WEIGHT_HEADER = (
     "x-rollout-id",
@@ -45,15 +49,49 @@ class Call:
 
 
 class Turn(NamedTuple):
-    """A request as the stages that serve it see it: its dialect and upstream, its body and the history
-    it continues, its call, and when it came in (``time.perf_counter``)."""
+    """A request as the stages that serve it see it: its dialect, its body and the history it
+    continues, whether it streams, its call and the call's custody; what it asks of vLLM's own API
+    (``native``; None: it is asked as a chat completion) and the chat completion it is served or
+    recorded as (``chat``; None for a native call that is not recorded); the ``report`` its stages fill."""
 
     dialect: Dialect
-    upstream: Upstream
     body: dict[str, Any]
     history: list[Any]
+    stream: bool
     call: Call
-    started: float
+    custody: Custody
+    native: dict[str, Any] | None
+    chat: dict[str, Any] | None
+    report: Report
+
+
+class Intake:
+    """How requests come in: the limits a body is read within, how Responses requests are asked
+    (``responses_upstream``, ``create_app``'s), and the records a call is kept in."""
+
+    def __init__(
+        self, max_request_bytes: int, client_timeout: float, responses_upstream: str, recorder: Recorder
+    ) -> None:
+        self.max_request_bytes = max_request_bytes
+        self.client_timeout = client_timeout
+        self.responses_upstream = responses_upstream
+        self.recorder = recorder
+
+    async def turn_of(self, request: Request, dialect: Dialect, report: Report) -> Turn:
+        """The request read and checked, as the ``Turn`` the stages serve (nothing is sent yet)."""
+        body = await read_json(request, self.max_request_bytes, self.client_timeout)
+        report.stream = stream = bool(body.get("stream"))
+        call = call_of(request, request.path_params.get("rollout"))
+        history, parent = dialect.history(body)
+        native = dialect.native_request(body, history, self.responses_upstream)
+        if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
+            call = dataclasses.replace(call, coordinates=dataclasses.replace(call.coordinates, parent_call_id=parent))
+        custody = self.recorder.custody(call.coordinates, dialect.dropped(body))
+        chat = dialect.to_chat(body, history) if native is None or custody.recorded else None
+        n = None if chat is None else chat.get("n")
+        if custody.recorded and n is not None and n != 1:
+            raise RequestRejectedError(f"n={n!r} with a rollout id: a record holds one choice; send n=1", param="n")
+        return Turn(dialect, body, history, stream, call, custody, native, chat, report)
 
 
 async def read_json(request: Request, max_request_bytes: int, client_timeout: float) -> dict[str, Any]:

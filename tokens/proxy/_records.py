@@ -27,7 +27,7 @@ from ..records import (
 )
 from ..records._writer import UNRECORDED
 from ._chat import TOKEN_FIELDS, reasoning_of
-from ._errors import CaptureFailedError, ProxyError, RequestRejectedError
+from ._errors import CaptureFailedError, ProxyError
 
 __all__ = ["Recorder", "StreamRecord"]
 
@@ -101,25 +101,16 @@ def _capture_failed(exc: BaseException) -> bool:
 
 
 class _ProxyCustody(Custody):
-    """A recorded call's custody as the proxy answers it: a call of ``n`` > 1 refused, a frozen or
-    retired rollout a 409, a failing store a 503 (its details go to the log only)."""
+    """A recorded call's custody as the proxy answers it: a frozen or retired rollout a 409, a failing
+    store a 503 (its details go to the log only); its record names what the conversion left out of the
+    client's request (``dropped``)."""
 
-    def __init__(
-        self,
-        writer: RecordWriter,
-        coordinates: Coordinates,
-        chat: Mapping[str, Any],
-        dropped: Sequence[Mapping[str, Any]] = (),
-    ) -> None:
+    def __init__(self, writer: RecordWriter, coordinates: Coordinates, dropped: Sequence[Mapping[str, Any]]) -> None:
         super().__init__(writer, coordinates, _capture_failed)
-        self.chat = chat
         self.dropped = dropped
 
     async def begin(self) -> None:
         coordinates = self.coordinates
-        n = self.chat.get("n")
-        if n is not None and n != 1:
-            raise RequestRejectedError(f"n={n!r} with a rollout id: a record holds one choice; send n=1", param="n")
         try:
             await super().begin()
         except (RolloutFrozenError, RolloutRetiredError) as exc:  # a frozen or retired rollout takes no more calls
@@ -163,15 +154,9 @@ class Recorder:
     def __init__(self, store: Any) -> None:
         self.writer = None if store is None else RecordWriter(store)
 
-    def records(self, coordinates: Coordinates | None) -> bool:
-        """Whether a call at ``coordinates`` is recorded: with a store and a rollout id."""
-        return self.writer is not None and coordinates is not None
-
-    def custody(
-        self, coordinates: Coordinates | None, chat: Mapping[str, Any], dropped: Sequence[Mapping[str, Any]] = ()
-    ) -> Custody:
-        """The call's custody (``chat``: the request as served; ``dropped``: what its conversion left out,
-        recorded); one that records nothing when it is not recorded."""
+    def custody(self, coordinates: Coordinates | None, dropped: Sequence[Mapping[str, Any]] = ()) -> Custody:
+        """The call's custody (``dropped``: what its conversion left out, recorded); one that records
+        nothing (``recorded`` False) without a store or a rollout id."""
         if self.writer is None or coordinates is None:
             return UNRECORDED
-        return _ProxyCustody(self.writer, coordinates, chat, dropped)
+        return _ProxyCustody(self.writer, coordinates, dropped)

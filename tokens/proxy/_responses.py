@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._bundle import TokenBundle
+from .._vllm_responses import prepare_responses_request
 from ._chat import TOKEN_FIELDS, function_tool, reasoning_of, required_string, sse, strip_token_fields, text_parts
 from ._errors import ProxyError, RequestRejectedError
 
@@ -44,11 +46,15 @@ _UNSERVED = {
 }
 
 
+def _user_message(content: Any) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": content}
+
+
 def input_items(body: Mapping[str, Any]) -> list[Any]:
     """The request's ``input`` as a list of items (a string is one user message)."""
     given = body.get("input")
     if isinstance(given, str):
-        return [{"type": "message", "role": "user", "content": given}]
+        return [_user_message(given)]
     if not isinstance(given, list):
         raise RequestRejectedError("input: must be a string or a list of items", param="input")
     return given
@@ -389,6 +395,44 @@ def history_of(request: Mapping[str, Any], answer: Mapping[str, Any], earlier: S
     request's input and the answer's output, without bundle fields."""
     items = (*input_items(request), *answer.get("output", ()))
     return [*earlier, *(strip_token_fields(item) for item in items)]
+
+
+# -- vLLM's own /v1/responses -------------------------------------------------------------------
+
+
+def native_request(body: Mapping[str, Any], history: Sequence[Any]) -> dict[str, Any]:
+    """The request as vLLM's ``/v1/responses`` takes it: raw message tokens and output log
+    probabilities asked, the ``history`` a ``previous_response_id`` stands for put before its input."""
+    sent = prepare_responses_request({key: value for key, value in body.items() if key != "previous_response_id"})
+    given = sent.get("input", "")
+    sent["input"] = [*history, *given] if isinstance(given, list) else [*history, _user_message(given)]
+    return sent
+
+
+def native_answer(
+    answer: dict[str, Any], bundle: TokenBundle, request: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], Mapping[str, Any]]:
+    """vLLM's answer with the bundle on its last output item (an empty message when it has none), the
+    chat completion it is recorded as, and that item (whose bundle fields the record takes)."""
+    answer.pop("choices", None)
+    output = answer["output"]
+    if not output:
+        empty = {"id": f"msg_{answer.get('id', '')}", "type": "message", "role": "assistant", "status": "completed"}
+        output.append({**empty, "content": []})
+    last = output[-1]
+    last.update(
+        zip(
+            TOKEN_FIELDS,
+            (bundle.prompt_token_ids, bundle.generation_token_ids, bundle.generation_log_probs),
+            strict=True,
+        )
+    )
+    answer["previous_response_id"] = request.get("previous_response_id")
+    messages = [item for item in output if isinstance(item, dict) and item.get("type") == "message"]
+    parts = [part for item in messages for part in item.get("content") or () if isinstance(part, dict)]
+    text = "".join(str(part.get("text", "")) for part in parts if part.get("type") == "output_text")
+    message = {"role": "assistant", "content": text}
+    return answer, {"id": answer.get("id"), "model": answer.get("model"), "choices": [{"message": message}]}, last
 
 
 # -- streams ----------------------------------------------------------------------------------

@@ -1,67 +1,51 @@
 """A streamed answer: the upstream's chat events passed on, converted to the client's dialect, as they come.
 
-The upstream's stream is opened inside the call's span; each event is converted by the dialect (or
-passed on as it came) and fed to the call's record, which is written before the stream's end goes
-out. A failure once the stream has started is the dialect's error event; the upstream's stream is
-closed and the call counted once, whether the events ran or not.
+The upstream's stream arrives opened; each event is converted by the dialect (or passed on as it
+came) and fed to the call's record, which is written before the stream's end goes out. A failure
+once the stream has started is the dialect's error event, told in the turn's report; the upstream's
+stream is closed once, whether the events ran or not.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import anyio
 import httpx
 from starlette.responses import Response
 
 from .._errors import TokensError
-from ..records import Custody
 from ._chat import chunks_of
-from ._errors import ProxyError, RequestRejectedError
+from ._errors import ProxyError, RequestRejectedError, upstream_error
 from ._event_stream import EventStream
 from ._intake import Turn
 from ._records import StreamRecord
-from ._telemetry import ProxyTelemetry
+from ._upstream import Reply
 
 __all__ = ["serve_stream"]
 
 
-async def serve_stream(
-    telemetry: ProxyTelemetry,
-    client_timeout: float,
-    turn: Turn,
-    chat: dict[str, Any],
-    attributes: dict[str, Any],
-    custody: Custody,
-) -> Response:
-    """The upstream's chat stream, opened, and answered event by event in the client's dialect."""
-    dialect, upstream, body, history, call, started = turn
-    span = telemetry.start_span(dialect, attributes)
-    try:
-        response = await upstream.chat_stream(chat, span)
-    except (TokensError, httpx.HTTPError) as exc:
-        error = telemetry.upstream_error(exc, dialect)
-        await custody.end(error)
-        telemetry.end_span(span, error)
-        raise error from None
-
+def serve_stream(turn: Turn, reply: Reply, client_timeout: float) -> Response:
+    """The reply's chat stream answered event by event in the client's dialect."""
+    dialect, body, custody, report = turn.dialect, turn.body, turn.custody, turn.report
+    response, chat = reply.stream, reply.chat
+    assert response is not None  # a streamed reply
     closed = False
 
-    async def close(error: ProxyError | None) -> None:
-        """Once, whether the events ran or not: the upstream's stream closed, the call counted."""
+    async def close() -> None:
+        """Once, whether the events ran or not: the upstream's stream closed."""
         nonlocal closed
         if not closed:
             closed = True
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 await response.aclose()
-            telemetry.finished(dialect, True, started, error, span)
 
     async def gone() -> None:  # the client went away before the first event was produced
-        await close(RequestRejectedError("the client went away before its stream started"))
+        if not closed:
+            report.error = RequestRejectedError("the client went away before its stream started")
+        await close()
 
     async def events() -> AsyncIterator[bytes]:
-        error: ProxyError | None = None
         converter = dialect.events(body)
         gathered = StreamRecord() if custody.recorded else None
         try:
@@ -85,15 +69,15 @@ async def serve_stream(
             if converter is not None:
                 for out in converter.finish():
                     yield out
-                dialect.ended(converter, body, history, call.model_call_id)
+                dialect.ended(converter, body, turn.history, turn.call.model_call_id)
         except (TokensError, httpx.HTTPError, ProxyError) as exc:
-            error = telemetry.upstream_error(exc, dialect)
-            await custody.end(error)
-            yield dialect.error_event(error, converter)
+            report.error, report.cause = upstream_error(exc), exc
+            await custody.end(report.error)
+            yield dialect.error_event(report.error, converter)
         except anyio.get_cancelled_exc_class() as exc:  # cancelled before its record: the rollout has a hole
             await custody.end(exc)
             raise
         finally:
-            await close(error)
+            await close()
 
-    return EventStream(events(), client_timeout, call.headers, closing=gone)
+    return EventStream(events(), client_timeout, turn.call.headers, closing=gone)

@@ -1,9 +1,12 @@
 """The proxy's upstreams: each a base URL (credentials stripped) and a capturing client, picked by model.
 
 An ``Upstream`` asks for what its server serves: a chat completion whole or as a stream of events
-(through ``TokenCaptureTransport``, with inline ids), vLLM's own ``/v1/responses``, the model list.
-Its methods raise what the I/O raised (``TokensError``, ``httpx.HTTPError``); the caller answers the
-client's view of it. ``Upstreams`` picks one by the request's model and closes them all.
+(through ``TokenCaptureTransport``, with inline ids), vLLM's own ``/v1/responses`` (its bundle
+through the capture chain), the model list; its methods raise what the I/O raised (``TokensError``,
+``httpx.HTTPError``). ``Upstreams.send`` sends one turn to the upstream of its model, by the API
+it asks (vLLM's own where it is served, else chat completions), and gives back the ``Reply``; a
+failure is raised as the client's view of it (``upstream_error``), told in the turn's report.
+``Upstreams`` closes them all.
 """
 
 from __future__ import annotations
@@ -11,26 +14,41 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import httpx
 import msgspec
-from opentelemetry import trace
 from opentelemetry.metrics import MeterProvider
-from opentelemetry.trace import Span, TracerProvider
+from opentelemetry.trace import TracerProvider
 
-from .._chain import ChainEntry
+from .._bundle import TokenBundle
+from .._chain import DEFAULT_CHAIN, ChainEntry, build_chain
+from .._errors import TokensError
+from .._exchange import Exchange
 from .._http import read_body, strip_credentials
 from .._transport import TokenCaptureTransport
-from ._errors import ProxyError
+from .._vllm_responses import decode_responses
+from ._errors import ProxyError, upstream_error
+from ._intake import Turn
 
-__all__ = ["Upstream", "Upstreams"]
+__all__ = ["Reply", "Upstream", "Upstreams"]
 
 logger = logging.getLogger("tokens.proxy")
 _ENCODE = msgspec.json.Encoder()
+_DECODE = msgspec.json.Decoder(dict[str, Any])
 _JSON = {"content-type": "application/json"}
+
+
+class Reply(NamedTuple):
+    """The upstream's answer to a turn: ``chat``, the chat completion it was asked as (what a record
+    keeps), and either its ``answer`` whole (a chat completion with inline ids, or vLLM's own answer
+    with its ``bundle``) or its chat ``stream`` opened, the events not read yet."""
+
+    chat: dict[str, Any]
+    answer: dict[str, Any] | None = None
+    bundle: TokenBundle | None = None
+    stream: httpx.Response | None = None
 
 
 class Upstream:
@@ -63,50 +81,61 @@ class Upstream:
             tracer_provider=tracer_provider,
         )
         self.client = httpx.AsyncClient(transport=capture, auth=auth, headers=headers, timeout=timeout)
+        self.chain = build_chain(DEFAULT_CHAIN if middleware is None else middleware)
         self.serves_responses: bool | None = None  # unknown until asked
-
-    def asks_responses(self, body: Mapping[str, Any], responses_upstream: str) -> bool:
-        """Whether to ask vLLM's own ``/v1/responses`` (it has no log probabilities for tool calls)."""
-        if responses_upstream == "chat" or self.serves_responses is False:
-            return False
-        return responses_upstream == "responses" or not (body.get("tools") or body.get("stream"))
 
     async def models(self) -> bytes:
         """The upstream's ``/models`` answer, as it sent it."""
         response = await self.client.get(self.base + "/models")
         return await read_body(response, "models", 2**20)
 
-    async def chat(self, body: Mapping[str, Any]) -> bytes:
-        """A chat completion's answer, whole, as the upstream sent it."""
-        response = await self.client.post(self.base + "/chat/completions", content=_ENCODE.encode(body), headers=_JSON)
-        return await read_body(response, "answer", self.max_response_bytes)
-
-    async def chat_stream(self, body: Mapping[str, Any], span: Span | None) -> httpx.Response:
-        """A chat completion's stream, opened (its events not yet read) inside ``span``."""
-        request = self.client.build_request(
-            "POST", self.base + "/chat/completions", content=_ENCODE.encode(body), headers=_JSON
-        )
-        with trace.use_span(span, end_on_exit=False) if span is not None else nullcontext():
-            response = await self.client.send(request, stream=True)
-        if response.status_code >= 400:
-            await read_body(response, "answer", self.max_response_bytes)  # raises the typed error
-        return response
-
-    async def responses(self, body: Mapping[str, Any], fall_back: bool) -> bytes | None:
-        """vLLM's ``/v1/responses`` answer; None (and remembered) when ``fall_back`` and it is not served."""
-        response = await self.client.post(self.base + "/responses", json=body)
-        if response.status_code in (404, 405) and fall_back:
-            await response.aclose()
-            self.serves_responses = False  # remembered: chat completions from now on
-            return None
-        return await read_body(response, "answer", self.max_response_bytes)
+    async def ask(self, path: str, body: Mapping[str, Any]) -> httpx.Response:
+        """``body`` posted to ``path`` (under the base URL): the answer with its head read, its body not yet."""
+        request = self.client.build_request("POST", self.base + path, content=_ENCODE.encode(body), headers=_JSON)
+        return await self.client.send(request, stream=True)
 
 
 class Upstreams:
-    """The upstreams by model name (``None``: the default one)."""
+    """The upstreams by model name (``None``: the default one); ``fall_back``: a Responses request
+    whose upstream has no ``/v1/responses`` is asked as a chat completion (``responses_upstream="auto"``)."""
 
-    def __init__(self, upstreams: Mapping[str | None, Upstream]) -> None:
+    def __init__(self, upstreams: Mapping[str | None, Upstream], fall_back: bool) -> None:
         self.by_model = upstreams
+        self.fall_back = fall_back
+
+    async def send(self, turn: Turn) -> Reply:
+        """The turn sent to the upstream of its model, by the API it asks, and the upstream's reply:
+        vLLM's own answer and its bundle (captured by the chain), or a chat completion whole or opened
+        as a stream; a Responses request whose upstream has no ``/v1/responses`` (a 404, remembered)
+        is asked as a chat completion when ``fall_back``."""
+        upstream = self.pick(turn.body)
+        report = turn.report
+        native = turn.native if upstream.serves_responses is not False else None
+        chat = turn.chat
+        try:
+            if native is not None:
+                report.upstream_api = "responses"
+                response = await upstream.ask("/responses", native)
+                if response.status_code in (404, 405) and self.fall_back:
+                    await response.aclose()
+                    native = None
+                    upstream.serves_responses = False  # remembered: chat completions from now on
+            if native is None:
+                chat = turn.dialect.to_chat(turn.body, turn.history) if chat is None else chat
+                report.upstream_api = "chat"
+                response = await upstream.ask("/chat/completions", chat)
+                if turn.stream and response.status_code < 400:
+                    return Reply(chat, stream=response)
+            data = await read_body(response, "answer", upstream.max_response_bytes)  # a failure raises, typed
+            if native is None:
+                return Reply(chat or {}, _DECODE.decode(data))
+            decoded = decode_responses(data)
+            bundle = await upstream.chain(Exchange(native, decoded))
+            upstream.serves_responses = True
+            return Reply(chat or {}, decoded.answer, bundle)
+        except (TokensError, httpx.HTTPError) as exc:
+            report.cause = exc
+            raise upstream_error(exc) from None
 
     def first(self) -> Upstream:
         return next(iter(self.by_model.values()))

@@ -232,7 +232,8 @@ class FakeVLLM:
                                                      reasoning=self.reasoning_parser),
                  "logprobs": {"content": [self._entry(t, lp, as_ids) for t, lp in zip(ids, lps, strict=True)]}
                  if want_logprobs else None,
-                 "finish_reason": "tool_calls" if self._calls(ids) and reason == "stop" else reason, "stop_reason": None, "token_ids": ids if inline else None, "routed_experts": None}
+                 "finish_reason": "tool_calls" if self._calls(ids) and reason == "stop" else reason,
+                 "stop_reason": None, "token_ids": ids if inline else None, "routed_experts": None}
                 for index, (ids, lps, reason) in enumerate(choices)
             ],
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,

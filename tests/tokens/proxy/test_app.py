@@ -252,3 +252,32 @@ def test_a_span_and_a_duration_per_call_by_dialect(telemetry: TelemetryCapture) 
         )
     assert telemetry.histogram_count("tokens.proxy.duration_ms", tokens__proxy__dialect="messages") == 2
     assert telemetry.histogram_count("tokens.proxy.duration_ms", tokens__proxy__outcome="ProxyError") == 1
+
+
+def test_a_call_is_one_span_from_its_request_to_its_last_byte(telemetry: TelemetryCapture) -> None:
+    """The capture's own span is a child of the call's (a stream's too), and a request refused before
+    anything went upstream has its span and its duration, with the error's type."""
+    app = create_app(
+        FAKE_VLLM_URL + "/v1",
+        transport=FakeVLLMTransport(FakeVLLM()),
+        meter_provider=telemetry.meter_provider,
+        tracer_provider=telemetry.tracer_provider,
+    )
+    with ProxyServer(app) as server:
+        client = openai.OpenAI(base_url=server.base_url("r"), api_key="k", max_retries=0)
+        assert list(client.chat.completions.create(model="tiny", messages=USER, stream=True))  # type: ignore[arg-type]
+        refused = httpx.post(server.url + "/v1/messages", content=b"{not json")
+    assert refused.status_code == 400
+    streamed, failed = telemetry.spans("tokens.proxy chat")[0], telemetry.spans("tokens.proxy messages")[0]
+    captured = [span for span in telemetry.spans() if span.name.startswith("tokens.chat_completion")]
+    assert captured and all(span.parent is not None for span in captured)
+    assert {span.parent.span_id for span in captured if span.parent} == {streamed.context.span_id}
+    assert streamed.attributes is not None and streamed.attributes["tokens.proxy.upstream_api"] == "chat"
+    assert failed.attributes is not None and failed.attributes["error.type"] == "tokens.proxy.RequestRejectedError"
+    assert "tokens.proxy.upstream_api" not in failed.attributes
+    assert (
+        telemetry.histogram_count(
+            "tokens.proxy.duration_ms", tokens__proxy__dialect="messages", tokens__proxy__outcome="RequestRejectedError"
+        )
+        == 1
+    )
