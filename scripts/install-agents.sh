@@ -14,13 +14,14 @@ if [ ! -f "$marker" ]; then
   echo "installing @openai/codex@$CODEX_VERSION and @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION into $prefix" >&2
   rm -rf "$prefix"
   mkdir -p "$prefix"
-  # Their own caches stay in a temp dir: nothing of npm's lands in the caller's HOME.
-  npm_cache="$(mktemp -d)"
-  trap 'rm -rf "$npm_cache"' EXIT
-  npm install --global --prefix "$prefix" --cache "$npm_cache" --no-audit --no-fund --loglevel=error \
+  # npm's cache and the agents' own state stay in a temp dir: nothing lands in the caller's HOME.
+  scratch="$(mktemp -d)"
+  trap 'rm -rf "$scratch"' EXIT
+  npm install --global --prefix "$prefix" --cache "$scratch/npm" --no-audit --no-fund --loglevel=error \
     "@openai/codex@$CODEX_VERSION" "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" >&2
-  "$prefix/bin/codex" --version >&2
-  "$prefix/bin/claude" --version >&2
+  mkdir "$scratch/.codex"
+  HOME="$scratch" CODEX_HOME="$scratch/.codex" "$prefix/bin/codex" --version >&2
+  HOME="$scratch" "$prefix/bin/claude" --version >&2
   touch "$marker"
 fi
 echo "$prefix/bin"
