@@ -40,7 +40,9 @@ def prepare_token_in(prompt_token_ids: list[int], body: Mapping[str, Any]) -> di
     return sent
 
 
-def _choice_bundle(response: DecodedResponse, index: int, sent: list[int]) -> TokenBundle:
+def _choice_bundle(response: DecodedResponse, index: int, sent: list[int] | None) -> TokenBundle:
+    """A choice's bundle; ``sent``: the prompt ids given, which the server's must equal (None for a
+    text prompt: the server's ids are the prompt's)."""
     choice = f"choices[{index}]"
     prompt = response.token_ids(f"{choice}.prompt_token_ids")
     generation = response.token_ids(f"{choice}.token_ids")
@@ -50,7 +52,9 @@ def _choice_bundle(response: DecodedResponse, index: int, sent: list[int]) -> To
             f"{choice}: the completion lacks prompt_token_ids, token_ids or logprobs; the server must honour "
             "return_token_ids=true and logprobs=0 (vLLM does)"
         )
-    if prompt != sent:
+    if sent is None:
+        sent = prompt
+    elif prompt != sent:
         raise ConflictingTokenMetadataError(
             f"{choice}.prompt_token_ids: the server's prompt differs from the ids sent "
             f"{describe_difference(sent, prompt)}; it did not use the prompt given"
@@ -71,8 +75,11 @@ def _choice_bundle(response: DecodedResponse, index: int, sent: list[int]) -> To
 
 
 def extract_token_in(request: Mapping[str, Any], data: bytes | str) -> TokenCompletion:
-    """The bundles of a token-in completion (one per choice), checked against the ids sent."""
-    sent: list[int] = request["prompt"]
+    """The bundles of a completion (one per choice), checked against the ids sent (a text prompt: the
+    server's own prompt ids)."""
+    given = request["prompt"]
+    ids = isinstance(given, list) and all(type(token) is int for token in given)
+    sent: list[int] | None = given if ids else None
     response = decode_response(data)
     check_choice_count(request, len(response.choices))
     bundles = tuple(_choice_bundle(response, index, sent) for index in range(len(response.choices)))

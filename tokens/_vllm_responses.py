@@ -97,11 +97,27 @@ def prepare_responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
     return sent
 
 
+_ECHOED = frozenset({*TOKEN_FIELDS, "token_bundles"})
+_PROVIDER_FIELDS = "provider_specific_fields"  # where litellm keeps a message's unknown fields, and sends them back
+
+
 def without_token_fields(item: Any) -> Any:
-    """``item`` without the bundle fields a client may echo back from an earlier answer."""
-    if isinstance(item, dict) and any(name in item for name in TOKEN_FIELDS):
-        return {key: value for key, value in item.items() if key not in TOKEN_FIELDS}
-    return item
+    """``item`` (an input item, a chat message) without the bundle fields a client may echo back from an
+    earlier answer: on the item itself, or where litellm keeps them (``provider_specific_fields``)."""
+    if not isinstance(item, dict):
+        return item
+    extra = item.get(_PROVIDER_FIELDS)
+    echoed_extra = isinstance(extra, dict) and not _ECHOED.isdisjoint(extra)
+    if _ECHOED.isdisjoint(item) and not echoed_extra:
+        return item
+    cleaned = {key: value for key, value in item.items() if key not in _ECHOED}
+    if isinstance(extra, dict) and echoed_extra:
+        kept = {key: value for key, value in extra.items() if key not in _ECHOED}
+        if kept:
+            cleaned[_PROVIDER_FIELDS] = kept
+        else:
+            del cleaned[_PROVIDER_FIELDS]
+    return cleaned
 
 
 def decode_responses(data: bytes | str) -> ResponsesAnswer:

@@ -24,6 +24,7 @@ from ._app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from ._errors import (
     CaptureFailedError,
     ClientTimeoutError,
+    ContextWindowError,
     ProxyError,
     RequestRejectedError,
     RequestTooLargeError,
@@ -42,6 +43,7 @@ __all__ = [
     "DEFAULT_MAX_REQUEST_BYTES",
     "CaptureFailedError",
     "ClientTimeoutError",
+    "ContextWindowError",
     "Coordinates",
     "EventStream",
     "MessagesEvents",

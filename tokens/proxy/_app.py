@@ -33,13 +33,13 @@ from starlette.types import Receive, Scope, Send
 from _shared_telemetry import error_type
 
 from .._chain import ChainEntry
-from .._errors import TokensError
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit
 from ._answers import serve_whole
-from ._dialects import CHAT, Dialect, dialects
+from ._dialects import Dialect, dialects
 from ._errors import ProxyError
 from ._intake import Intake
 from ._records import Recorder
+from ._side import Side
 from ._sink import TokenSink
 from ._streaming import serve_stream
 from ._telemetry import ProxyTelemetry
@@ -68,6 +68,7 @@ class _App:
         self.intake = intake
         self.client_timeout = client_timeout
         self.dialects = dialects(previous)
+        self.side = Side(upstreams, intake, self.dialects)
         self.telemetry = ProxyTelemetry(meter_provider, tracer_provider)
 
     async def aclose(self) -> None:
@@ -80,20 +81,13 @@ class _App:
         await self.endpoint(Request(scope, receive), send)
 
     async def endpoint(self, request: Request, send: Send) -> None:
-        """The route: a dialect's POST is served, ``GET /v1/models`` asks the upstream, the rest is a 404."""
-        path = request.path_params["path"]
+        """The route: a dialect's POST is served as a model call; the rest are the side routes
+        (``_side``: probes, models, kept answers, token counts, legacy completions, 404s)."""
+        path = request.path_params.get("path", "")
         dialect = self.dialects.get(path)
         if dialect is not None and request.method == "POST":
             return await self.serve(dialect, request, send)
-        if request.method == "GET" and path == "models":
-            response = await self.models()
-        else:
-            error = ProxyError(
-                f"{request.method} /v1/{path[:80]} is not served: POST /v1/chat/completions, "
-                "/v1/responses or /v1/messages (or GET /v1/models)",
-                status=404,
-            )
-            response = JSONResponse(CHAT.error_body(error), status_code=error.status)
+        response = await self.side.answer(request, path)
         await response(request.scope, request.receive, send)
 
     async def serve(self, dialect: Dialect, request: Request, send: Send) -> None:
@@ -120,14 +114,6 @@ class _App:
                 report.error = failure
                 response = JSONResponse(dialect.error_body(failure), status_code=failure.status)
             await response(request.scope, request.receive, send)
-
-    async def models(self) -> Response:
-        try:
-            data = await self.upstreams.first().models()
-        except (TokensError, httpx.HTTPError) as exc:
-            error = self.telemetry.upstream_error(exc)
-            return JSONResponse(CHAT.error_body(error), status_code=error.status)
-        return Response(data, media_type="application/json")
 
 
 def create_app(
@@ -219,10 +205,12 @@ def create_app(
         finally:
             await proxy.aclose()
 
-    methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
+    methods = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH"]
+    bases = ["/", "/v1", "/r/{rollout}", "/r/{rollout}/", "/r/{rollout}/v1"]  # probed by clients (HEAD, GET)
     routes = [
         Route("/v1/{path:path}", proxy, methods=methods),
         Route("/r/{rollout}/v1/{path:path}", proxy, methods=methods),
+        *(Route(base, proxy, methods=methods) for base in bases),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.proxy = proxy

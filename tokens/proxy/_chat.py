@@ -12,7 +12,17 @@ from .._vllm_responses import TOKEN_FIELDS
 from .._vllm_responses import without_token_fields as strip_token_fields
 from ._errors import RequestRejectedError
 
-__all__ = ["TOKEN_FIELDS", "chunks_of", "function_tool", "required_string", "sse", "strip_token_fields", "text_parts"]
+__all__ = [
+    "TOKEN_FIELDS",
+    "chunks_of",
+    "function_tool",
+    "reasoning_of",
+    "required_string",
+    "sse",
+    "strip_token_fields",
+    "text_parts",
+    "without_echoes",
+]
 
 _encode = msgspec.json.Encoder().encode
 _chunk = msgspec.json.Decoder(dict[str, Any])
@@ -30,6 +40,28 @@ def chunks_of(event: bytes) -> Iterator[dict[str, Any] | None]:
         if line.startswith(b"data:"):
             payload = line[5:].strip()
             yield None if payload == b"[DONE]" else _chunk.decode(payload)
+
+
+def without_echoes(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion request without the bundles the proxy added to earlier answers, wherever a
+    client library echoes them on its messages (``strip_token_fields``): they never travel upstream."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return body
+    cleaned = [strip_token_fields(message) for message in messages]
+    if all(new is old for new, old in zip(cleaned, messages, strict=True)):
+        return body
+    return {**body, "messages": cleaned}
+
+
+def reasoning_of(message: Mapping[str, Any]) -> str | None:
+    """The reasoning of a chat message or delta as vLLM's reasoning parsers give it: ``reasoning``
+    (vLLM 0.10 on) or ``reasoning_content`` (before, and other servers); None without any."""
+    for name in ("reasoning", "reasoning_content"):
+        value = message.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return None
 
 
 def required_string(item: Mapping[str, Any], param: str, name: str, where: str) -> str:

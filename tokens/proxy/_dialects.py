@@ -18,9 +18,10 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol
 
 from .._bundle import TokenBundle
-from ._chat import sse
+from ._chat import sse, without_echoes
 from ._errors import ProxyError, RequestRejectedError, anthropic_error_body, openai_error_body
 from ._messages import MessagesEvents, chat_to_messages, messages_to_chat
+from ._messages import dropped_tools as messages_dropped
 from ._responses import (
     ResponsesEvents,
     chat_to_responses,
@@ -30,6 +31,7 @@ from ._responses import (
     native_request,
     responses_to_chat,
 )
+from ._responses import dropped_tools as responses_dropped
 
 __all__ = ["Dialect", "Events", "dialects"]
 
@@ -68,7 +70,11 @@ class Dialect:
         raise NotImplementedError(f"the {self.name} dialect is not served natively")
 
     def to_chat(self, body: dict[str, Any], history: list[Any]) -> dict[str, Any]:
-        return body
+        return without_echoes(body)
+
+    def dropped(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """What ``to_chat`` leaves out of the request, each ``{"where", "type", "reason"}`` (recorded)."""
+        return []
 
     def answer(
         self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any], call_id: str
@@ -77,6 +83,10 @@ class Dialect:
 
     def remember(self, body: Mapping[str, Any], answer: Mapping[str, Any], history: list[Any], call_id: str) -> None:
         """Keep ``answer`` for later requests that continue it (only Responses answers are kept)."""
+
+    def kept(self, answer_id: str) -> dict[str, Any]:
+        """An answer kept by ``remember`` (without its bundle); ``ProxyError`` (404) for one not kept."""
+        raise ProxyError(f"the {self.name} dialect keeps no answers to retrieve", status=404)
 
     def events(self, body: Mapping[str, Any]) -> Events | None:
         return None
@@ -99,6 +109,9 @@ class _Messages(Dialect):
     def to_chat(self, body: dict[str, Any], history: list[Any]) -> dict[str, Any]:
         return messages_to_chat(body)
 
+    def dropped(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return messages_dropped(body)
+
     def answer(
         self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any], call_id: str
     ) -> dict[str, Any]:
@@ -119,23 +132,25 @@ class _Previous:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._items: OrderedDict[str, tuple[list[Any], str]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[list[Any], str, dict[str, Any]]] = OrderedDict()
 
-    def get(self, response_id: str) -> tuple[list[Any], str]:
+    def get(self, response_id: str, param: str = "previous_response_id") -> tuple[list[Any], str, dict[str, Any]]:
+        """The items, call id and answer (without its bundle) kept for ``response_id``."""
         found = self._items.get(response_id)
         if found is None:
             raise RequestRejectedError(
-                f"previous_response_id: {response_id[:80]!r} is not one of the last {self.size} responses this proxy "
-                "served (they are kept in memory only); send the whole conversation as input instead",
-                param="previous_response_id",
+                f"{param}: {response_id[:80]!r} is not one of the last {self.size} responses this proxy "
+                "served (previous_responses; they are kept in memory only); send the whole conversation as input "
+                "instead",
+                param=param,
                 status=404,
             )
         self._items.move_to_end(response_id)
         return found
 
-    def put(self, response_id: str, items: list[Any], call_id: str) -> None:
+    def put(self, response_id: str, items: list[Any], call_id: str, answer: dict[str, Any]) -> None:
         if self.size:
-            self._items[response_id] = (items, call_id)
+            self._items[response_id] = (items, call_id, answer)
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
 
@@ -153,7 +168,11 @@ class _Responses(Dialect):
         response_id = body.get("previous_response_id")
         if not isinstance(response_id, str):
             return [], None
-        return self.previous.get(response_id)
+        items, call_id, _ = self.previous.get(response_id)
+        return items, call_id
+
+    def kept(self, answer_id: str) -> dict[str, Any]:
+        return self.previous.get(answer_id, "response_id")[2]
 
     def native_request(
         self, body: Mapping[str, Any], history: list[Any], responses_upstream: str
@@ -172,6 +191,9 @@ class _Responses(Dialect):
     def to_chat(self, body: dict[str, Any], history: list[Any]) -> dict[str, Any]:
         return responses_to_chat(body, history)
 
+    def dropped(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return responses_dropped(body)
+
     def answer(
         self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any], call_id: str
     ) -> dict[str, Any]:
@@ -182,7 +204,9 @@ class _Responses(Dialect):
     def remember(self, body: Mapping[str, Any], answer: Mapping[str, Any], history: list[Any], call_id: str) -> None:
         """Keep ``answer`` for a later ``previous_response_id`` (unless the request said ``store: false``)."""
         if body.get("store", True) is not False:
-            self.previous.put(answer["id"], history_of(body, answer, history), call_id)
+            items = history_of(body, answer, history)
+            outputs = len(answer.get("output", ()))  # the answer kept shares its items, without the bundle
+            self.previous.put(answer["id"], items, call_id, {**answer, "output": items[len(items) - outputs :]})
 
     def events(self, body: Mapping[str, Any]) -> Events:
         return ResponsesEvents(body, f"resp_{secrets.token_hex(12)}")

@@ -17,6 +17,7 @@ from .._errors import ResponseTooLargeError, ServerResponseError, TokensError
 __all__ = [
     "CaptureFailedError",
     "ClientTimeoutError",
+    "ContextWindowError",
     "ProxyError",
     "RequestRejectedError",
     "RequestTooLargeError",
@@ -34,6 +35,8 @@ class ProxyError(TokensError):
     status: ClassVar[int] = 500
     openai_type: ClassVar[str] = "server_error"
     anthropic_type: ClassVar[str] = "api_error"
+    code: ClassVar[str | None] = None
+    """OpenAI's error ``code`` (a string the clients branch on, such as ``context_length_exceeded``)."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
@@ -48,6 +51,14 @@ class RequestRejectedError(ProxyError):
     status = 400
     openai_type = "invalid_request_error"
     anthropic_type = "invalid_request_error"
+
+
+class ContextWindowError(RequestRejectedError):
+    """The upstream refused the prompt as longer than its context: said in the words each client's own
+    fallback (compaction) looks for, OpenAI's ``context_length_exceeded`` code and Anthropic's
+    ``prompt is too long``."""
+
+    code = "context_length_exceeded"
 
 
 class RequestTooLargeError(ProxyError):
@@ -92,15 +103,27 @@ _ANTHROPIC_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error
                         503: "overloaded_error", 504: "timeout_error"}  # fmt: skip
 
 
+_OPENAI_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                     404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+                     422: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+
+
 def _anthropic_type(error: ProxyError) -> str:
     if type(error) is ProxyError or type(error) is UpstreamError:
         return _ANTHROPIC_BY_STATUS.get(error.status, error.anthropic_type)
     return error.anthropic_type
 
 
+def _openai_type(error: ProxyError) -> str:
+    if type(error) is ProxyError:
+        return _OPENAI_BY_STATUS.get(error.status, error.openai_type)
+    return error.openai_type
+
+
 def openai_error_body(error: ProxyError) -> dict[str, Any]:
-    """OpenAI's error shape, which the ``openai`` SDK raises as the ``APIStatusError`` of the status."""
-    return {"error": {"message": str(error), "type": error.openai_type, "param": error.param, "code": error.status}}
+    """OpenAI's error shape, which the ``openai`` SDK raises as the ``APIStatusError`` of the status
+    (``code`` a string or null, as the SDK's ``ErrorObject`` has it)."""
+    return {"error": {"message": str(error), "type": _openai_type(error), "param": error.param, "code": error.code}}
 
 
 def anthropic_error_body(error: ProxyError) -> dict[str, Any]:
@@ -131,6 +154,8 @@ def upstream_error(exc: BaseException) -> ProxyError:
         detail = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else exc.body
         said = detail.get("message") if isinstance(detail, dict) else detail
         message = f"the upstream answered HTTP {exc.status_code}: {_safe(str(said))}"
+        if exc.status_code == 400 and "maximum context length" in str(said):  # vLLM's words
+            return ContextWindowError(f"prompt is too long: {message}", param="input_tokens")
         if exc.status_code >= 500 and exc.status_code != 503:
             return UpstreamError(message)  # a 502: the upstream failed
         return ProxyError(message, status=exc.status_code)  # its 4xx, or 503 (overloaded), passed on
@@ -145,6 +170,7 @@ for _cls in (
     RequestRejectedError,
     RequestTooLargeError,
     ClientTimeoutError,
+    ContextWindowError,
     UpstreamError,
     UpstreamTimeoutError,
 ):

@@ -86,7 +86,7 @@ class Intake:
         native = dialect.native_request(body, history, self.responses_upstream)
         if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
             call = dataclasses.replace(call, coordinates=dataclasses.replace(call.coordinates, parent_call_id=parent))
-        custody = self.recorder.custody(call.coordinates)
+        custody = self.recorder.custody(call.coordinates, dialect.dropped(body))
         chat = dialect.to_chat(body, history) if native is None or custody.recorded else None
         n = None if chat is None else chat.get("n")
         if custody.recorded and n is not None and n != 1:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._chat import TOKEN_FIELDS, function_tool, required_string, sse, text_parts
+from ._chat import TOKEN_FIELDS, function_tool, reasoning_of, required_string, sse, text_parts
 from ._errors import ProxyError, RequestRejectedError, UpstreamError, anthropic_error_body
 
 __all__ = ["MessagesEvents", "chat_to_messages", "messages_to_chat"]
@@ -33,17 +33,23 @@ def messages_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(given, list) or not given:
         raise RequestRejectedError("messages: must be a non-empty list", param="messages")
     messages: list[dict[str, Any]] = []
-    system = body.get("system")
-    if system:
-        messages.append({"role": "system", "content": text_parts(system, "system", text_types=_TEXT)})
+    system: list[Any] = []
+    if body.get("system"):
+        system.append(text_parts(body["system"], "system", text_types=_TEXT))
     for index, message in enumerate(given):
-        _add_message(messages, message, f"messages[{index}]")
+        if isinstance(message, dict) and message.get("role") == "system":  # folded into the leading system
+            system.append(text_parts(message.get("content", ""), f"messages[{index}].content", text_types=_TEXT))
+        else:
+            _add_message(messages, message, f"messages[{index}]")
+    if system:
+        messages.insert(0, {"role": "system", "content": _folded(system)})
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages, "max_tokens": body["max_tokens"]}
     for name, chat_name in _PASSED.items():
         if body.get(name) is not None:
             chat[chat_name] = body[name]
-    if body.get("tools"):
-        chat["tools"] = [_tool(tool, index) for index, tool in enumerate(body["tools"])]
+    tools = _tools(body)
+    if tools:
+        chat["tools"] = tools
     choice = body.get("tool_choice")
     if choice is not None:
         chat["tool_choice"] = _tool_choice(choice)
@@ -54,10 +60,21 @@ def messages_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     return chat
 
 
+def _folded(contents: list[Any]) -> Any:
+    """System contents (each a string or text parts) as one system message's content: a string stays
+    one, several become text parts, in order."""
+    if len(contents) == 1:
+        return contents[0]
+    parts: list[Any] = []
+    for content in contents:
+        parts += [{"type": "text", "text": content}] if isinstance(content, str) else content
+    return parts
+
+
 def _add_message(messages: list[dict[str, Any]], message: Any, where: str) -> None:
     role = message.get("role") if isinstance(message, dict) else None
     if role not in ("user", "assistant"):
-        raise RequestRejectedError(f"{where}.role: must be 'user' or 'assistant'", param="messages")
+        raise RequestRejectedError(f"{where}.role: must be 'user', 'assistant' or 'system'", param="messages")
     content = message.get("content")
     if isinstance(content, str):
         messages.append({"role": role, "content": content})
@@ -66,7 +83,9 @@ def _add_message(messages: list[dict[str, Any]], message: Any, where: str) -> No
         raise RequestRejectedError(f"{where}.content: must be a string or a list of blocks", param="messages")
     parts: list[Any] = []
     calls: list[dict[str, Any]] = []
+    thoughts: list[str] = []
     results = 0
+    first = len(messages)
     for index, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}.content[{index}]"
@@ -84,8 +103,11 @@ def _add_message(messages: list[dict[str, Any]], message: Any, where: str) -> No
                     "function": {"name": name, "arguments": arguments},
                 }
             )
-        elif kind in ("thinking", "redacted_thinking"):
-            continue  # the model's own earlier reasoning: chat completions has no place for it
+        elif kind == "thinking" and role == "assistant":  # the model's reasoning: its reasoning_content
+            if isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
+        elif kind == "redacted_thinking":
+            continue  # encrypted by Anthropic: nothing an upstream can read
         else:
             parts.append(block)
     if parts or not (calls or results):
@@ -96,6 +118,11 @@ def _add_message(messages: list[dict[str, Any]], message: Any, where: str) -> No
             messages[-1]["tool_calls"] = calls
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+    if thoughts:
+        answer = next((m for m in messages[first:] if m["role"] == "assistant"), messages[-1])
+        answer["reasoning_content"] = "".join(thoughts)
+        if answer["content"] == []:
+            answer["content"] = ""
 
 
 def _result(block: Mapping[str, Any], where: str) -> Any:
@@ -106,10 +133,39 @@ def _result(block: Mapping[str, Any], where: str) -> Any:
     return result
 
 
-def _tool(tool: Any, index: int) -> dict[str, Any]:
-    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
-        raise RequestRejectedError(f"tools[{index}]: only client tools (name, input_schema) are served", param="tools")
-    return function_tool(tool["name"], tool.get("description"), tool.get("input_schema"))
+def _client_tool(tool: Any) -> bool:
+    return isinstance(tool, dict) and tool.get("type") in (None, "custom")
+
+
+def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat tools of a Messages request: its client tools (name, input_schema); server tools and
+    Anthropic-defined tools (``web_search_*``, ``bash_*``, ...) are left out (``dropped_tools``)."""
+    given = body.get("tools")
+    if given is None:
+        return []
+    if not isinstance(given, list):
+        raise RequestRejectedError("tools: must be a list of tools", param="tools")
+    tools = []
+    for index, tool in enumerate(given):
+        if _client_tool(tool):
+            if not isinstance(tool.get("name"), str) or not tool["name"]:
+                raise RequestRejectedError(f"tools[{index}]: a client tool needs a name", param="tools")
+            tools.append(function_tool(tool["name"], tool.get("description"), tool.get("input_schema")))
+    return tools
+
+
+def dropped_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The request's tools not sent upstream, each ``{"where", "type", "reason"}``."""
+    given = body.get("tools")
+    return [
+        {
+            "where": f"tools[{index}]",
+            "type": str(tool.get("type") if isinstance(tool, dict) else None),
+            "reason": "a server tool or an Anthropic-defined tool: the upstream serves client tools only",
+        }
+        for index, tool in enumerate(given if isinstance(given, list) else [])
+        if not _client_tool(tool)
+    ]
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -140,6 +196,9 @@ def chat_to_messages(completion: Mapping[str, Any]) -> dict[str, Any]:
     choice = completion["choices"][0]
     message = choice.get("message") or {}
     content: list[dict[str, Any]] = []
+    reasoning = reasoning_of(message)
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if message.get("content"):
         content.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or ():
@@ -217,6 +276,11 @@ class MessagesEvents:
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
+            reasoning = reasoning_of(delta)
+            if reasoning:
+                if self._open is None or self._open.kind != "thinking":
+                    out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
             if delta.get("content"):
                 if self._open is None or self._open.kind != "text":
                     out += self._start({"type": "text", "text": ""})

@@ -11,7 +11,7 @@ trainer masks it instead of training on a chain with a hole.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from ..records import (
     RolloutRetiredError,
 )
 from ..records._writer import UNRECORDED
-from ._chat import TOKEN_FIELDS
+from ._chat import TOKEN_FIELDS, reasoning_of
 from ._errors import CaptureFailedError, ProxyError
 
 __all__ = ["Recorder", "StreamRecord"]
@@ -50,6 +50,7 @@ class StreamRecord:
 
     head: dict[str, Any] = field(default_factory=dict)
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     bundle: dict[str, Any] | None = None
 
@@ -63,6 +64,9 @@ class StreamRecord:
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 self.text.append(delta["content"])
+            thought = reasoning_of(delta)
+            if thought:
+                self.reasoning.append(thought)
             for call in delta.get("tool_calls") or ():
                 state = self.calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": []})
                 function = call.get("function") or {}
@@ -77,6 +81,8 @@ class StreamRecord:
 
     def completion(self) -> TokenCompletion:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}
+        if self.reasoning:
+            message["reasoning"] = "".join(self.reasoning)
         if self.calls:
             message["tool_calls"] = [
                 {
@@ -96,7 +102,12 @@ def _capture_failed(exc: BaseException) -> bool:
 
 class _ProxyCustody(Custody):
     """A recorded call's custody as the proxy answers it: a frozen or retired rollout a 409, a failing
-    store a 503 (its details go to the log only)."""
+    store a 503 (its details go to the log only); its record names what the conversion left out of the
+    client's request (``dropped``)."""
+
+    def __init__(self, writer: RecordWriter, coordinates: Coordinates, dropped: Sequence[Mapping[str, Any]]) -> None:
+        super().__init__(writer, coordinates, _capture_failed)
+        self.dropped = dropped
 
     async def begin(self) -> None:
         coordinates = self.coordinates
@@ -117,11 +128,17 @@ class _ProxyCustody(Custody):
             ) from None
 
     async def write_chat(
-        self, request: Mapping[str, Any], completion: TokenCompletion, server_version: str | None = None
+        self,
+        request: Mapping[str, Any],
+        completion: TokenCompletion,
+        server_version: str | None = None,
+        *,
+        dropped: Sequence[Mapping[str, Any]] = (),
     ) -> None:
-        """Put the record (``request`` is the chat request as served: its messages are the lineage's items)."""
+        """Put the record (``request`` is the chat request as served: its messages are the lineage's
+        items), with what the conversion left out of the client's request (``dropped``)."""
         try:
-            await super().write_chat(request, completion, server_version)
+            await super().write_chat(request, completion, server_version, dropped=[*self.dropped, *dropped])
         except RecordWriteError as exc:  # its details (the store's path or host) go to the log only
             logger.error("%s", exc)
             raise ProxyError(
@@ -137,8 +154,9 @@ class Recorder:
     def __init__(self, store: Any) -> None:
         self.writer = None if store is None else RecordWriter(store)
 
-    def custody(self, coordinates: Coordinates | None) -> Custody:
-        """The call's custody; one that records nothing (``recorded`` False) without a store or a rollout id."""
+    def custody(self, coordinates: Coordinates | None, dropped: Sequence[Mapping[str, Any]] = ()) -> Custody:
+        """The call's custody (``dropped``: what its conversion left out, recorded); one that records
+        nothing (``recorded`` False) without a store or a rollout id."""
         if self.writer is None or coordinates is None:
             return UNRECORDED
-        return _ProxyCustody(self.writer, coordinates, _capture_failed)
+        return _ProxyCustody(self.writer, coordinates, dropped)

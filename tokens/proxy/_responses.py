@@ -18,7 +18,7 @@ from typing import Any
 
 from .._bundle import TokenBundle
 from .._vllm_responses import prepare_responses_request
-from ._chat import TOKEN_FIELDS, function_tool, required_string, sse, strip_token_fields, text_parts
+from ._chat import TOKEN_FIELDS, function_tool, reasoning_of, required_string, sse, strip_token_fields, text_parts
 from ._errors import ProxyError, RequestRejectedError
 
 __all__ = ["ResponsesEvents", "chat_to_responses", "input_items", "responses_to_chat"]
@@ -81,11 +81,14 @@ def responses_to_chat(body: Mapping[str, Any], history: Sequence[Any] = ()) -> d
             chat[name] = body[name]
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    if body.get("tools"):
-        chat["tools"] = [_tool(tool, index) for index, tool in enumerate(body["tools"])]
+    tools = chat_tools(body)
+    if tools:
+        chat["tools"] = tools
     choice = body.get("tool_choice")
     if choice is not None:
-        chat["tool_choice"] = _tool_choice(choice)
+        choice = _tool_choice(choice)
+        if tools or not body.get("tools"):  # with every tool given left out, there is nothing to choose
+            chat["tool_choice"] = choice
     response_format = _format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
@@ -103,13 +106,19 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         if role not in ("user", "assistant", "system", "developer"):
             raise RequestRejectedError(f"{where}: unknown role {role!r}", param="input")
         content = text_parts(item.get("content", ""), f"{where}.content", text_types=_TEXT, image="input_image")
-        messages.append({"role": "system" if role == "developer" else role, "content": content})
+        last = messages[-1] if messages else None
+        if role == "assistant" and last is not None and _thought_only(last):  # the reasoning before it
+            last["content"] = content
+        else:
+            messages.append({"role": "system" if role == "developer" else role, "content": content})
     elif kind == "function_call":
+        name = required_string(item, "input", "name", where)
+        namespace = item.get("namespace")
         call = {
             "id": required_string(item, "input", "call_id", where),
             "type": "function",
             "function": {
-                "name": required_string(item, "input", "name", where),
+                "name": flat_name(namespace, name) if isinstance(namespace, str) and namespace else name,
                 "arguments": required_string(item, "input", "arguments", where),
             },
         }
@@ -126,28 +135,133 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         messages.append(
             {"role": "tool", "tool_call_id": required_string(item, "input", "call_id", where), "content": content}
         )
-    elif kind == "reasoning":
-        return  # the model's own earlier reasoning: chat completions has no place for it
+    elif kind == "reasoning":  # the model's earlier reasoning: the next assistant message's reasoning_content
+        text = _reasoning_text(item)
+        if text:
+            messages.append({"role": "assistant", "content": "", "reasoning_content": text})
     else:
         raise RequestRejectedError(
             f"{where}: items of type {kind!r} are not served by the capture proxy", param="input"
         )
 
 
-def _tool(tool: Any, index: int) -> dict[str, Any]:
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+def _thought_only(message: Mapping[str, Any]) -> bool:
+    """An assistant message that holds only reasoning so far (its text or calls come next)."""
+    return message["role"] == "assistant" and "reasoning_content" in message and message.get("content") in ("", None) \
+        and "tool_calls" not in message  # fmt: skip
+
+
+def _reasoning_text(item: Mapping[str, Any]) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content, else its summary (encrypted content is
+    OpenAI's own and not readable: left out)."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = [p.get("text") for p in _listed(item.get(key)) if isinstance(p, dict) and p.get("type") == kind]
+        text = "".join(part for part in parts if isinstance(part, str))
+        if text:
+            return text
+    return ""
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+NAMESPACE_SEPARATOR = "__"
+"""A function ``f`` of a namespace tool group ``ns`` is the chat function ``ns__f`` (mapped back on the way out)."""
+
+
+def flat_name(namespace: str, name: str) -> str:
+    """The chat function name of function ``name`` in the namespace tool group ``namespace``."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def _function(tool: Any, where: str) -> tuple[str, Any, Any]:
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise RequestRejectedError(f"{where}: a function tool needs a name (a non-empty string)", param="tools")
+    return tool["name"], tool.get("description"), tool.get("parameters")
+
+
+def dropped_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The request's tools that are not sent upstream, each ``{"where", "type", "reason"}``: hosted tools
+    (``web_search``, ``file_search``, ...: the upstream has no server-side tools) and non-function tools
+    inside a namespace group."""
+    dropped: list[dict[str, Any]] = []
+    for index, tool in enumerate(_listed(body.get("tools"))):
         kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            for inner, member in enumerate(_listed(tool.get("tools"))):
+                member_kind = member.get("type") if isinstance(member, dict) else None
+                if member_kind != "function":
+                    dropped.append(_drop(f"tools[{index}].tools[{inner}]", member_kind))
+        elif kind != "function":
+            dropped.append(_drop(f"tools[{index}]", kind))
+    return dropped
+
+
+def _drop(where: str, kind: Any) -> dict[str, Any]:
+    return {
+        "where": where,
+        "type": str(kind),
+        "reason": "not a function tool (hosted or custom): the upstream serves functions",
+    }
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat tools of a Responses request: its function tools, and the functions of each namespace
+    group flattened (``flat_name``); hosted tools are left out (``dropped_tools`` says which)."""
+    tools: list[dict[str, Any]] = []
+    given = body.get("tools")
+    if given is not None and not isinstance(given, list):
+        raise RequestRejectedError("tools: must be a list of tools", param="tools")
+    for index, tool in enumerate(_listed(given)):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            name, description, parameters = _function(tool, f"tools[{index}]")
+            tools.append(function_tool(name, description, parameters))
+        elif kind == "namespace":
+            namespace = tool.get("name")
+            if not isinstance(namespace, str) or not namespace:
+                raise RequestRejectedError(f"tools[{index}]: a namespace needs a name", param="tools")
+            for inner, member in enumerate(_listed(tool.get("tools"))):
+                if isinstance(member, dict) and member.get("type") == "function":
+                    name, description, parameters = _function(member, f"tools[{index}].tools[{inner}]")
+                    tools.append(function_tool(flat_name(namespace, name), description, parameters))
+    names = [tool["function"]["name"] for tool in tools]
+    if len(set(names)) != len(names):
+        twice = next(name for name in names if names.count(name) > 1)
         raise RequestRejectedError(
-            f"tools[{index}]: only function tools are served by the capture proxy (not {kind!r})", param="tools"
+            f"tools: two tools are called {twice!r} once namespace groups are flattened "
+            f"(namespace{NAMESPACE_SEPARATOR}name); rename one",
+            param="tools",
         )
-    return function_tool(tool["name"], tool.get("description"), tool.get("parameters"))
+    return tools
+
+
+def tool_names(request: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """The flattened names of a request's namespaced functions, each to its ``(namespace, name)``."""
+    found: dict[str, tuple[str, str]] = {}
+    for tool in _listed(request.get("tools")):
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
+            for member in _listed(tool.get("tools")):
+                if isinstance(member, dict) and isinstance(member.get("name"), str):
+                    found[flat_name(tool["name"], member["name"])] = (tool["name"], member["name"])
+    return found
 
 
 def _tool_choice(choice: Any) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+        namespace = choice.get("namespace")
+        name = flat_name(namespace, choice["name"]) if isinstance(namespace, str) and namespace else choice["name"]
+        return {"type": "function", "function": {"name": name}}
+    if isinstance(choice, dict) and choice.get("type") in ("allowed_tools", "auto"):
+        return choice.get("mode", "auto") if choice.get("mode") in ("auto", "required") else "auto"
     raise RequestRejectedError(
         f"tool_choice: {choice!r} is not served (auto, none, required or a function)", param="tool_choice"
     )
@@ -174,7 +288,7 @@ def _usage(usage: Any) -> dict[str, Any] | None:
     prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
@@ -223,15 +337,20 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "type": "function_call",
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
+def _call_item(
+    item_id: str,
+    call_id: str,
+    name: str,
+    arguments: str,
+    status: str = "completed",
+    names: Mapping[str, tuple[str, str]] | None = None,
+) -> dict[str, Any]:
+    """A ``function_call`` item; a flattened namespaced name (``names``) back as its ``namespace`` and ``name``."""
+    item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}
+    if names and name in names:
+        item["namespace"], item["name"] = names[name]
+    item["status"] = status
+    return item
 
 
 def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any], response_id: str) -> dict[str, Any]:
@@ -239,10 +358,14 @@ def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any],
     choice = completion["choices"][0]
     message = choice.get("message") or {}
     output: list[dict[str, Any]] = []
+    reasoning = reasoning_of(message)
+    if reasoning:
+        output.append(_reasoning_item(f"rs_{response_id[5:]}", reasoning))
     content = message.get("content")
     calls = message.get("tool_calls") or []
     if content or not calls:
         output.append(_message_item(f"msg_{response_id[5:]}", content or ""))
+    names = tool_names(request)
     for index, call in enumerate(calls):
         function = call.get("function") or {}
         output.append(
@@ -251,6 +374,7 @@ def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any],
                 call.get("id", ""),
                 function.get("name", ""),
                 function.get("arguments", ""),
+                names=names,
             )
         )
     output[-1].update({name: message[name] for name in TOKEN_FIELDS if name in message})
@@ -269,7 +393,8 @@ def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any],
 def history_of(request: Mapping[str, Any], answer: Mapping[str, Any], earlier: Sequence[Any]) -> list[Any]:
     """The items a ``previous_response_id`` naming ``answer`` stands for: the earlier chain, this
     request's input and the answer's output, without bundle fields."""
-    return [*earlier, *input_items(request), *(strip_token_fields(item) for item in answer.get("output", ()))]
+    items = (*input_items(request), *answer.get("output", ()))
+    return [*earlier, *(strip_token_fields(item) for item in items)]
 
 
 # -- vLLM's own /v1/responses -------------------------------------------------------------------
@@ -325,7 +450,7 @@ def error_event(error: ProxyError, sequence: int) -> bytes:
     return sse(
         {
             "type": "error",
-            "code": error.openai_type,
+            "code": error.code or error.openai_type,
             "message": str(error),
             "param": error.param,
             "sequence_number": sequence,
@@ -346,12 +471,19 @@ class ResponsesEvents:
     _sequence: int = 0
     _items: list[_Item] = field(default_factory=list)
     _text: _Item | None = None
+    _reasoning: _Item | None = None
     _calls: dict[int, _Item] = field(default_factory=dict)
     _usage: Any = None
     _finish: Any = None
     _bundles: Any = None
     completed: dict[str, Any] | None = None
     """The whole answer, once ``finish`` has run (what ``response.completed`` carries)."""
+    _names: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._names = tool_names(self.request)
+        if self.model is None:  # known from the request before the upstream's first chunk names it
+            self.model = self.request.get("model")
 
     def _event(self, kind: str, **data: Any) -> bytes:
         event = sse({"type": kind, "sequence_number": self._sequence, **data}, kind)
@@ -385,8 +517,8 @@ class ResponsesEvents:
         return opened, self._event("response.output_item.added", output_index=opened.index, item=added)
 
     def feed(self, chunk: Mapping[str, Any]) -> list[bytes]:
-        if self.model is None:
-            self.model = chunk.get("model")
+        if chunk.get("model"):
+            self.model = chunk["model"]
         if chunk.get("usage") is not None:
             self._usage = chunk["usage"]
         if chunk.get("token_bundles"):
@@ -396,6 +528,9 @@ class ResponsesEvents:
             if choice.get("index", 0) != 0:
                 continue  # a Responses answer has one generation
             delta = choice.get("delta") or {}
+            reasoning = reasoning_of(delta)
+            if reasoning:
+                out += self._reasoning_delta(reasoning)
             if delta.get("content"):
                 out += self._text_delta(delta["content"])
             for call in delta.get("tool_calls") or ():
@@ -414,6 +549,17 @@ class ResponsesEvents:
             self._item_event("response.content_part.added", self._text, content_index=0, part=part),
         ]
 
+    def _reasoning_delta(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self._reasoning is None:
+            item = {**_reasoning_item(f"rs_{self.response_id[5:]}", ""), "content": []}
+            self._reasoning, added = self._open(item)
+            part = {"type": "reasoning_text", "text": ""}
+            out += [added, self._item_event("response.content_part.added", self._reasoning, content_index=0, part=part)]
+        self._reasoning.pieces.append(text)
+        out.append(self._item_event("response.reasoning_text.delta", self._reasoning, content_index=0, delta=text))
+        return out
+
     def _text_delta(self, text: str) -> list[bytes]:
         out = self._open_text() if self._text is None else []
         assert self._text is not None
@@ -428,7 +574,11 @@ class ResponsesEvents:
         function = call.get("function") or {}
         if state is None:
             item = _call_item(
-                f"fc_{self.response_id[5:]}_{position}", call.get("id") or "", function.get("name") or "", ""
+                f"fc_{self.response_id[5:]}_{position}",
+                call.get("id") or "",
+                function.get("name") or "",
+                "",
+                names=self._names,
             )
             state, added = self._open(item)
             self._calls[position] = state
@@ -441,11 +591,17 @@ class ResponsesEvents:
 
     def finish(self) -> list[bytes]:
         """The closing events of every item and ``response.completed`` (the bundle on the last item)."""
-        out = self._open_text() if not self._items else []  # an empty answer is still one message
+        out = self._open_text() if self._text is None and not self._calls else []  # still one message
         output: list[dict[str, Any]] = []
         for state in self._items:
             joined = "".join(state.pieces)
-            if state is self._text:
+            if state is self._reasoning:
+                final = _reasoning_item(state.item["id"], joined)
+                out += [
+                    self._item_event("response.reasoning_text.done", state, content_index=0, text=joined),
+                    self._item_event("response.content_part.done", state, content_index=0, part=final["content"][0]),
+                ]
+            elif state is self._text:
                 final = _message_item(state.item["id"], joined)
                 part = final["content"][0]
                 out += [
@@ -454,7 +610,7 @@ class ResponsesEvents:
                 ]
             else:
                 item = state.item
-                final = _call_item(item["id"], item["call_id"], item["name"], joined)
+                final = {**item, "arguments": joined, "status": "completed"}
                 out.append(
                     self._item_event(
                         "response.function_call_arguments.done", state, name=final["name"], arguments=joined

@@ -96,13 +96,16 @@ class RecordWriter:
         request: Mapping[str, Any],
         completion: TokenCompletion,
         server_version: str | None = None,
+        *,
+        dropped: Sequence[Mapping[str, Any]] = (),
     ) -> None:
-        """Record a chat completion's first choice (``n`` must be 1 with a sink)."""
+        """Record a chat completion's first choice (``n`` must be 1 with a sink); ``dropped``: what was
+        left out of the caller's request before it was sent (the record's ``dropped``)."""
         messages = request.get("messages")
         items = list(messages) if isinstance(messages, list) else []
         outputs = output_items(completion.response)
         server_version = server_version or _reported_version(completion.response)
-        await self._write(coordinates, completion, items, outputs, server_version)
+        await self._write(coordinates, completion, items, outputs, server_version, dropped)
 
     async def mark_failed(self, coordinates: Coordinates) -> None:
         """The call's capture failed: the rollout is marked incomplete, shielded and within
@@ -140,6 +143,7 @@ class RecordWriter:
         items: list[Any] | None,
         outputs: list[dict[str, Any]],
         server_version: str | None,
+        dropped: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         bundle = completion.bundle
         try:
@@ -192,6 +196,7 @@ class RecordWriter:
             fingerprint_version=FINGERPRINT_VERSION if fingerprint else None,
             prompt_is_delta=delta,
             weight_versions=spans_for(bundle, version),
+            dropped=[dict(note) for note in dropped] or None,
         )
         await self._put(record)
 
@@ -268,9 +273,14 @@ class Custody:
         await self.writer.begin(self.coordinates)
 
     async def write_chat(
-        self, request: Mapping[str, Any], completion: TokenCompletion, server_version: str | None = None
+        self,
+        request: Mapping[str, Any],
+        completion: TokenCompletion,
+        server_version: str | None = None,
+        *,
+        dropped: Sequence[Mapping[str, Any]] = (),
     ) -> None:
-        await self.writer.write_chat(self.coordinates, request, completion, server_version)
+        await self.writer.write_chat(self.coordinates, request, completion, server_version, dropped=dropped)
         self.written = True
 
     async def write_token_in(self, completion: TokenCompletion) -> None:
@@ -303,7 +313,12 @@ class _Unrecorded(Custody):
         return
 
     async def write_chat(
-        self, request: Mapping[str, Any], completion: TokenCompletion, server_version: str | None = None
+        self,
+        request: Mapping[str, Any],
+        completion: TokenCompletion,
+        server_version: str | None = None,
+        *,
+        dropped: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         return
 

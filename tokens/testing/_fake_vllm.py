@@ -109,6 +109,11 @@ class FakeVLLM:
     model: str = "tiny"
     max_model_len: int = 2048
     replies: Sequence[str] = ()
+    default_max_tokens: int = 16
+    """The generation limit of a request that names none (vLLM's is the rest of the context)."""
+    reasoning_parser: bool = False
+    """A generation's leading ``<think>...</think>`` becomes the message's ``reasoning`` (vLLM's
+    ``--reasoning-parser``), streamed as ``reasoning`` deltas."""
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     requests: list[tuple[str, Any]] = field(default_factory=list)
     _script: deque[str | _Tokens | _Fault] = field(default_factory=deque, repr=False)
@@ -125,7 +130,8 @@ class FakeVLLM:
     def reply_tool_call(self, name: str, arguments: Mapping[str, Any]) -> None:
         """Script the next chat answer as a call of tool ``name``: generated as Hermes' ``<tool_call>``
         text, returned parsed as vLLM's ``hermes`` tool parser does (``message.tool_calls``, no content,
-        finish reason ``tool_calls``). Not compared with a recording (none has a tool call)."""
+        finish reason ``tool_calls``), and streamed as its ``tool_calls`` deltas. Not compared with a
+        recording (none has a tool call)."""
         self._script.append(TOOL_CALL.format(json.dumps({"name": name, "arguments": dict(arguments)})))
 
     def reply_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
@@ -222,11 +228,12 @@ class FakeVLLM:
             "id": f"chatcmpl-fake{next(self._ids):012x}", "object": "chat.completion", "created": 1795957000,
             "model": self.model,
             "choices": [
-                {"index": index, "message": _message(self.tokenizer.decode(_text_ids(ids)), index),
+                {"index": index, "message": _message(self.tokenizer.decode(_text_ids(ids)), index,
+                                                     reasoning=self.reasoning_parser),
                  "logprobs": {"content": [self._entry(t, lp, as_ids) for t, lp in zip(ids, lps, strict=True)]}
                  if want_logprobs else None,
-                 "finish_reason": "tool_calls" if _tool_call(self.tokenizer.decode(_text_ids(ids))) and reason == "stop"
-                 else reason, "stop_reason": None, "token_ids": ids if inline else None, "routed_experts": None}
+                 "finish_reason": "tool_calls" if self._calls(ids) and reason == "stop" else reason,
+                 "stop_reason": None, "token_ids": ids if inline else None, "routed_experts": None}
                 for index, (ids, lps, reason) in enumerate(choices)
             ],
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
@@ -276,7 +283,7 @@ class FakeVLLM:
     # -- generation -------------------------------------------------------------------------
 
     def _check_lengths(self, prompt: list[int], body: Mapping[str, Any]) -> httpx.Response | None:
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or self.default_max_tokens
         if max_tokens > self.max_model_len:
             return _error(
                 400,
@@ -301,7 +308,8 @@ class FakeVLLM:
         """Per choice: generated ids, their log probabilities and the finish reason (deterministic)."""
         n = body.get("n") or 1
         max_tokens = min(
-            body.get("max_tokens") or body.get("max_completion_tokens") or 16, self.max_model_len - len(prompt)
+            body.get("max_tokens") or body.get("max_completion_tokens") or self.default_max_tokens,
+            self.max_model_len - len(prompt),
         )
         seed = body.get("seed") or 0
         out = []
@@ -330,6 +338,11 @@ class FakeVLLM:
             out.append((ids, lps, reason))
         return out
 
+    def _calls(self, ids: Sequence[int]) -> bool:
+        """Whether a generation is parsed as a tool call (after its reasoning, with the reasoning parser)."""
+        text = self.tokenizer.decode(_text_ids(ids))
+        return _tool_call(_split_reasoning(text)[1] if self.reasoning_parser else text) is not None
+
     def _entry(self, token: int, logprob: float, as_ids: bool) -> dict[str, Any]:
         text = f"token_id:{token}" if as_ids else self.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": self.tokenizer.token_bytes(token), "top_logprobs": []}
@@ -357,10 +370,15 @@ class FakeVLLM:
             first.update(prompt_token_ids=prompt, prompt_text=None)
         events.append(first)
         for index, (ids, lps, reason) in enumerate(choices):
+            deltas = _stream_deltas(self.tokenizer, ids, index, self.reasoning_parser)
+            if self._calls(ids) and reason == "stop":
+                reason = "tool_calls"
             for position, (token, logprob) in enumerate(zip(ids, lps, strict=True)):
                 last = position == len(ids) - 1
                 choice: dict[str, Any] = {
-                    "index": index, "delta": {"content": self.tokenizer.decode(_text_ids([token]))},
+                    "index": index,
+                    "delta": {"content": self.tokenizer.decode(_text_ids([token]))} if deltas is None
+                    else deltas[position],
                     "logprobs": {"content": [self._entry(token, logprob, as_ids)]} if want_logprobs else None,
                     "finish_reason": reason if last else None,
                 }  # fmt: skip
@@ -390,6 +408,61 @@ def _text_ids(ids: Sequence[int]) -> list[int]:
     return [token for token in ids if token not in FakeTokenizer.SPECIAL]
 
 
+def _stream_deltas(
+    tokenizer: FakeTokenizer, ids: Sequence[int], index: int, reasoning: bool
+) -> list[dict[str, Any]] | None:
+    """A generation streamed as vLLM's parsers stream it, one delta per token: with ``reasoning`` (the
+    reasoning parser), a leading ``<think>`` block's text as ``reasoning`` deltas; a tool call (all of
+    the rest) as the hermes parser's ``tool_calls`` deltas, its id and name with its first token and
+    its arguments spread over the others; other text as ``content``; nothing for the tags and the
+    end-of-turn token. None for a plain text (each token its own content)."""
+    text = tokenizer.decode(_text_ids(ids))
+    thought, rest = _split_reasoning(text) if reasoning else (None, text)
+    call = _tool_call(rest)
+    if thought is None and call is None:
+        return None
+    start, end, tail = len(THINK), len(THINK) + len(thought or ""), len(text) - len(rest)
+    if thought is None:
+        start = end = 0
+    spans = []
+    position = 0
+    for token in ids:
+        low, position = position, position + len(tokenizer.decode(_text_ids([token])))
+        spans.append((low, position))
+    in_call = [n for n, (low, high) in enumerate(spans) if low >= tail and high > low]
+    arguments = json.dumps(call.get("arguments", {})) if call is not None else ""
+    deltas: list[dict[str, Any]] = []
+    for n, (low, high) in enumerate(spans):
+        delta: dict[str, Any] = {}
+        if text[max(low, start) : min(high, end)]:
+            delta["reasoning"] = text[max(low, start) : min(high, end)]
+        if call is None and high > tail:
+            delta["content"] = text[max(low, tail) : high]
+        elif call is not None and n in in_call:
+            k = in_call.index(n)
+            if k == 0:
+                head = {"index": 0, "id": f"chatcmpl-tool-fake{index:08x}", "type": "function"}
+                delta["tool_calls"] = [{**head, "function": {"name": call["name"], "arguments": ""}}]
+            else:
+                rest_count = len(in_call) - 1
+                piece = arguments[(k - 1) * len(arguments) // rest_count : k * len(arguments) // rest_count]
+                if piece:
+                    delta["tool_calls"] = [{"index": 0, "function": {"arguments": piece}}]
+        deltas.append(delta)
+    return deltas
+
+
+THINK, END_THINK = "<think>", "</think>"
+
+
+def _split_reasoning(text: str) -> tuple[str | None, str]:
+    """A text's leading ``<think>...</think>`` (its reasoning) and the rest; None without one."""
+    if not text.startswith(THINK) or END_THINK not in text:
+        return None, text
+    reasoning, _, rest = text[len(THINK) :].partition(END_THINK)
+    return reasoning, rest.lstrip("\n")
+
+
 def _tool_call(text: str) -> dict[str, Any] | None:
     """The call in a complete ``<tool_call>`` text, else None."""
     prefix, suffix = TOOL_CALL.split("{}")
@@ -402,7 +475,8 @@ def _tool_call(text: str) -> dict[str, Any] | None:
     return call if isinstance(call, dict) and "name" in call else None
 
 
-def _message(content: str, index: int = 0) -> dict[str, Any]:
+def _message(content: str, index: int = 0, *, reasoning: bool = False) -> dict[str, Any]:
+    thought, content = _split_reasoning(content) if reasoning else (None, content)
     message: dict[str, Any] = {
         "role": "assistant",
         "content": content,
@@ -410,7 +484,7 @@ def _message(content: str, index: int = 0) -> dict[str, Any]:
         "annotations": None,
         "audio": None,
         "function_call": None,
-        "reasoning": None,
+        "reasoning": thought,
     }
     call = _tool_call(content)
     if call is not None:

@@ -170,8 +170,15 @@ def test_upstream_errors_in_each_dialect(capture_proxy: CaptureProxy) -> None:
         anthropic_client(capture_proxy).messages.create(model="tiny", max_tokens=5, messages=USER)  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError, match="previous_response_id"):
         openai_client(capture_proxy).responses.create(model="tiny", input="x", previous_response_id="resp_gone")
-    with pytest.raises(openai.BadRequestError, match="only function tools"):
-        openai_client(capture_proxy).responses.create(model="tiny", input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+    with pytest.raises(openai.BadRequestError, match="two tools are called"):
+        openai_client(capture_proxy).responses.create(
+            model="tiny",
+            input="x",
+            tools=[  # type: ignore[list-item]
+                {"type": "function", "name": "a__b"},
+                {"type": "namespace", "name": "a", "description": "", "tools": [{"type": "function", "name": "b"}]},
+            ],
+        )
 
 
 class ResponsesVLLM(FakeVLLMTransport):

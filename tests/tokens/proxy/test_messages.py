@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 
 from tokens.proxy import MessagesEvents, RequestRejectedError, chat_to_messages, messages_to_chat
+from tokens.proxy._messages import dropped_tools
 
 BUNDLE = {"prompt_token_ids": [1, 2], "generation_token_ids": [3], "generation_log_probs": [-0.5]}
 
@@ -62,6 +64,7 @@ def test_a_tool_calling_conversation() -> None:
             "tool_calls": [
                 {"id": "t1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "Ø"}'}}
             ],
+            "reasoning_content": "..",  # the thinking block, carried
         },
         {"role": "tool", "tool_call_id": "t1", "content": "10:00"},
         {"role": "user", "content": "and Lima?"},
@@ -101,16 +104,9 @@ def test_images_and_a_call_only_turn() -> None:
     [
         ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
         ({"max_tokens": 1, "messages": []}, "non-empty"),
-        ({"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}, "role"),
+        ({"max_tokens": 1, "messages": [{"role": "robot", "content": "x"}]}, "role"),
         ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, "'document'"),
-        (
-            {
-                "max_tokens": 1,
-                "messages": [{"role": "user", "content": "x"}],
-                "tools": [{"type": "web_search_20250305", "name": "w"}],
-            },
-            "client tools",
-        ),
+        ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tools": [{"input_schema": {}}]}, "name"),
         (
             {"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "x"}},
             "tool_choice",
@@ -120,6 +116,51 @@ def test_images_and_a_call_only_turn() -> None:
 def test_what_cannot_be_served_is_refused(body: dict[str, Any], words: str) -> None:
     with pytest.raises(RequestRejectedError, match=words):
         messages_to_chat(body)
+
+
+def test_system_messages_inside_messages_are_folded_and_server_tools_left_out() -> None:
+    """Claude Code sends a ``system`` message inside ``messages`` for a model it does not know: it joins
+    the leading system message (every chat template takes one there); a server tool is left out and
+    named by ``dropped_tools``."""
+    body = {
+        "max_tokens": 9,
+        "system": [{"type": "text", "text": "You are an agent."}],
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": [{"type": "text", "text": "# Environment", "cache_control": {}}]},
+            {"role": "user", "content": "read it"},
+        ],
+        "tools": [{"name": "Bash", "input_schema": {"type": "object"}}, {"type": "web_search_20250305", "name": "w"}],
+    }
+    chat = messages_to_chat(body)
+    assert chat["messages"] == [
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "You are an agent."}, {"type": "text", "text": "# Environment"}],
+        },
+        {"role": "user", "content": "hi"},
+        {"role": "user", "content": "read it"},
+    ]
+    assert [tool["function"]["name"] for tool in chat["tools"]] == ["Bash"]
+    assert dropped_tools(body) == [{"where": "tools[1]", "type": "web_search_20250305", "reason": ANY}]
+
+
+def test_thinking_blocks_travel_as_reasoning_content() -> None:
+    thinking = {"type": "thinking", "thinking": "look first", "signature": ""}
+    use = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+    chat = messages_to_chat(
+        {
+            "max_tokens": 9,
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [thinking, use]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "1"}]},
+                {"role": "assistant", "content": [thinking, {"type": "redacted_thinking", "data": "x"}]},
+            ],
+        }
+    )
+    assert chat["messages"][1]["reasoning_content"] == "look first" and chat["messages"][1]["tool_calls"]
+    assert chat["messages"][3] == {"role": "assistant", "content": "", "reasoning_content": "look first"}
 
 
 def test_an_answer_with_a_tool_call() -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 
 from tokens.proxy import RequestRejectedError, ResponsesEvents, chat_to_responses, responses_to_chat
-from tokens.proxy._responses import history_of
+from tokens.proxy._responses import dropped_tools, history_of
 
 TOOL = {"type": "function", "name": "get_time", "description": "the time", "parameters": {"type": "object"}}
 BUNDLE = {"prompt_token_ids": [1, 2], "generation_token_ids": [3], "generation_log_probs": [-0.5]}
@@ -109,7 +110,16 @@ def test_formats_and_tool_choices() -> None:
         ({"input": [{"type": "item_reference", "id": "x"}]}, "'item_reference'"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "call_id: must be a string"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "'input_file'"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
+        (
+            {
+                "input": "x",
+                "tools": [
+                    {"type": "function", "name": "a__b"},
+                    {"type": "namespace", "name": "a", "tools": [{"type": "function", "name": "b"}]},
+                ],
+            },
+            "two tools are called 'a__b'",
+        ),
         ({"input": "x", "tool_choice": {"type": "mcp"}}, "tool_choice"),
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format"),
@@ -118,6 +128,73 @@ def test_formats_and_tool_choices() -> None:
 def test_what_cannot_be_served_is_refused(body: dict[str, Any], words: str) -> None:
     with pytest.raises(RequestRejectedError, match=words):
         responses_to_chat(body)
+
+
+def test_namespace_groups_are_flattened_and_hosted_tools_left_out() -> None:
+    """Codex CLI's default tools: a namespace group's functions become ``namespace__name`` chat
+    functions, a hosted tool is left out (and named by ``dropped_tools``), and a call of a flattened
+    function comes back with its namespace and name, in a whole answer and in a stream."""
+    inner = {"type": "function", "name": "spawn", "description": "Spawn.", "parameters": {"type": "object"}}
+    body = {
+        "model": "tiny",
+        "input": [
+            {"type": "function_call", "call_id": "c1", "name": "spawn", "namespace": "agents", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        ],
+        "tools": [
+            {"type": "function", "name": "shell", "parameters": {"type": "object"}},
+            {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [inner]},
+            {"type": "web_search", "external_web_access": True},
+        ],
+        "tool_choice": "auto",
+    }
+    chat = responses_to_chat(body)
+    assert [tool["function"]["name"] for tool in chat["tools"]] == ["shell", "agents__spawn"]
+    assert chat["tools"][1]["function"]["description"] == "Spawn."
+    assert chat["messages"][0]["tool_calls"][0]["function"]["name"] == "agents__spawn"
+    assert dropped_tools(body) == [{"where": "tools[2]", "type": "web_search", "reason": ANY}]
+    call = {"id": "c2", "type": "function", "function": {"name": "agents__spawn", "arguments": "{}"}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    completion = {"model": "tiny", "choices": [{"message": message, "finish_reason": "tool_calls"}]}
+    [item] = chat_to_responses(completion, body, "resp_1")["output"]
+    assert (item["namespace"], item["name"]) == ("agents", "spawn")
+    events = ResponsesEvents(body, "resp_2")
+    events.start()
+    events.feed({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, **call}]}}]})
+    events.finish()
+    assert events.completed is not None
+    [item] = events.completed["output"]
+    assert (item["namespace"], item["name"], item["arguments"]) == ("agents", "spawn", "{}")
+
+
+def test_reasoning_items_travel_as_reasoning_content() -> None:
+    """An earlier ``reasoning`` item is the next assistant message's ``reasoning_content`` (what chat
+    templates of reasoning models read), whether a text or a call follows it."""
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}]}
+    chat = responses_to_chat(
+        {
+            "input": [
+                {"role": "user", "content": "hi"},
+                reasoning,
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "1"},
+                {**reasoning, "content": [], "summary": [{"type": "summary_text", "text": "s"}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]},
+            ]
+        }
+    )
+    assert chat["messages"][1] == {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "t",
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
+    assert chat["messages"][3] == {"role": "assistant", "content": "done", "reasoning_content": "s"}
+
+
+def test_only_hosted_tools_send_no_tools_nor_a_choice() -> None:
+    chat = responses_to_chat({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": "auto"})
+    assert "tools" not in chat and "tool_choice" not in chat
 
 
 def test_a_refused_item_of_a_chained_request_is_named_by_its_own_index() -> None:
