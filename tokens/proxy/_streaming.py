@@ -69,7 +69,7 @@ def serve_stream(turn: Turn, reply: Reply, client_timeout: float) -> Response:
             if converter is not None:
                 for out in converter.finish():
                     yield out
-                dialect.ended(converter, body, turn.history, turn.call.model_call_id)
+                await dialect.ended(converter, body, turn.history, turn.call.model_call_id)
         except (TokensError, httpx.HTTPError, ProxyError) as exc:
             report.error, report.cause = upstream_error(exc), exc
             await custody.end(report.error)

@@ -2,7 +2,8 @@
 
 Field for field NeMo Gym's record, with one addition carried the way its schema carries unknown
 fields (``extra="allow"``): ``weight_versions``, spans ``{"version", "start", "end"}`` of
-generation tokens sampled by weights labelled ``version`` (vLLM's format). Records are stored as
+generation tokens sampled by weights labelled ``version`` (vLLM's format); and ``served_by``, the
+upstream replica (its base URL, credentials stripped) that served the call. Records are stored as
 sorted-key JSON of their fields (``encode_record``); reading refuses a newer schema
 (``RecordSchemaError``) rather than misreading it.
 """
@@ -70,6 +71,7 @@ class TokenRecord(msgspec.Struct, frozen=True, kw_only=True):
     prefix_requested: bool = False
     prefix_supplied: bool = False
     weight_versions: list[dict[str, Any]] | None = None
+    served_by: str | None = None
 
     def __post_init__(self) -> None:
         where = f"record {self.rollout_id!r}/{self.model_call_id!r}"
@@ -105,8 +107,9 @@ def record_payload(record: Any) -> dict[str, Any]:
     """A record's fields as JSON values: ours (``TokenRecord``) or NeMo Gym's ``TokenEntry``."""
     if isinstance(record, TokenRecord):
         payload: dict[str, Any] = msgspec.to_builtins(record)
-        if payload["weight_versions"] is None:
-            del payload["weight_versions"]  # an extra field: absent unless set, as in NeMo Gym's dump
+        for extra in ("weight_versions", "served_by"):
+            if payload[extra] is None:
+                del payload[extra]  # an extra field: absent unless set, as in NeMo Gym's dump
         return payload
     dump = getattr(record, "model_dump", None)
     if dump is None:

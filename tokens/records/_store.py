@@ -426,6 +426,45 @@ class RecordStore:
                 raise MalformedRecordError(f"rollout {rollout_id!r}: the parent chain of {model_call_id!r} loops")
         return chain, ()
 
+    # -- conversation state (the capture proxy's previous_response_id; not NeMo Gym's) -----------
+
+    async def keep_response(
+        self, response_id: str, items: bytes, previous_id: str | None, model_call_id: str, *, ttl_s: float
+    ) -> None:
+        """Keep one Responses turn (``items``: its own input and output, encoded) continuing
+        ``previous_id``, for ``ttl_s`` seconds; turns past their time are deleted here."""
+        now = time.time()
+
+        def work(cursor: Cursor) -> None:
+            cursor.execute("DELETE FROM token_responses WHERE expires_at < ?", (now,))
+            cursor.execute(
+                "INSERT INTO token_responses (response_id, previous_id, model_call_id, items, expires_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (response_id) DO NOTHING",
+                (response_id, previous_id, model_call_id, items, now + ttl_s),
+            )
+
+        await self._run(work, f"keep_response {response_id[:80]!r}")
+
+    async def response_chain(self, response_id: str, *, max_turns: int) -> list[tuple[str, str | None, bytes, str]]:
+        """The turns a ``previous_response_id`` stands for, latest first, each ``(response_id,
+        previous_id, items, model_call_id)``, unexpired ones only, at most ``max_turns``: the chain is
+        whole when the last one has no ``previous_id``."""
+        now = time.time()
+        rows = await self._run(
+            lambda cursor: cursor.execute(
+                "WITH RECURSIVE chain (response_id, previous_id, items, model_call_id, depth) AS ("
+                "SELECT response_id, previous_id, items, model_call_id, 0 FROM token_responses "
+                "WHERE response_id = ? AND expires_at >= ? UNION ALL "
+                "SELECT t.response_id, t.previous_id, t.items, t.model_call_id, c.depth + 1 FROM token_responses t "
+                "JOIN chain c ON t.response_id = c.previous_id WHERE t.expires_at >= ? AND c.depth < ?) "
+                "SELECT response_id, previous_id, items, model_call_id FROM chain ORDER BY depth",
+                (response_id, now, now, max_turns - 1),
+            ),
+            f"response_chain {response_id[:80]!r}",
+            write=False,
+        )
+        return [(str(r[0]), None if r[1] is None else str(r[1]), bytes(r[2]), str(r[3])) for r in rows]
+
     # -- inspection (not part of NeMo Gym's protocols) -------------------------------------------
 
     async def records(self, rollout_id: str) -> tuple[TokenRecord, ...]:

@@ -96,13 +96,16 @@ class RecordWriter:
         request: Mapping[str, Any],
         completion: TokenCompletion,
         server_version: str | None = None,
+        *,
+        served_by: str | None = None,
     ) -> None:
-        """Record a chat completion's first choice (``n`` must be 1 with a sink)."""
+        """Record a chat completion's first choice (``n`` must be 1 with a sink); ``served_by``: the
+        upstream replica that answered it (the record's ``served_by``)."""
         messages = request.get("messages")
         items = list(messages) if isinstance(messages, list) else []
         outputs = output_items(completion.response)
         server_version = server_version or _reported_version(completion.response)
-        await self._write(coordinates, completion, items, outputs, server_version)
+        await self._write(coordinates, completion, items, outputs, server_version, served_by)
 
     async def mark_failed(self, coordinates: Coordinates) -> None:
         """The call's capture failed: the rollout is marked incomplete, shielded and within
@@ -140,6 +143,7 @@ class RecordWriter:
         items: list[Any] | None,
         outputs: list[dict[str, Any]],
         server_version: str | None,
+        served_by: str | None = None,
     ) -> None:
         bundle = completion.bundle
         try:
@@ -192,6 +196,7 @@ class RecordWriter:
             fingerprint_version=FINGERPRINT_VERSION if fingerprint else None,
             prompt_is_delta=delta,
             weight_versions=spans_for(bundle, version),
+            served_by=served_by,
         )
         await self._put(record)
 
@@ -253,10 +258,12 @@ class Custody:
     incomplete (shielded, bounded). Any other failure (the server's HTTP error, a lost connection)
     leaves the call begun, so a retry under the same model call id can still complete it.
     ``begin`` and ``end`` are the same steps for a call whose custody outlives one block (a stream).
+    ``served_by``, when the caller sets it, names the upstream replica in the record.
     """
 
     recorded = True
     """Whether the call is recorded (False for the custody of a call without a sink or a rollout id)."""
+    served_by: str | None = None
 
     def __init__(self, writer: RecordWriter, coordinates: Coordinates, failed: Callable[[BaseException], bool]) -> None:
         self.writer = writer
@@ -270,7 +277,7 @@ class Custody:
     async def write_chat(
         self, request: Mapping[str, Any], completion: TokenCompletion, server_version: str | None = None
     ) -> None:
-        await self.writer.write_chat(self.coordinates, request, completion, server_version)
+        await self.writer.write_chat(self.coordinates, request, completion, server_version, served_by=self.served_by)
         self.written = True
 
     async def write_token_in(self, completion: TokenCompletion) -> None:

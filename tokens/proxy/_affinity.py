@@ -1,0 +1,75 @@
+"""Several replicas of one upstream: a rollout's calls on one replica, failover, health with backoff.
+
+A model's ``Replicas`` are ordered per call by rendezvous hashing of its affinity key (the
+``X-Session-Id`` header, else the rollout id, else the call's own id): every call with the same key
+asks the same replica first, so its prefix stays in that replica's cache, and a replica that leaves
+moves only the keys it held. A replica that refused the connection or answered 5xx before anything
+was sent to the client (``fails_over``) is marked down for a backoff (``BACKOFF_S``, doubled for
+each failure in a row, at most ``MAX_BACKOFF_S``) and asked only after the healthy ones until then;
+its first success clears it. A call that fails over is asked of the next replica in its order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import httpx
+
+from .._errors import ServerResponseError
+
+if TYPE_CHECKING:
+    from ._upstream import Upstream
+
+__all__ = ["BACKOFF_S", "MAX_BACKOFF_S", "SESSION_HEADER", "Replica", "Replicas", "fails_over"]
+
+SESSION_HEADER = "x-session-id"
+BACKOFF_S = 1.0
+MAX_BACKOFF_S = 60.0
+
+
+class Replica:
+    """One replica: its upstream, its name in records (the base URL, credentials stripped), its health."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        self.name = upstream.base
+        self.failures = 0
+        self.down_until = 0.0
+
+
+class Replicas:
+    """The replicas that serve one model, each asked in an order of the call's affinity key."""
+
+    def __init__(self, upstreams: Sequence[Upstream], clock: Callable[[], float] = time.monotonic) -> None:
+        self.replicas = tuple(Replica(upstream) for upstream in upstreams)
+        self._clock = clock
+
+    def order(self, key: str) -> list[Replica]:
+        """Every replica, once: the healthy ones by rendezvous weight for ``key``, then those marked down."""
+        ranked = sorted(self.replicas, key=lambda replica: _weight(key, replica.name), reverse=True)
+        now = self._clock()
+        return [r for r in ranked if r.down_until <= now] + [r for r in ranked if r.down_until > now]
+
+    def failed(self, replica: Replica) -> None:
+        """Mark ``replica`` down for its backoff (doubled for each failure in a row)."""
+        replica.failures += 1
+        replica.down_until = self._clock() + min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (replica.failures - 1))
+
+    @staticmethod
+    def succeeded(replica: Replica) -> None:
+        replica.failures, replica.down_until = 0, 0.0
+
+
+def _weight(key: str, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}\0{name}".encode(), digest_size=8).digest(), "big")
+
+
+def fails_over(exc: BaseException) -> bool:
+    """Whether a call that failed with ``exc`` (before anything was sent to the client) is asked of
+    the next replica: the replica refused or dropped the connection, or answered 5xx."""
+    if isinstance(exc, ServerResponseError):
+        return exc.status_code >= 500
+    return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.RemoteProtocolError | httpx.ReadError)
