@@ -12,18 +12,22 @@ its first success clears it. A call that fails over is asked of the next replica
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import httpx
 
-from .._errors import ServerResponseError
+from .._errors import ServerResponseError, TokensError
 
 if TYPE_CHECKING:
     from ._upstream import Upstream
 
 __all__ = ["BACKOFF_S", "MAX_BACKOFF_S", "SESSION_HEADER", "Replica", "Replicas", "fails_over"]
+
+logger = logging.getLogger("tokens.proxy")
+T = TypeVar("T")
 
 SESSION_HEADER = "x-session-id"
 BACKOFF_S = 1.0
@@ -61,6 +65,30 @@ class Replicas:
     @staticmethod
     def succeeded(replica: Replica) -> None:
         replica.failures, replica.down_until = 0, 0.0
+
+    async def ask(self, key: str, ask: Callable[[Upstream], Awaitable[T]]) -> tuple[T, Replica]:
+        """``ask`` of each replica in ``key``'s order until one answers: its answer and the replica. What
+        a replica raised that does not fail over is raised; so is the last one's, when every one failed."""
+        order = self.order(key)
+        for tried, replica in enumerate(order, 1):
+            try:
+                answer = await ask(replica.upstream)
+            except (TokensError, httpx.HTTPError) as exc:
+                if not fails_over(exc):
+                    raise
+                self.failed(replica)
+                if tried == len(order):
+                    raise
+                logger.warning(
+                    "tokens.proxy: upstream replica %d of %d failed (%s); asking the next",
+                    tried,
+                    len(order),
+                    type(exc).__name__,
+                )
+                continue
+            self.succeeded(replica)
+            return answer, replica
+        raise AssertionError("a model has at least one replica")  # pragma: no cover
 
 
 def _weight(key: str, name: str) -> int:

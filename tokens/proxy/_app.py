@@ -125,7 +125,7 @@ class _App:
 
     async def models(self) -> Response:
         try:
-            data = await self.upstreams.first().models()
+            data = await self.upstreams.models()
         except (TokensError, httpx.HTTPError) as exc:
             error = self.telemetry.upstream_error(exc)
             return JSONResponse(CHAT.error_body(error), status_code=error.status)

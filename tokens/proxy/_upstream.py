@@ -31,7 +31,7 @@ from .._exchange import Exchange
 from .._http import read_body, strip_credentials
 from .._transport import TokenCaptureTransport
 from .._vllm_responses import decode_responses
-from ._affinity import Replicas, fails_over
+from ._affinity import Replicas
 from ._errors import ProxyError, upstream_error
 from ._intake import Turn
 
@@ -111,31 +111,14 @@ class Upstreams:
         """The turn sent to a replica of its model's upstream (the first of its affinity's order that
         answers; the next one where a replica fails over) and that replica's reply, named in the
         call's record."""
-        replicas = self.pick(turn.body)
-        order = replicas.order(turn.call.affinity)
-        for tried, replica in enumerate(order, 1):
-            try:
-                reply = await self._ask(replica.upstream, turn)
-            except (TokensError, httpx.HTTPError) as exc:
-                if not fails_over(exc):
-                    turn.report.cause = exc
-                    raise upstream_error(exc) from None
-                replicas.failed(replica)
-                if tried == len(order):
-                    turn.report.cause = exc
-                    raise upstream_error(exc) from None
-                logger.warning(
-                    "tokens.proxy: upstream replica %d of %d failed (%s); asking the next",
-                    tried,
-                    len(order),
-                    type(exc).__name__,
-                )
-                continue
-            replicas.succeeded(replica)
-            if turn.custody.recorded:
-                turn.custody.served_by = replica.name
-            return reply
-        raise AssertionError("a model has at least one replica")  # pragma: no cover
+        try:
+            reply, replica = await self.pick(turn.body).ask(turn.call.affinity, lambda up: self._ask(up, turn))
+        except (TokensError, httpx.HTTPError) as exc:
+            turn.report.cause = exc
+            raise upstream_error(exc) from None
+        if turn.custody.recorded:
+            turn.custody.served_by = replica.name
+        return reply
 
     async def _ask(self, upstream: Upstream, turn: Turn) -> Reply:
         """The turn asked of one upstream, by the API it asks (vLLM's own, or chat completions, when
@@ -164,8 +147,10 @@ class Upstreams:
         upstream.serves_responses = True
         return Reply(chat or {}, decoded.answer, bundle)
 
-    def first(self) -> Upstream:
-        return next(iter(self.by_model.values())).replicas[0].upstream
+    async def models(self) -> bytes:
+        """The ``/models`` answer of the first upstream, from the first of its replicas that answers."""
+        data, _ = await next(iter(self.by_model.values())).ask("", Upstream.models)
+        return data
 
     def pick(self, body: Mapping[str, Any]) -> Replicas:
         """The upstream that serves the request's model; ``ProxyError`` (404) when none does."""

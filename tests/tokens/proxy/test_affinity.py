@@ -152,3 +152,12 @@ async def test_store_turns_are_bounded_in_size(tmp_path: Path) -> None:
         assert await history.get("resp_a") == ([{"text": "short"}], "call-a")
         with pytest.raises(RequestRejectedError, match="'resp_b' is not held by this proxy"):
             await history.get("resp_b")
+
+
+def test_the_model_list_fails_over_too(served: tuple[ProxyServer, str], fakes: list[FakeVLLM]) -> None:
+    server, _ = served
+    fakes[0].fail_next(503)
+    fakes[1].fail_next(503)
+    answer = httpx.get(server.base_url() + "/models")
+    assert answer.status_code == 200 and answer.json()["data"][0]["id"] == "tiny"
+    assert len(fakes[2].requests) == 1  # the one replica that answers was reached, whatever the order
