@@ -15,58 +15,63 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import httpx
 
 from .._errors import ServerResponseError, TokensError
 
-if TYPE_CHECKING:
-    from ._upstream import Upstream
-
 __all__ = ["BACKOFF_S", "MAX_BACKOFF_S", "SESSION_HEADER", "Replica", "Replicas", "fails_over"]
 
 logger = logging.getLogger("tokens.proxy")
+
+
+class _Upstream(Protocol):
+    base: str
+    """Its base URL, credentials stripped: the replica's name in records."""
+
+
 T = TypeVar("T")
+U = TypeVar("U", bound=_Upstream)
 
 SESSION_HEADER = "x-session-id"
 BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
 
 
-class Replica:
+class Replica(Generic[U]):
     """One replica: its upstream, its name in records (the base URL, credentials stripped), its health."""
 
-    def __init__(self, upstream: Upstream) -> None:
+    def __init__(self, upstream: U) -> None:
         self.upstream = upstream
         self.name = upstream.base
         self.failures = 0
         self.down_until = 0.0
 
 
-class Replicas:
+class Replicas(Generic[U]):
     """The replicas that serve one model, each asked in an order of the call's affinity key."""
 
-    def __init__(self, upstreams: Sequence[Upstream], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, upstreams: Sequence[U], clock: Callable[[], float] = time.monotonic) -> None:
         self.replicas = tuple(Replica(upstream) for upstream in upstreams)
         self._clock = clock
 
-    def order(self, key: str) -> list[Replica]:
+    def order(self, key: str) -> list[Replica[U]]:
         """Every replica, once: the healthy ones by rendezvous weight for ``key``, then those marked down."""
         ranked = sorted(self.replicas, key=lambda replica: _weight(key, replica.name), reverse=True)
         now = self._clock()
         return [r for r in ranked if r.down_until <= now] + [r for r in ranked if r.down_until > now]
 
-    def failed(self, replica: Replica) -> None:
+    def failed(self, replica: Replica[U]) -> None:
         """Mark ``replica`` down for its backoff (doubled for each failure in a row)."""
         replica.failures += 1
         replica.down_until = self._clock() + min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (replica.failures - 1))
 
     @staticmethod
-    def succeeded(replica: Replica) -> None:
+    def succeeded(replica: Replica[U]) -> None:
         replica.failures, replica.down_until = 0, 0.0
 
-    async def ask(self, key: str, ask: Callable[[Upstream], Awaitable[T]]) -> tuple[T, Replica]:
+    async def ask(self, key: str, ask: Callable[[U], Awaitable[T]]) -> tuple[T, Replica[U]]:
         """``ask`` of each replica in ``key``'s order until one answers: its answer and the replica. What
         a replica raised that does not fail over is raised; so is the last one's, when every one failed."""
         order = self.order(key)

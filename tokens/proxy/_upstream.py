@@ -103,7 +103,7 @@ class Upstreams:
     a Responses request whose upstream has no ``/v1/responses`` is asked as a chat completion
     (``responses_upstream="auto"``)."""
 
-    def __init__(self, upstreams: Mapping[str | None, Replicas], fall_back: bool) -> None:
+    def __init__(self, upstreams: Mapping[str | None, Replicas[Upstream]], fall_back: bool) -> None:
         self.by_model = upstreams
         self.fall_back = fall_back
 
@@ -152,7 +152,7 @@ class Upstreams:
         data, _ = await next(iter(self.by_model.values())).ask("", Upstream.models)
         return data
 
-    def pick(self, body: Mapping[str, Any]) -> Replicas:
+    def pick(self, body: Mapping[str, Any]) -> Replicas[Upstream]:
         """The upstream that serves the request's model; ``ProxyError`` (404) when none does."""
         model = body.get("model")
         found = self.by_model.get(model if isinstance(model, str) else None) or self.by_model.get(None)
