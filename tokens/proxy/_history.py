@@ -7,8 +7,9 @@ answer's output items (bundle fields removed), with the id of the answer it cont
 model call id that answered it. ``MemoryHistory`` keeps the last ``entries`` turns of this process;
 ``StoreHistory`` keeps them in a ``RecordStore`` (its ``token_responses`` table), so that every proxy
 over the same store (SQLite on one machine, PostgreSQL across several) continues every conversation,
-each turn for ``ttl_s`` seconds and at most ``max_turn_bytes``; a turn past its time is gone for every
-proxy, and a chain with a turn gone is refused (404), never served short.
+each turn for ``ttl_s`` seconds and at most ``max_turn_bytes``, a chain served up to ``max_chain_bytes``
+together; a turn past its time is gone for every proxy, and a chain with a turn gone (or over its
+bound) is refused (404), never served short.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ DEFAULT_TTL_S = 86_400.0
 """A day: a store keeps each turn that long (an agent's episode is minutes to hours)."""
 MAX_TURN_BYTES = 16 * 2**20
 """A turn (its input and output, encoded) larger than this is not kept in a store."""
+MAX_CHAIN_BYTES = 64 * 2**20
+"""A chain's turns together (what one request reads from a store) at most: twice the largest request body."""
 MAX_TURNS = 100_000
 """The longest chain a store walks back."""
 
@@ -85,23 +88,31 @@ class MemoryHistory:
 
 class StoreHistory:
     """Turns kept in a record store (``RecordStore.keep_response`` / ``response_chain``), each for
-    ``ttl_s`` seconds and at most ``max_turn_bytes``; every proxy over the store serves them."""
+    ``ttl_s`` seconds and at most ``max_turn_bytes``, a chain up to ``max_chain_bytes`` together; every
+    proxy over the store serves them."""
 
-    def __init__(self, store: Any, ttl_s: float = DEFAULT_TTL_S, max_turn_bytes: int = MAX_TURN_BYTES) -> None:
+    def __init__(
+        self,
+        store: Any,
+        ttl_s: float = DEFAULT_TTL_S,
+        max_turn_bytes: int = MAX_TURN_BYTES,
+        max_chain_bytes: int = MAX_CHAIN_BYTES,
+    ) -> None:
         self.store = store
         self.ttl_s = ttl_s
         self.max_turn_bytes = max_turn_bytes
+        self.max_chain_bytes = max_chain_bytes
 
     async def get(self, response_id: str) -> tuple[list[Any], str]:
         try:
-            chain = await self.store.response_chain(response_id, max_turns=MAX_TURNS)
+            chain = await self.store.response_chain(response_id, max_turns=MAX_TURNS, max_bytes=self.max_chain_bytes)
         except RecordsError as exc:
             logger.warning("tokens.proxy: reading response %r from the record store failed: %s", response_id[:80], exc)
             raise ProxyError(
                 f"the record store failed ({type(exc).__name__}) reading previous_response_id's turns; retry the call",
                 status=503,
             ) from None
-        kept = f"turns kept in the record store for {self.ttl_s:g} s"
+        kept = f"turns kept in the record store for {self.ttl_s:g} s, chains of {self.max_chain_bytes:,} bytes at most"
         if not chain:
             raise _not_kept(response_id, response_id, kept)
         if chain[-1][1] is not None:

@@ -445,20 +445,23 @@ class RecordStore:
 
         await self._run(work, f"keep_response {response_id[:80]!r}")
 
-    async def response_chain(self, response_id: str, *, max_turns: int) -> list[tuple[str, str | None, bytes, str]]:
+    async def response_chain(
+        self, response_id: str, *, max_turns: int, max_bytes: int
+    ) -> list[tuple[str, str | None, bytes, str]]:
         """The turns a ``previous_response_id`` stands for, latest first, each ``(response_id,
-        previous_id, items, model_call_id)``, unexpired ones only, at most ``max_turns``: the chain is
-        whole when the last one has no ``previous_id``."""
+        previous_id, items, model_call_id)``: unexpired ones only, at most ``max_turns`` of at most
+        ``max_bytes`` of items together. The chain is whole when the last one has no ``previous_id``."""
         now = time.time()
         rows = await self._run(
             lambda cursor: cursor.execute(
-                "WITH RECURSIVE chain (response_id, previous_id, items, model_call_id, depth) AS ("
-                "SELECT response_id, previous_id, items, model_call_id, 0 FROM token_responses "
-                "WHERE response_id = ? AND expires_at >= ? UNION ALL "
-                "SELECT t.response_id, t.previous_id, t.items, t.model_call_id, c.depth + 1 FROM token_responses t "
-                "JOIN chain c ON t.response_id = c.previous_id WHERE t.expires_at >= ? AND c.depth < ?) "
+                "WITH RECURSIVE chain (response_id, previous_id, items, model_call_id, depth, total) AS ("
+                "SELECT response_id, previous_id, items, model_call_id, 0, LENGTH(items) FROM token_responses "
+                "WHERE response_id = ? AND expires_at >= ? AND LENGTH(items) <= ? UNION ALL "
+                "SELECT t.response_id, t.previous_id, t.items, t.model_call_id, c.depth + 1, c.total + LENGTH(t.items) "
+                "FROM token_responses t JOIN chain c ON t.response_id = c.previous_id "
+                "WHERE t.expires_at >= ? AND c.depth < ? AND c.total + LENGTH(t.items) <= ?) "
                 "SELECT response_id, previous_id, items, model_call_id FROM chain ORDER BY depth",
-                (response_id, now, now, max_turns - 1),
+                (response_id, now, max_bytes, now, max_turns - 1, max_bytes),
             ),
             f"response_chain {response_id[:80]!r}",
             write=False,

@@ -161,3 +161,15 @@ def test_the_model_list_fails_over_too(served: tuple[ProxyServer, str], fakes: l
     answer = httpx.get(server.base_url() + "/models")
     assert answer.status_code == 200 and answer.json()["data"][0]["id"] == "tiny"
     assert len(fakes[2].requests) == 1  # the one replica that answers was reached, whatever the order
+
+
+@pytest.mark.anyio
+async def test_a_store_chain_over_its_bound_is_refused_not_served_short(tmp_path: Path) -> None:
+    async with open_store(f"sqlite:///{tmp_path / 'records.db'}") as store:
+        history = StoreHistory(store, ttl_s=60, max_chain_bytes=40)
+        await history.put("resp_a", [{"text": "first turn"}], None, "call-a")
+        await history.put("resp_b", [{"text": "second turn"}], "resp_a", "call-b")
+        assert await history.get("resp_a") == ([{"text": "first turn"}], "call-a")
+        with pytest.raises(RequestRejectedError, match="earlier turn 'resp_a' is no longer kept") as refused:
+            await history.get("resp_b")  # 23 + 24 bytes: over 40 together
+        assert refused.value.status == 404
