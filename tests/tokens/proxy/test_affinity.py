@@ -129,6 +129,8 @@ def test_replicas_are_checked() -> None:
         create_app([])
     with pytest.raises(ValueError, match=r"upstream_url\['m'\] must be an http"):
         create_app({"m": ["http://a/v1", "ftp://b"]})
+    with pytest.raises(ValueError, match="previous_ttl must be a positive number of seconds"):
+        create_app("http://a/v1", previous_ttl=0)
 
 
 @pytest.mark.anyio
