@@ -27,6 +27,13 @@ def environment() -> dict[str, str]:
 def served(arguments: Sequence[str], *, cwd: Path | None = None) -> Iterator[str]:
     """``python ARGUMENTS`` started with this checkout first on the path; yields the URL it prints.
     Stopped with SIGINT (Ctrl-C) on leaving (it must exit 0 within the timeout; its stderr is in the error)."""
+    with started(arguments, cwd=cwd) as (url, _):
+        yield url
+
+
+@contextmanager
+def started(arguments: Sequence[str], *, cwd: Path | None = None) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """``served``, yielding the process too (a test may kill it: then it is not stopped again)."""
     with tempfile.TemporaryFile() as stderr:
         process = subprocess.Popen(
             [sys.executable, *arguments], stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=cwd, env=environment()
@@ -45,13 +52,14 @@ def served(arguments: Sequence[str], *, cwd: Path | None = None) -> Iterator[str
                     f"{' '.join(arguments)} did not start (exit {process.returncode}): "
                     f"{stderr.read().decode(errors='replace')}"
                 )
-            yield url
-            process.send_signal(signal.SIGINT)
-            code = process.wait(START_TIMEOUT_S)
-            stderr.seek(0)
-            assert code == 0, (
-                f"{' '.join(arguments)} exited {code} when stopped: {stderr.read().decode(errors='replace')}"
-            )
+            yield url, process
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                code = process.wait(START_TIMEOUT_S)
+                stderr.seek(0)
+                assert code == 0, (
+                    f"{' '.join(arguments)} exited {code} when stopped: {stderr.read().decode(errors='replace')}"
+                )
         finally:
             if process.poll() is None:  # the block raised, or the process did not stop in time
                 process.kill()

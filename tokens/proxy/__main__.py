@@ -1,6 +1,7 @@
-"""python -m tokens.proxy --upstream URL [--store URL] [--host 127.0.0.1] [--port PORT]: serve the capture
-proxy. Its root URL is printed on one line once it listens; agents use <url>/r/<rollout-id>/v1 as their
-base URL. Needs the 'proxy' extra: pip install 'llm-sandbox-middleware[proxy]'."""
+"""python -m tokens.proxy --upstream URL [--upstream URL ...] [--store URL] [--host 127.0.0.1] [--port PORT]:
+serve the capture proxy. Its root URL is printed on one line once it listens; agents use
+<url>/r/<rollout-id>/v1 as their base URL. Several --upstream are one upstream's replicas (a rollout's
+calls on one of them, failing over). Needs the 'proxy' extra: pip install 'llm-sandbox-middleware[proxy]'."""
 
 from __future__ import annotations
 
@@ -16,13 +17,24 @@ import uvicorn
 
 from ..records import RecordsError, RecordStore, open_store
 from ._app import DEFAULT_MAX_REQUEST_BYTES, create_app
+from ._history import DEFAULT_TTL_S
 from ._server import bound_url, listen, serve, server_config
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tokens.proxy", description=__doc__)
-    parser.add_argument("--upstream", required=True, help="the OpenAI-compatible base URL, e.g. http://host:8000/v1")
-    parser.add_argument("--store", help="where records go, e.g. sqlite:///records.db (tokens.records.open_store)")
+    parser.add_argument(
+        "--upstream",
+        required=True,
+        action="append",
+        help="the OpenAI-compatible base URL, e.g. http://host:8000/v1; again for each replica of it (a rollout's "
+        "calls go to one replica, by X-Session-Id or the rollout id; the next one when it fails)",
+    )
+    parser.add_argument(
+        "--store",
+        help="where records go, e.g. sqlite:///records.db or postgresql://... (tokens.records.open_store); "
+        "previous_response_id state is kept there too, so proxies over one store serve one conversation",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=port, default=0, help="the port (default: 0, any free one)")
     parser.add_argument(
@@ -58,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
         default=60.0,
         metavar="SECONDS",
         help="a request body slower than this gets 408; a client not taking an event within it is dropped (default 60)",
+    )
+    parser.add_argument(
+        "--previous-ttl",
+        type=float,
+        default=DEFAULT_TTL_S,
+        metavar="SECONDS",
+        help=f"with --store, how long a response is kept there for previous_response_id (default {DEFAULT_TTL_S:g})",
     )
     return parser
 
@@ -106,9 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, store: RecordStore | None, key: str | None) -> int:
     try:
-        app = create_app(args.upstream, store=store, upstream_api_key=key, responses_upstream=args.responses_upstream,
+        upstream = args.upstream[0] if len(args.upstream) == 1 else args.upstream
+        app = create_app(upstream, store=store, upstream_api_key=key, responses_upstream=args.responses_upstream,
                          max_request_bytes=args.max_request_bytes, upstream_timeout=args.upstream_timeout,
-                         client_timeout=args.client_timeout)  # fmt: skip
+                         client_timeout=args.client_timeout, previous_ttl=args.previous_ttl)  # fmt: skip
     except ValueError as exc:
         print(f"tokens.proxy: {exc}", file=sys.stderr)
         return 2

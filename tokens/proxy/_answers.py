@@ -28,6 +28,5 @@ async def serve_whole(turn: Turn, reply: Reply) -> Response:
         await custody.write_chat(reply.chat, completion_of(completion, fields))
     if reply.bundle is None:
         answer = dialect.answer(completion, body, history, call.model_call_id)
-    else:
-        dialect.remember(body, answer, history, call.model_call_id)
+    await dialect.remember(body, answer, history, call.model_call_id)
     return JSONResponse(answer, headers=call.headers)

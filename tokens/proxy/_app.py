@@ -33,10 +33,12 @@ from starlette.types import Receive, Scope, Send
 from _shared_telemetry import error_type
 
 from .._chain import ChainEntry
-from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit
+from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit, strip_credentials
+from ._affinity import Replicas
 from ._answers import serve_whole
 from ._dialects import Dialect, dialects
 from ._errors import ProxyError
+from ._history import DEFAULT_TTL_S, ResponseHistory, history_for
 from ._intake import Intake
 from ._records import Recorder
 from ._side import Side
@@ -60,7 +62,7 @@ class _App:
         intake: Intake,
         *,
         client_timeout: float,
-        previous: int,
+        previous: ResponseHistory,
         meter_provider: MeterProvider | None,
         tracer_provider: TracerProvider | None,
     ) -> None:
@@ -117,7 +119,7 @@ class _App:
 
 
 def create_app(
-    upstream_url: str | Mapping[str | None, str],
+    upstream_url: str | Sequence[str] | Mapping[str | None, str | Sequence[str]],
     *,
     store: TokenSink | None = None,
     upstream_api_key: str | None = None,
@@ -129,6 +131,7 @@ def create_app(
     connect_timeout: float = 10.0,
     client_timeout: float = 60.0,
     previous_responses: int = 1024,
+    previous_ttl: float = DEFAULT_TTL_S,
     middleware: Sequence[ChainEntry] | None = None,
     meter_provider: MeterProvider | None = None,
     tracer_provider: TracerProvider | None = None,
@@ -137,7 +140,10 @@ def create_app(
 
     ``upstream_url`` is an OpenAI-compatible base (``http://host:8000/v1``; ``user:password@`` in it
     becomes basic auth, ``upstream_api_key`` a bearer token), or a mapping of model names to bases
-    (``None`` as the default). Clients call ``POST /v1/chat/completions``, ``/v1/responses`` or
+    (``None`` as the default); a list of bases in either place is one upstream's replicas: a call is
+    asked on the replica its affinity picks (the ``X-Session-Id`` header, else the rollout id, by
+    rendezvous hashing), failing over to the next when one refuses the connection or answers 5xx,
+    and its record names the replica in ``served_by``. Clients call ``POST /v1/chat/completions``, ``/v1/responses`` or
     ``/v1/messages``, or the same under ``/r/<rollout-id>/v1/...``; their own credentials are never
     forwarded. ``transport`` does the upstream I/O (default: a plain HTTP transport; e.g.
     ``httpx.MockTransport(FakeVLLM())`` in tests). ``responses_upstream`` picks how Responses
@@ -149,7 +155,9 @@ def create_app(
     408, upstream answers over ``max_response_bytes`` 502; ``upstream_timeout`` bounds each upstream
     read (a stream's silence between events too), ``connect_timeout`` its connection, and a client
     that does not take an event within ``client_timeout`` is dropped. ``previous_responses`` answers
-    are kept in memory for ``previous_response_id`` (0: none).
+    are kept in memory for ``previous_response_id`` (0: none); with a ``store`` that keeps them (a
+    ``RecordStore``) they are kept there instead, each for ``previous_ttl`` seconds, so that every
+    proxy over the same store continues every conversation.
     """
     max_response_bytes = check_limit("create_app", max_response_bytes)
     for name, value in (("max_request_bytes", max_request_bytes), ("previous_responses", previous_responses + 1)):
@@ -159,6 +167,7 @@ def create_app(
         ("upstream_timeout", upstream_timeout),
         ("connect_timeout", connect_timeout),
         ("client_timeout", client_timeout),
+        ("previous_ttl", previous_ttl),
     ):
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < float("inf"):
             raise ValueError(f"create_app: {name} must be a positive number of seconds, not {seconds!r}")
@@ -166,34 +175,43 @@ def create_app(
         raise ValueError(
             f"create_app: responses_upstream must be 'auto', 'responses' or 'chat', not {responses_upstream!r}"
         )
-    urls: dict[str | None, str] = {None: upstream_url} if isinstance(upstream_url, str) else dict(upstream_url)
-    for model, url in urls.items():
-        parsed = httpx.URL(url) if isinstance(url, str) else None
-        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
-            where = "upstream_url" if model is None else f"upstream_url[{model!r}]"
-            raise ValueError(f"create_app: {where} must be an http(s) URL with a host, e.g. http://host:8000/v1")
+    given = upstream_url if isinstance(upstream_url, Mapping) else {None: upstream_url}
+    urls = {model: [bases] if isinstance(bases, str) else list(bases) for model, bases in given.items()}
+    for model, bases in urls.items():
+        where = "upstream_url" if model is None else f"upstream_url[{model!r}]"
+        for url in bases or [""]:
+            parsed = httpx.URL(url) if isinstance(url, str) and url else None
+            if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+                raise ValueError(f"create_app: {where} must be an http(s) URL with a host, e.g. http://host:8000/v1")
+        if len({strip_credentials(url.rstrip("/"))[0] for url in bases}) != len(bases):
+            raise ValueError(f"create_app: {where} names one replica twice; give each replica's base URL once")
     timeout = httpx.Timeout(upstream_timeout, connect=connect_timeout)
-    upstreams = {
-        model: Upstream(
-            url,
-            upstream_api_key,
-            transport,
-            middleware=middleware,
-            max_response_bytes=max_response_bytes,
-            timeout=timeout,
-            meter_provider=meter_provider,
-            tracer_provider=tracer_provider,
+    replicas = {
+        model: Replicas(
+            [
+                Upstream(
+                    url,
+                    upstream_api_key,
+                    transport,
+                    middleware=middleware,
+                    max_response_bytes=max_response_bytes,
+                    timeout=timeout,
+                    meter_provider=meter_provider,
+                    tracer_provider=tracer_provider,
+                )
+                for url in bases
+            ]
         )
-        for model, url in urls.items()
+        for model, bases in urls.items()
     }
-    if not upstreams:
+    if not replicas:
         raise ValueError("create_app: upstream_url names no upstream")
     intake = Intake(max_request_bytes, client_timeout, responses_upstream, Recorder(store))
     proxy = _App(
-        Upstreams(upstreams, fall_back=responses_upstream == "auto"),
+        Upstreams(replicas, fall_back=responses_upstream == "auto"),
         intake,
         client_timeout=client_timeout,
-        previous=previous_responses,
+        previous=history_for(store, previous_responses, previous_ttl),
         meter_provider=meter_provider,
         tracer_provider=tracer_provider,
     )
@@ -206,11 +224,11 @@ def create_app(
             await proxy.aclose()
 
     methods = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH"]
-    bases = ["/", "/v1", "/r/{rollout}", "/r/{rollout}/", "/r/{rollout}/v1"]  # probed by clients (HEAD, GET)
+    probed = ["/", "/v1", "/r/{rollout}", "/r/{rollout}/", "/r/{rollout}/v1"]  # base URLs clients probe (HEAD, GET)
     routes = [
         Route("/v1/{path:path}", proxy, methods=methods),
         Route("/r/{rollout}/v1/{path:path}", proxy, methods=methods),
-        *(Route(base, proxy, methods=methods) for base in bases),
+        *(Route(base, proxy, methods=methods) for base in probed),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.proxy = proxy

@@ -13,13 +13,13 @@ each served path to its dialect; nothing outside this module tells one dialect f
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol
 
 from .._bundle import TokenBundle
 from ._chat import sse, without_echoes
-from ._errors import ProxyError, RequestRejectedError, anthropic_error_body, openai_error_body
+from ._errors import ProxyError, anthropic_error_body, openai_error_body
+from ._history import ResponseHistory
 from ._messages import MessagesEvents, chat_to_messages, messages_to_chat
 from ._messages import dropped_tools as messages_dropped
 from ._responses import (
@@ -51,7 +51,7 @@ class Dialect:
     name: ClassVar[str] = "chat"
     """The dialect's name in telemetry (``tokens.proxy.dialect``) and logs."""
 
-    def history(self, body: Mapping[str, Any]) -> tuple[list[Any], str | None]:
+    async def history(self, body: Mapping[str, Any]) -> tuple[list[Any], str | None]:
         """The earlier items the request continues and the model call id that answered them."""
         return [], None
 
@@ -81,17 +81,19 @@ class Dialect:
     ) -> dict[str, Any]:
         return completion
 
-    def remember(self, body: Mapping[str, Any], answer: Mapping[str, Any], history: list[Any], call_id: str) -> None:
+    async def remember(
+        self, body: Mapping[str, Any], answer: Mapping[str, Any], history: list[Any], call_id: str
+    ) -> None:
         """Keep ``answer`` for later requests that continue it (only Responses answers are kept)."""
 
-    def kept(self, answer_id: str) -> dict[str, Any]:
+    async def kept(self, answer_id: str) -> dict[str, Any]:
         """An answer kept by ``remember`` (without its bundle); ``ProxyError`` (404) for one not kept."""
         raise ProxyError(f"the {self.name} dialect keeps no answers to retrieve", status=404)
 
     def events(self, body: Mapping[str, Any]) -> Events | None:
         return None
 
-    def ended(self, events: Events | None, body: Mapping[str, Any], history: list[Any], call_id: str) -> None:
+    async def ended(self, events: Events | None, body: Mapping[str, Any], history: list[Any], call_id: str) -> None:
         """A stream's answer went out whole."""
 
     def error_body(self, error: ProxyError) -> dict[str, Any]:
@@ -127,52 +129,23 @@ class _Messages(Dialect):
         return sse(anthropic_error_body(error), "error")
 
 
-class _Previous:
-    """The last ``size`` Responses answers served, by id: the items a ``previous_response_id`` stands for."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._items: OrderedDict[str, tuple[list[Any], str, dict[str, Any]]] = OrderedDict()
-
-    def get(self, response_id: str, param: str = "previous_response_id") -> tuple[list[Any], str, dict[str, Any]]:
-        """The items, call id and answer (without its bundle) kept for ``response_id``."""
-        found = self._items.get(response_id)
-        if found is None:
-            raise RequestRejectedError(
-                f"{param}: {response_id[:80]!r} is not one of the last {self.size} responses this proxy "
-                "served (previous_responses; they are kept in memory only); send the whole conversation as input "
-                "instead",
-                param=param,
-                status=404,
-            )
-        self._items.move_to_end(response_id)
-        return found
-
-    def put(self, response_id: str, items: list[Any], call_id: str, answer: dict[str, Any]) -> None:
-        if self.size:
-            self._items[response_id] = (items, call_id, answer)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
-
-
 class _Responses(Dialect):
     """OpenAI's Responses API: served by vLLM itself where it can (``native``), its answers kept for
-    ``previous_response_id`` (the last ``previous`` of them, in memory)."""
+    ``previous_response_id`` (in ``previous``: this process's memory, or the record store)."""
 
     name = "responses"
 
-    def __init__(self, previous: int) -> None:
-        self.previous = _Previous(previous)
+    def __init__(self, previous: ResponseHistory) -> None:
+        self.previous = previous
 
-    def history(self, body: Mapping[str, Any]) -> tuple[list[Any], str | None]:
+    async def history(self, body: Mapping[str, Any]) -> tuple[list[Any], str | None]:
         response_id = body.get("previous_response_id")
         if not isinstance(response_id, str):
             return [], None
-        items, call_id, _ = self.previous.get(response_id)
-        return items, call_id
+        return await self.previous.get(response_id)
 
-    def kept(self, answer_id: str) -> dict[str, Any]:
-        return self.previous.get(answer_id, "response_id")[2]
+    async def kept(self, answer_id: str) -> dict[str, Any]:
+        return await self.previous.answer(answer_id)
 
     def native_request(
         self, body: Mapping[str, Any], history: list[Any], responses_upstream: str
@@ -197,23 +170,26 @@ class _Responses(Dialect):
     def answer(
         self, completion: dict[str, Any], body: Mapping[str, Any], history: list[Any], call_id: str
     ) -> dict[str, Any]:
-        answer = chat_to_responses(completion, body, f"resp_{secrets.token_hex(12)}")
-        self.remember(body, answer, history, call_id)
-        return answer
+        return chat_to_responses(completion, body, f"resp_{secrets.token_hex(12)}")
 
-    def remember(self, body: Mapping[str, Any], answer: Mapping[str, Any], history: list[Any], call_id: str) -> None:
-        """Keep ``answer`` for a later ``previous_response_id`` (unless the request said ``store: false``)."""
+    async def remember(
+        self, body: Mapping[str, Any], answer: Mapping[str, Any], history: list[Any], call_id: str
+    ) -> None:
+        """Keep ``answer``'s turn (the request's input and the answer's output) for a later
+        ``previous_response_id`` (unless the request said ``store: false``)."""
         if body.get("store", True) is not False:
-            items = history_of(body, answer, history)
-            outputs = len(answer.get("output", ()))  # the answer kept shares its items, without the bundle
-            self.previous.put(answer["id"], items, call_id, {**answer, "output": items[len(items) - outputs :]})
+            earlier = body.get("previous_response_id")
+            turn = history_of(body, answer, ())
+            outputs = len(answer.get("output", ()))  # the answer kept (for GET /v1/responses/{id}) without its bundle
+            kept = {**answer, "output": turn[len(turn) - outputs :]}
+            await self.previous.put(answer["id"], turn, earlier if isinstance(earlier, str) else None, call_id, kept)
 
     def events(self, body: Mapping[str, Any]) -> Events:
         return ResponsesEvents(body, f"resp_{secrets.token_hex(12)}")
 
-    def ended(self, events: Events | None, body: Mapping[str, Any], history: list[Any], call_id: str) -> None:
+    async def ended(self, events: Events | None, body: Mapping[str, Any], history: list[Any], call_id: str) -> None:
         if isinstance(events, ResponsesEvents) and events.completed is not None:
-            self.remember(body, events.completed, history, call_id)
+            await self.remember(body, events.completed, history, call_id)
 
     def error_event(self, error: ProxyError, events: Events | None) -> bytes:
         return events.error(error) if events is not None else error_event(error, 0)
@@ -223,6 +199,6 @@ CHAT = Dialect()
 """The dialect of answers to no dialect's path (a 404, ``GET /v1/models``)."""
 
 
-def dialects(previous: int) -> dict[str, Dialect]:
-    """The served paths (under ``/v1/``) and their dialects; ``previous``: Responses answers kept."""
+def dialects(previous: ResponseHistory) -> dict[str, Dialect]:
+    """The served paths (under ``/v1/``) and their dialects; ``previous``: where Responses turns are kept."""
     return {"chat/completions": CHAT, "responses": _Responses(previous), "messages": _Messages()}

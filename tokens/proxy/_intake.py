@@ -2,7 +2,8 @@
 
 The body is read with ``max_request_bytes`` and ``client_timeout``; the call's ids come from the
 URL's rollout id and the ``X-Rollout-Id``, ``X-Model-Call-Id``, ``X-Parent-Call-Id`` and
-``X-Weight-Version`` headers, each checked as the records check it; the dialect gives the history
+``X-Weight-Version`` headers, each checked as the records check it (and its affinity, the replica
+key: ``X-Session-Id``, else the rollout id, else the call id); the dialect gives the history
 it continues, the request it asks of vLLM itself (if any) and the chat completion it is served or
 recorded as. Every refusal is a typed ``ProxyError``, before anything goes upstream. The call
 carries the headers every answer gives back.
@@ -22,6 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from ..records import CoordinateError, Coordinates, Custody
 from ..records._coordinates import check_id, check_weight_version
+from ._affinity import SESSION_HEADER
 from ._dialects import Dialect
 from ._errors import ClientTimeoutError, RequestRejectedError, RequestTooLargeError
 from ._records import Recorder
@@ -41,11 +43,13 @@ _DECODE = msgspec.json.Decoder(dict[str, Any])
 @dataclass(frozen=True)
 class Call:
     """One request's call: its id (always answered in ``X-Model-Call-Id``), with a rollout id where it
-    is recorded, and the headers its answer carries (its call id and, when recorded, its rollout id)."""
+    is recorded, the headers its answer carries (its call id and, when recorded, its rollout id), and
+    the key its upstream replica is chosen by (``affinity``)."""
 
     model_call_id: str
     coordinates: Coordinates | None
     headers: dict[str, str]
+    affinity: str = ""
 
 
 class Turn(NamedTuple):
@@ -82,7 +86,7 @@ class Intake:
         body = await read_json(request, self.max_request_bytes, self.client_timeout)
         report.stream = stream = bool(body.get("stream"))
         call = call_of(request, request.path_params.get("rollout"))
-        history, parent = dialect.history(body)
+        history, parent = await dialect.history(body)
         native = dialect.native_request(body, history, self.responses_upstream)
         if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
             call = dataclasses.replace(call, coordinates=dataclasses.replace(call.coordinates, parent_call_id=parent))
@@ -135,7 +139,7 @@ def call_of(request: Request, rollout: str | None) -> Call:
     weight = _coordinate(headers.get(WEIGHT_HEADER), "X-Weight-Version", check_weight_version)
     coordinates = None if rollout_id is None else Coordinates(rollout_id, call_id, parent, weight)
     answered = {CALL_HEADER: call_id} if rollout_id is None else {CALL_HEADER: call_id, ROLLOUT_HEADER: rollout_id}
-    return Call(call_id, coordinates, answered)
+    return Call(call_id, coordinates, answered, headers.get(SESSION_HEADER) or rollout_id or call_id)
 
 
 def _coordinate(value: str | None, where: str, check: Callable[[Any, str], str]) -> str | None:

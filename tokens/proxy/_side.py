@@ -4,7 +4,7 @@
   client's probe (Claude Code's ``HEAD``), answered 200.
 - ``GET /v1/models/{id}``: the upstream's model of that id, in OpenAI's shape (Anthropic's to a client
   that sends ``anthropic-version``); a 404 in that dialect for a model the upstream does not list.
-- ``GET /v1/responses/{id}``: a Responses answer this proxy gave and keeps (``previous_responses``),
+- ``GET /v1/responses/{id}``: a Responses answer this proxy gave and keeps (its ``ResponseHistory``),
   without its bundle (the record has it).
 - ``POST /v1/messages/count_tokens`` and ``POST /v1/responses/input_tokens``: the prompt's token count,
   exact: the request converted as its model call would be, counted by the upstream's ``/tokenize``.
@@ -92,7 +92,7 @@ class Side:
         if method == "GET" and path.startswith("models/"):
             return await self._model(path.removeprefix("models/"), dialect)
         if method == "GET" and path.startswith("responses/"):
-            return JSONResponse(dialect.kept(path.removeprefix("responses/")))
+            return JSONResponse(await dialect.kept(path.removeprefix("responses/")))
         if method == "POST" and path in ("messages/count_tokens", "responses/input_tokens"):
             count = await self._count(request, dialect)
             if path == "messages/count_tokens":
@@ -108,7 +108,7 @@ class Side:
 
     async def _upstream_models(self) -> bytes:
         try:
-            return await self.upstreams.first().models()
+            return await self.upstreams.models()
         except (TokensError, httpx.HTTPError) as exc:
             raise upstream_error(exc) from None
 
@@ -135,14 +135,18 @@ class Side:
         body = await read_json(request, self.intake.max_request_bytes, self.intake.client_timeout)
         if dialect.name == "messages" and "max_tokens" not in body:
             body = {**body, "max_tokens": 1}  # counting takes no max_tokens; the conversion needs one
-        history, _ = dialect.history(body)
+        history, _ = await dialect.history(body)
         chat = dialect.to_chat({**body, "stream": False}, history)
         asked = {"model": chat.get("model"), "messages": chat["messages"], "add_generation_prompt": True}
         asked.update({name: chat[name] for name in _TOKENIZED if name in chat})
-        upstream = self.upstreams.pick(body)
-        try:
+
+        async def tokenize(upstream: Upstream) -> dict[str, Any]:
             response = await upstream.client.post(_root(upstream) + "/tokenize", json=asked)
-            counted = _DECODE.decode(await read_body(response, "tokenize", upstream.max_response_bytes))
+            return _DECODE.decode(await read_body(response, "tokenize", upstream.max_response_bytes))
+
+        affinity = call_of(request, request.path_params.get("rollout")).affinity
+        try:  # the replica the call itself would go to (its tokenizer is the same on every one)
+            counted, _ = await self.upstreams.pick(body).ask(affinity, tokenize)
         except (TokensError, httpx.HTTPError, msgspec.MsgspecError) as exc:
             raise upstream_error(exc) from None
         count = counted.get("count")
@@ -165,14 +169,19 @@ class Side:
             raise RequestRejectedError(f"n={n!r} with a rollout id: a record holds one choice; send n=1", param="n")
         logprobs = body.get("logprobs")
         sent = {**body, "return_token_ids": True, "logprobs": logprobs if isinstance(logprobs, int) else 0}
-        upstream = self.upstreams.pick(body)
+
+        async def complete(upstream: Upstream) -> bytes:
+            response = await upstream.ask("/completions", sent)
+            return await read_body(response, "answer", upstream.max_response_bytes)
+
         async with custody:
-            try:
-                response = await upstream.ask("/completions", sent)
-                completion = extract_token_in(sent, await read_body(response, "answer", upstream.max_response_bytes))
+            try:  # on the rollout's replica, failing over as a model call does
+                data, replica = await self.upstreams.pick(body).ask(call.affinity, complete)
+                completion = extract_token_in(sent, data)
             except (TokensError, httpx.HTTPError) as exc:
                 raise upstream_error(exc) from None
             if custody.recorded:
+                custody.served_by = replica.name
                 await custody.write_token_in(completion)
         return JSONResponse(completion.response, headers=call.headers)
 

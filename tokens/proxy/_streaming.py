@@ -1,7 +1,9 @@
 """A streamed answer: the upstream's chat events passed on, converted to the client's dialect, as they come.
 
 The upstream's stream arrives opened; each event is converted by the dialect (or passed on as it
-came) and fed to the call's record, which is written before the stream's end goes out. A failure
+came) and fed to the call's record, which is written before the stream's end goes out; so is the answer a
+later request continues (a Responses ``previous_response_id``), so that a client may continue it at
+once, through any proxy over the same store. A failure
 once the stream has started is the dialect's error event, told in the turn's report; the upstream's
 stream is closed once, whether the events ran or not.
 """
@@ -67,9 +69,10 @@ def serve_stream(turn: Turn, reply: Reply, client_timeout: float) -> Response:
                 if converter is None:
                     yield event
             if converter is not None:
-                for out in converter.finish():
+                closing = converter.finish()  # the answer kept before its end goes out: a client may continue
+                await dialect.ended(converter, body, turn.history, turn.call.model_call_id)  # it at once, anywhere
+                for out in closing:
                     yield out
-                dialect.ended(converter, body, turn.history, turn.call.model_call_id)
         except (TokensError, httpx.HTTPError, ProxyError) as exc:
             report.error, report.cause = upstream_error(exc), exc
             await custody.end(report.error)

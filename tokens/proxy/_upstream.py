@@ -5,8 +5,10 @@ An ``Upstream`` asks for what its server serves: a chat completion whole or as a
 through the capture chain), the model list; its methods raise what the I/O raised (``TokensError``,
 ``httpx.HTTPError``). ``Upstreams.send`` sends one turn to the upstream of its model, by the API
 it asks (vLLM's own where it is served, else chat completions), and gives back the ``Reply``; a
-failure is raised as the client's view of it (``upstream_error``), told in the turn's report.
-``Upstreams`` closes them all.
+model served by several replicas is asked on the replica of the call's affinity, failing over to
+the next (``_affinity``), and the call's record names the replica that answered. A failure is
+raised as the client's view of it (``upstream_error``), told in the turn's report. ``Upstreams``
+closes them all.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .._exchange import Exchange
 from .._http import read_body, strip_credentials
 from .._transport import TokenCaptureTransport
 from .._vllm_responses import decode_responses
+from ._affinity import Replicas
 from ._errors import ProxyError, upstream_error
 from ._intake import Turn
 
@@ -96,51 +99,60 @@ class Upstream:
 
 
 class Upstreams:
-    """The upstreams by model name (``None``: the default one); ``fall_back``: a Responses request
-    whose upstream has no ``/v1/responses`` is asked as a chat completion (``responses_upstream="auto"``)."""
+    """The upstreams by model name (``None``: the default one), each model's replicas; ``fall_back``:
+    a Responses request whose upstream has no ``/v1/responses`` is asked as a chat completion
+    (``responses_upstream="auto"``)."""
 
-    def __init__(self, upstreams: Mapping[str | None, Upstream], fall_back: bool) -> None:
+    def __init__(self, upstreams: Mapping[str | None, Replicas[Upstream]], fall_back: bool) -> None:
         self.by_model = upstreams
         self.fall_back = fall_back
 
     async def send(self, turn: Turn) -> Reply:
-        """The turn sent to the upstream of its model, by the API it asks, and the upstream's reply:
-        vLLM's own answer and its bundle (captured by the chain), or a chat completion whole or opened
-        as a stream; a Responses request whose upstream has no ``/v1/responses`` (a 404, remembered)
-        is asked as a chat completion when ``fall_back``."""
-        upstream = self.pick(turn.body)
+        """The turn sent to a replica of its model's upstream (the first of its affinity's order that
+        answers; the next one where a replica fails over) and that replica's reply, named in the
+        call's record."""
+        try:
+            reply, replica = await self.pick(turn.body).ask(turn.call.affinity, lambda up: self._ask(up, turn))
+        except (TokensError, httpx.HTTPError) as exc:
+            turn.report.cause = exc
+            raise upstream_error(exc) from None
+        if turn.custody.recorded:
+            turn.custody.served_by = replica.name
+        return reply
+
+    async def _ask(self, upstream: Upstream, turn: Turn) -> Reply:
+        """The turn asked of one upstream, by the API it asks (vLLM's own, or chat completions, when
+        the upstream answers 404 to it and ``fall_back``); what the I/O raised, raised."""
         report = turn.report
         native = turn.native if upstream.serves_responses is not False else None
         chat = turn.chat
-        try:
-            if native is not None:
-                report.upstream_api = "responses"
-                response = await upstream.ask("/responses", native)
-                if response.status_code in (404, 405) and self.fall_back:
-                    await response.aclose()
-                    native = None
-                    upstream.serves_responses = False  # remembered: chat completions from now on
-            if native is None:
-                chat = turn.dialect.to_chat(turn.body, turn.history) if chat is None else chat
-                report.upstream_api = "chat"
-                response = await upstream.ask("/chat/completions", chat)
-                if turn.stream and response.status_code < 400:
-                    return Reply(chat, stream=response)
-            data = await read_body(response, "answer", upstream.max_response_bytes)  # a failure raises, typed
-            if native is None:
-                return Reply(chat or {}, _DECODE.decode(data))
-            decoded = decode_responses(data)
-            bundle = await upstream.chain(Exchange(native, decoded))
-            upstream.serves_responses = True
-            return Reply(chat or {}, decoded.answer, bundle)
-        except (TokensError, httpx.HTTPError) as exc:
-            report.cause = exc
-            raise upstream_error(exc) from None
+        if native is not None:
+            report.upstream_api = "responses"
+            response = await upstream.ask("/responses", native)
+            if response.status_code in (404, 405) and self.fall_back:
+                await response.aclose()
+                native = None
+                upstream.serves_responses = False  # remembered: chat completions from now on
+        if native is None:
+            chat = turn.dialect.to_chat(turn.body, turn.history) if chat is None else chat
+            report.upstream_api = "chat"
+            response = await upstream.ask("/chat/completions", chat)
+            if turn.stream and response.status_code < 400:
+                return Reply(chat, stream=response)
+        data = await read_body(response, "answer", upstream.max_response_bytes)  # a failure raises, typed
+        if native is None:
+            return Reply(chat or {}, _DECODE.decode(data))
+        decoded = decode_responses(data)
+        bundle = await upstream.chain(Exchange(native, decoded))
+        upstream.serves_responses = True
+        return Reply(chat or {}, decoded.answer, bundle)
 
-    def first(self) -> Upstream:
-        return next(iter(self.by_model.values()))
+    async def models(self) -> bytes:
+        """The ``/models`` answer of the first upstream, from the first of its replicas that answers."""
+        data, _ = await next(iter(self.by_model.values())).ask("", Upstream.models)
+        return data
 
-    def pick(self, body: Mapping[str, Any]) -> Upstream:
+    def pick(self, body: Mapping[str, Any]) -> Replicas[Upstream]:
         """The upstream that serves the request's model; ``ProxyError`` (404) when none does."""
         model = body.get("model")
         found = self.by_model.get(model if isinstance(model, str) else None) or self.by_model.get(None)
@@ -154,7 +166,7 @@ class Upstreams:
     async def aclose(self) -> None:
         """Close every upstream's client, each whatever the others did, shielded and bounded."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-            for upstream in self.by_model.values():
+            for upstream in (replica.upstream for model in self.by_model.values() for replica in model.replicas):
                 try:
                     await upstream.client.aclose()
                 except Exception as exc:  # the others still close

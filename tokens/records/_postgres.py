@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ._errors import RecordStoreError
-from ._schema import ddl
+from ._schema import LATEST, ddl
 from ._secrets import StoreSecrets
 
 __all__ = ["PostgresBackend"]
@@ -53,8 +53,8 @@ class PostgresBackend:
         if not self._schema_ready:
             try:
                 with self.transaction(connection, write=True) as cursor:
-                    (present,) = cursor.execute("SELECT to_regclass('token_intents') IS NOT NULL")
-                    if not present[0]:
+                    (present,) = cursor.execute("SELECT to_regclass(?) IS NOT NULL", (LATEST,))
+                    if not present[0]:  # new, or made by an older client
                         self._create(cursor)
             except BaseException:
                 connection.close()
@@ -64,7 +64,8 @@ class PostgresBackend:
 
     @staticmethod
     def _create(cursor: _Cursor) -> None:
-        """The tables, made once (other clients wait on the advisory lock, then find them made)."""
+        """The tables, made once or migrated (every statement is idempotent; other clients wait on the
+        advisory lock, then find them made)."""
         cursor.execute("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
         for statement in ddl(blob="BYTEA", float_="DOUBLE PRECISION", int_="BIGINT"):
             cursor.execute(statement)

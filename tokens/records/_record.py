@@ -2,9 +2,10 @@
 
 Field for field NeMo Gym's record, with one addition carried the way its schema carries unknown
 fields (``extra="allow"``): ``weight_versions``, spans ``{"version", "start", "end"}`` of
-generation tokens sampled by weights labelled ``version`` (vLLM's format). And ``dropped``: what
+generation tokens sampled by weights labelled ``version`` (vLLM's format); ``dropped``: what
 the capture proxy left out of the request before sending it upstream (a hosted tool, ...), each
-``{"where", "type", "reason"}``. Records are stored as
+``{"where", "type", "reason"}``; and ``served_by``, the upstream replica (its base URL, credentials
+stripped) that served the call. Records are stored as
 sorted-key JSON of their fields (``encode_record``); reading refuses a newer schema
 (``RecordSchemaError``) rather than misreading it.
 """
@@ -73,6 +74,7 @@ class TokenRecord(msgspec.Struct, frozen=True, kw_only=True):
     prefix_supplied: bool = False
     weight_versions: list[dict[str, Any]] | None = None
     dropped: list[dict[str, Any]] | None = None
+    served_by: str | None = None
 
     def __post_init__(self) -> None:
         where = f"record {self.rollout_id!r}/{self.model_call_id!r}"
@@ -108,7 +110,7 @@ def record_payload(record: Any) -> dict[str, Any]:
     """A record's fields as JSON values: ours (``TokenRecord``) or NeMo Gym's ``TokenEntry``."""
     if isinstance(record, TokenRecord):
         payload: dict[str, Any] = msgspec.to_builtins(record)
-        for extra in ("weight_versions", "dropped"):
+        for extra in ("weight_versions", "dropped", "served_by"):
             if payload[extra] is None:
                 del payload[extra]  # an extra field: absent unless set, as in NeMo Gym's dump
         return payload

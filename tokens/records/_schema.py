@@ -1,8 +1,16 @@
-"""The tables of a record store; ``{blob}``, ``{float}`` and ``{int}`` are the engine's types."""
+"""The tables of a record store; ``{blob}``, ``{float}`` and ``{int}`` are the engine's types.
+
+Every statement is idempotent (``IF NOT EXISTS``), and a store runs them all when its newest table
+(``LATEST``) is missing: that is its schema migration. A store made before a table was added gets it
+the first time a newer client connects; tables are only ever added, never changed.
+"""
 
 from __future__ import annotations
 
-__all__ = ["ddl"]
+__all__ = ["LATEST", "ddl"]
+
+LATEST = "token_responses"
+"""The newest table: a store without it is migrated (every statement below run) on connect."""
 
 _DDL = (
     "CREATE TABLE IF NOT EXISTS token_rollouts (rollout_id TEXT PRIMARY KEY, version {int} NOT NULL, "
@@ -17,6 +25,12 @@ _DDL = (
     "CREATE INDEX IF NOT EXISTS token_marks_rollout ON token_marks (rollout_id)",
     "CREATE TABLE IF NOT EXISTS token_intents (rollout_id TEXT NOT NULL, model_call_id TEXT NOT NULL, "
     "PRIMARY KEY (rollout_id, model_call_id))",
+    # The capture proxy's previous_response_id turns (each its own input and output items, JSON, and the
+    # answer it was, for GET /v1/responses/{id}), so
+    # that any proxy over the store continues a conversation; expired rows are deleted as turns are kept.
+    "CREATE TABLE IF NOT EXISTS token_responses (response_id TEXT PRIMARY KEY, previous_id TEXT, "
+    "model_call_id TEXT NOT NULL, items {blob} NOT NULL, answer {blob} NOT NULL, expires_at {float} NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS token_responses_expiry ON token_responses (expires_at)",
 )
 
 

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ._schema import ddl
+from ._schema import LATEST, ddl
 
 __all__ = ["SQLiteBackend"]
 
@@ -40,8 +40,8 @@ class SQLiteBackend:
             connection.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             connection.execute("PRAGMA journal_mode = WAL")
             connection.execute("PRAGMA synchronous = FULL")
-            present = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'token_intents'"
-            if not connection.execute(present).fetchall():
+            present = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+            if not connection.execute(present, (LATEST,)).fetchall():  # new, or made by an older client
                 with self.transaction(connection, write=True) as cursor:
                     for statement in ddl(blob="BLOB", float_="REAL", int_="INTEGER"):
                         cursor.execute(statement)

@@ -435,6 +435,68 @@ class RecordStore:
                 raise MalformedRecordError(f"rollout {rollout_id!r}: the parent chain of {model_call_id!r} loops")
         return chain, ()
 
+    # -- conversation state (the capture proxy's previous_response_id; not NeMo Gym's) -----------
+
+    async def keep_response(
+        self,
+        response_id: str,
+        items: bytes,
+        previous_id: str | None,
+        model_call_id: str,
+        answer: bytes,
+        *,
+        ttl_s: float,
+    ) -> None:
+        """Keep one Responses turn (``items``: its own input and output, encoded; ``answer``: the
+        answer it was, encoded) continuing ``previous_id``, for ``ttl_s`` seconds; turns past their
+        time are deleted here."""
+        now = time.time()
+
+        def work(cursor: Cursor) -> None:
+            cursor.execute("DELETE FROM token_responses WHERE expires_at < ?", (now,))
+            cursor.execute(
+                "INSERT INTO token_responses (response_id, previous_id, model_call_id, items, answer, expires_at) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (response_id) DO NOTHING",
+                (response_id, previous_id, model_call_id, items, answer, now + ttl_s),
+            )
+
+        await self._run(work, f"keep_response {response_id[:80]!r}")
+
+    async def kept_answer(self, response_id: str) -> bytes | None:
+        """The answer kept with the turn ``response_id`` (encoded), or ``None`` when none is, or it expired."""
+        now = time.time()
+        rows = await self._run(
+            lambda cursor: cursor.execute(
+                "SELECT answer FROM token_responses WHERE response_id = ? AND expires_at >= ?", (response_id, now)
+            ),
+            f"kept_answer {response_id[:80]!r}",
+            write=False,
+        )
+        return bytes(rows[0][0]) if rows else None
+
+    async def response_chain(
+        self, response_id: str, *, max_turns: int, max_bytes: int
+    ) -> list[tuple[str, str | None, bytes, str]]:
+        """The turns a ``previous_response_id`` stands for, latest first, each ``(response_id,
+        previous_id, items, model_call_id)``: unexpired ones only, at most ``max_turns`` of at most
+        ``max_bytes`` of items together. The chain is whole when the last one has no ``previous_id``."""
+        now = time.time()
+        rows = await self._run(
+            lambda cursor: cursor.execute(
+                "WITH RECURSIVE chain (response_id, previous_id, items, model_call_id, depth, total) AS ("
+                "SELECT response_id, previous_id, items, model_call_id, 0, LENGTH(items) FROM token_responses "
+                "WHERE response_id = ? AND expires_at >= ? AND LENGTH(items) <= ? UNION ALL "
+                "SELECT t.response_id, t.previous_id, t.items, t.model_call_id, c.depth + 1, c.total + LENGTH(t.items) "
+                "FROM token_responses t JOIN chain c ON t.response_id = c.previous_id "
+                "WHERE t.expires_at >= ? AND c.depth < ? AND c.total + LENGTH(t.items) <= ?) "
+                "SELECT response_id, previous_id, items, model_call_id FROM chain ORDER BY depth",
+                (response_id, now, max_bytes, now, max_turns - 1, max_bytes),
+            ),
+            f"response_chain {response_id[:80]!r}",
+            write=False,
+        )
+        return [(str(r[0]), None if r[1] is None else str(r[1]), bytes(r[2]), str(r[3])) for r in rows]
+
     # -- inspection (not part of NeMo Gym's protocols) -------------------------------------------
 
     async def records(self, rollout_id: str) -> tuple[TokenRecord, ...]:

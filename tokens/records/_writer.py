@@ -98,14 +98,16 @@ class RecordWriter:
         server_version: str | None = None,
         *,
         dropped: Sequence[Mapping[str, Any]] = (),
+        served_by: str | None = None,
     ) -> None:
         """Record a chat completion's first choice (``n`` must be 1 with a sink); ``dropped``: what was
-        left out of the caller's request before it was sent (the record's ``dropped``)."""
+        left out of the caller's request before it was sent (the record's ``dropped``); ``served_by``:
+        the upstream replica that answered it (the record's ``served_by``)."""
         messages = request.get("messages")
         items = list(messages) if isinstance(messages, list) else []
         outputs = output_items(completion.response)
         server_version = server_version or _reported_version(completion.response)
-        await self._write(coordinates, completion, items, outputs, server_version, dropped)
+        await self._write(coordinates, completion, items, outputs, server_version, dropped, served_by)
 
     async def mark_failed(self, coordinates: Coordinates) -> None:
         """The call's capture failed: the rollout is marked incomplete, shielded and within
@@ -131,10 +133,12 @@ class RecordWriter:
                 MARK_TIMEOUT_S,
             )
 
-    async def write_token_in(self, coordinates: Coordinates, completion: TokenCompletion) -> None:
+    async def write_token_in(
+        self, coordinates: Coordinates, completion: TokenCompletion, *, served_by: str | None = None
+    ) -> None:
         """Record a token-in call (``/v1/completions``, ``/inference/v1/generate``): the parent is
-        the recorded sequence the prompt extends, verified by digest."""
-        await self._write(coordinates, completion, None, [], _reported_version(completion.response))
+        the recorded sequence the prompt extends, verified by digest; ``served_by`` as ``write_chat``'s."""
+        await self._write(coordinates, completion, None, [], _reported_version(completion.response), (), served_by)
 
     async def _write(
         self,
@@ -144,6 +148,7 @@ class RecordWriter:
         outputs: list[dict[str, Any]],
         server_version: str | None,
         dropped: Sequence[Mapping[str, Any]] = (),
+        served_by: str | None = None,
     ) -> None:
         bundle = completion.bundle
         try:
@@ -197,6 +202,7 @@ class RecordWriter:
             prompt_is_delta=delta,
             weight_versions=spans_for(bundle, version),
             dropped=[dict(note) for note in dropped] or None,
+            served_by=served_by,
         )
         await self._put(record)
 
@@ -258,10 +264,12 @@ class Custody:
     incomplete (shielded, bounded). Any other failure (the server's HTTP error, a lost connection)
     leaves the call begun, so a retry under the same model call id can still complete it.
     ``begin`` and ``end`` are the same steps for a call whose custody outlives one block (a stream).
+    ``served_by``, when the caller sets it, names the upstream replica in the record.
     """
 
     recorded = True
     """Whether the call is recorded (False for the custody of a call without a sink or a rollout id)."""
+    served_by: str | None = None
 
     def __init__(self, writer: RecordWriter, coordinates: Coordinates, failed: Callable[[BaseException], bool]) -> None:
         self.writer = writer
@@ -280,11 +288,13 @@ class Custody:
         *,
         dropped: Sequence[Mapping[str, Any]] = (),
     ) -> None:
-        await self.writer.write_chat(self.coordinates, request, completion, server_version, dropped=dropped)
+        await self.writer.write_chat(
+            self.coordinates, request, completion, server_version, dropped=dropped, served_by=self.served_by
+        )
         self.written = True
 
     async def write_token_in(self, completion: TokenCompletion) -> None:
-        await self.writer.write_token_in(self.coordinates, completion)
+        await self.writer.write_token_in(self.coordinates, completion, served_by=self.served_by)
         self.written = True
 
     async def end(self, exc: BaseException | None) -> None:

@@ -64,6 +64,13 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
                 connection.shutdown(socket.SHUT_RDWR)
         super().server_close()  # joins the connections' threads
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that reset or dropped its connection has gone away, as clients do (a proxy closing its
+        keep-alive connections): nothing to report. Anything else is printed, as the standard library does."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
+
     @property
     def url(self) -> str:
         host, port = self.socket.getsockname()[:2]

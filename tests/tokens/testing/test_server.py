@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -184,6 +185,19 @@ def test_leaving_the_block_closes_open_connections_and_threads() -> None:
     streaming.close()
     with pytest.raises(RuntimeError, match="not running"):
         _ = server.url
+
+
+@pytest.mark.anyio(False)
+def test_a_client_that_resets_its_connection_is_not_reported(capfd: pytest.CaptureFixture[str]) -> None:
+    """A client gone with a reset (a proxy closing its keep-alive connections) prints nothing; the
+    server goes on serving."""
+    with FakeVLLMServer() as server:
+        raw = socket.create_connection(address(server))
+        raw.sendall(b"GET /v1/mod")  # half a request line: the server is reading it
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        raw.close()  # a reset, not a close
+        assert httpx.get(server.base_url + "/models").status_code == 200
+    assert "Traceback" not in capfd.readouterr().err
 
 
 @pytest.mark.anyio(False)
