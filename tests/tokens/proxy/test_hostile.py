@@ -4,6 +4,7 @@ dialect that names no upstream, and nothing is left running."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import threading
@@ -220,6 +221,20 @@ def test_a_broken_stream_ends_in_an_error_event_in_each_dialect(kind: str) -> No
         ):
             list(stream)
         no_upstream_in(str(messages_error.value))
+    assert transport.closed.is_set()
+
+
+def test_an_endless_stream_is_bounded_in_total_by_max_response_bytes() -> None:
+    """Each event small, the stream endless: it ends in an error event once max_response_bytes
+    arrived in total (it used to pass on for ever, the gathered ids growing), and the upstream is closed."""
+    transport = Scripted(itertools.chain([FIRST], (chunk("x" * 200, 5) for _ in range(200_000))))
+    with serve(transport, max_response_bytes=2**20) as server:
+        request = {"model": "tiny", "messages": USER, "stream": True}
+        with httpx.stream("POST", server.url + "/r/r1/v1/chat/completions", json=request, timeout=60) as answer:
+            data = b"".join(answer.iter_raw())
+    assert len(data) < 2**20 + 2**16
+    last = json.loads(data.rstrip().rsplit(b"\n\n", 1)[-1].removeprefix(b"data: "))
+    assert last["error"]["code"] == 502 and "max_response_bytes=1,048,576" in last["error"]["message"]
     assert transport.closed.is_set()
 
 
