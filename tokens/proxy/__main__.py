@@ -16,6 +16,7 @@ import uvicorn
 
 from ..records import RecordsError, RecordStore, open_store
 from ._app import DEFAULT_MAX_REQUEST_BYTES, create_app
+from ._previous import DEFAULT_PREVIOUS_BYTES, DEFAULT_PREVIOUS_RESPONSES
 from ._server import bound_url, listen, serve, server_config
 
 
@@ -58,6 +59,20 @@ def _parser() -> argparse.ArgumentParser:
         default=60.0,
         metavar="SECONDS",
         help="a request body slower than this gets 408; a client not taking an event within it is dropped (default 60)",
+    )
+    parser.add_argument(
+        "--previous-responses",
+        type=int,
+        default=DEFAULT_PREVIOUS_RESPONSES,
+        metavar="N",
+        help=f"turns kept in memory for previous_response_id (default {DEFAULT_PREVIOUS_RESPONSES}; 0: none)",
+    )
+    parser.add_argument(
+        "--previous-bytes",
+        type=int,
+        default=DEFAULT_PREVIOUS_BYTES,
+        metavar="BYTES",
+        help=f"those turns' size together at most (default {DEFAULT_PREVIOUS_BYTES})",
     )
     return parser
 
@@ -108,7 +123,8 @@ def _run(args: argparse.Namespace, store: RecordStore | None, key: str | None) -
     try:
         app = create_app(args.upstream, store=store, upstream_api_key=key, responses_upstream=args.responses_upstream,
                          max_request_bytes=args.max_request_bytes, upstream_timeout=args.upstream_timeout,
-                         client_timeout=args.client_timeout)  # fmt: skip
+                         client_timeout=args.client_timeout, previous_responses=args.previous_responses,
+                         previous_bytes=args.previous_bytes)  # fmt: skip
     except ValueError as exc:
         print(f"tokens.proxy: {exc}", file=sys.stderr)
         return 2

@@ -39,6 +39,7 @@ from ._answers import serve_whole
 from ._dialects import CHAT, Dialect, dialects
 from ._errors import ProxyError
 from ._intake import Intake
+from ._previous import DEFAULT_PREVIOUS_BYTES, DEFAULT_PREVIOUS_RESPONSES, PreviousResponses
 from ._records import Recorder
 from ._sink import TokenSink
 from ._streaming import serve_stream
@@ -60,7 +61,7 @@ class _App:
         intake: Intake,
         *,
         client_timeout: float,
-        previous: int,
+        previous: PreviousResponses,
         meter_provider: MeterProvider | None,
         tracer_provider: TracerProvider | None,
     ) -> None:
@@ -142,7 +143,8 @@ def create_app(
     upstream_timeout: float = 600.0,
     connect_timeout: float = 10.0,
     client_timeout: float = 60.0,
-    previous_responses: int = 1024,
+    previous_responses: int = DEFAULT_PREVIOUS_RESPONSES,
+    previous_bytes: int = DEFAULT_PREVIOUS_BYTES,
     middleware: Sequence[ChainEntry] | None = None,
     meter_provider: MeterProvider | None = None,
     tracer_provider: TracerProvider | None = None,
@@ -162,11 +164,16 @@ def create_app(
     Limits: request bodies over ``max_request_bytes`` get 413, bodies slower than ``client_timeout``
     408, upstream answers over ``max_response_bytes`` 502; ``upstream_timeout`` bounds each upstream
     read (a stream's silence between events too), ``connect_timeout`` its connection, and a client
-    that does not take an event within ``client_timeout`` is dropped. ``previous_responses`` answers
-    are kept in memory for ``previous_response_id`` (0: none).
+    that does not take an event within ``client_timeout`` is dropped. For ``previous_response_id``,
+    the last ``previous_responses`` turns (0: none) of at most ``previous_bytes`` together are kept
+    in memory, each turn its own input and output only.
     """
     max_response_bytes = check_limit("create_app", max_response_bytes)
-    for name, value in (("max_request_bytes", max_request_bytes), ("previous_responses", previous_responses + 1)):
+    for name, value in (
+        ("max_request_bytes", max_request_bytes),
+        ("previous_responses", previous_responses + 1),
+        ("previous_bytes", previous_bytes),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"create_app: {name} must be a positive int, not {value!r}")
     for name, seconds in (
@@ -207,7 +214,7 @@ def create_app(
         Upstreams(upstreams, fall_back=responses_upstream == "auto"),
         intake,
         client_timeout=client_timeout,
-        previous=previous_responses,
+        previous=PreviousResponses(previous_responses, previous_bytes),
         meter_provider=meter_provider,
         tracer_provider=tracer_provider,
     )

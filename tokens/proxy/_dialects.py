@@ -13,14 +13,14 @@ each served path to its dialect; nothing outside this module tells one dialect f
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol
 
 from .._bundle import TokenBundle
 from ._chat import sse
-from ._errors import ProxyError, RequestRejectedError, anthropic_error_body, openai_error_body
+from ._errors import ProxyError, anthropic_error_body, openai_error_body
 from ._messages import MessagesEvents, chat_to_messages, messages_to_chat
+from ._previous import PreviousResponses
 from ._responses import (
     ResponsesEvents,
     chat_to_responses,
@@ -114,40 +114,14 @@ class _Messages(Dialect):
         return sse(anthropic_error_body(error), "error")
 
 
-class _Previous:
-    """The last ``size`` Responses answers served, by id: the items a ``previous_response_id`` stands for."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._items: OrderedDict[str, tuple[list[Any], str]] = OrderedDict()
-
-    def get(self, response_id: str) -> tuple[list[Any], str]:
-        found = self._items.get(response_id)
-        if found is None:
-            raise RequestRejectedError(
-                f"previous_response_id: {response_id[:80]!r} is not one of the last {self.size} responses this proxy "
-                "served (they are kept in memory only); send the whole conversation as input instead",
-                param="previous_response_id",
-                status=404,
-            )
-        self._items.move_to_end(response_id)
-        return found
-
-    def put(self, response_id: str, items: list[Any], call_id: str) -> None:
-        if self.size:
-            self._items[response_id] = (items, call_id)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
-
-
 class _Responses(Dialect):
     """OpenAI's Responses API: served by vLLM itself where it can (``native``), its answers kept for
-    ``previous_response_id`` (the last ``previous`` of them, in memory)."""
+    ``previous_response_id`` (in ``previous``, bounded in entries and bytes)."""
 
     name = "responses"
 
-    def __init__(self, previous: int) -> None:
-        self.previous = _Previous(previous)
+    def __init__(self, previous: PreviousResponses) -> None:
+        self.previous = previous
 
     def history(self, body: Mapping[str, Any]) -> tuple[list[Any], str | None]:
         response_id = body.get("previous_response_id")
@@ -182,7 +156,10 @@ class _Responses(Dialect):
     def remember(self, body: Mapping[str, Any], answer: Mapping[str, Any], history: list[Any], call_id: str) -> None:
         """Keep ``answer`` for a later ``previous_response_id`` (unless the request said ``store: false``)."""
         if body.get("store", True) is not False:
-            self.previous.put(answer["id"], history_of(body, answer, history), call_id)
+            earlier = body.get("previous_response_id")
+            self.previous.put(
+                answer["id"], history_of(body, answer), earlier if isinstance(earlier, str) else None, call_id
+            )
 
     def events(self, body: Mapping[str, Any]) -> Events:
         return ResponsesEvents(body, f"resp_{secrets.token_hex(12)}")
@@ -199,6 +176,6 @@ CHAT = Dialect()
 """The dialect of answers to no dialect's path (a 404, ``GET /v1/models``)."""
 
 
-def dialects(previous: int) -> dict[str, Dialect]:
-    """The served paths (under ``/v1/``) and their dialects; ``previous``: Responses answers kept."""
+def dialects(previous: PreviousResponses) -> dict[str, Dialect]:
+    """The served paths (under ``/v1/``) and their dialects; ``previous``: the Responses answers kept."""
     return {"chat/completions": CHAT, "responses": _Responses(previous), "messages": _Messages()}

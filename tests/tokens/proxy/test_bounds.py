@@ -1,0 +1,114 @@
+"""The proxy bounded under hostility: ``previous_response_id`` state in entries and bytes (no chain
+keeps an evicted turn alive), concurrent requests per proxy and per rollout (a queue, then a 429
+in the client's dialect), and the working memory of one request against its body."""
+
+from __future__ import annotations
+
+import gc
+import json
+import tracemalloc
+from typing import Any
+
+import httpx
+import pytest
+
+from tokens.proxy import create_app
+
+from .test_hostile import call
+
+ANSWER = {
+    "id": "c",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "tiny",
+    "prompt_token_ids": [1, 2, 3],
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "ok"},
+            "finish_reason": "stop",
+            "token_ids": [7],
+            "logprobs": {"content": [{"token": "token_id:7", "logprob": -0.5}]},
+        }
+    ],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+}
+
+
+class Canned(httpx.AsyncBaseTransport):
+    """An upstream that answers every chat completion with one short captured answer, whatever it is
+    asked (no tokenizer: a huge prompt costs the upstream nothing here), and keeps the size of each
+    request body it was sent."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.sizes.append(len(await request.aread()))
+        return httpx.Response(200, json=ANSWER)
+
+
+def app_of(transport: httpx.AsyncBaseTransport, **options: Any) -> Any:
+    return create_app("http://upstream.internal:9/v1", transport=transport, responses_upstream="chat", **options)
+
+
+async def respond(app: Any, body: dict[str, Any], path: str = "/v1/responses") -> tuple[int, dict[str, Any]]:
+    status, parts = await call(app, path, body)
+    return status, json.loads(b"".join(parts))
+
+
+# -- previous_response_id ---------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_chain_longer_than_the_turns_kept_pins_nothing_and_is_a_404() -> None:
+    """40 chained 1 MiB turns with 4 turns kept: each turn used to keep the whole chain before it
+    (+40 MiB after 40 turns); now a turn keeps only itself, the chain is served while its turns are
+    kept, and the continuation of an evicted one is a 404 saying to send the conversation."""
+    transport = Canned()
+    app = app_of(transport, previous_responses=4)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        previous, statuses = None, []
+        for _ in range(40):
+            body: dict[str, Any] = {"model": "tiny", "input": [{"role": "user", "content": "x" * 2**20}]}
+            if previous is not None:
+                body["previous_response_id"] = previous
+            status, answer = await respond(app, body)
+            statuses.append(status)
+            previous = answer.get("id", previous)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+        await app.state.proxy.aclose()
+    assert statuses[:5] == [200] * 5 and transport.sizes[4] > 5 * 2**20  # turn 5 carried turns 1-4 upstream
+    assert (
+        set(statuses[5:]) == {404} and "evicted" in answer["error"]["message"] and "whole conversation" in str(answer)
+    )
+    assert held < 8 * 2**20, f"{held:,} bytes held after the chain"
+
+
+@pytest.mark.anyio
+async def test_the_turns_kept_are_bounded_in_bytes_and_hold_no_echoed_bundle() -> None:
+    """At most ``previous_bytes`` together, the least recently used turn evicted first; an input item
+    that echoes an earlier answer's bundle is kept without it (it is never sent upstream either)."""
+    app = app_of(Canned(), previous_bytes=3 * 2**20)
+    kept = app.state.proxy.dialects["responses"].previous
+    try:
+        ids = []
+        for _ in range(6):
+            status, answer = await respond(app, {"model": "tiny", "input": "y" * 2**20})
+            assert status == 200
+            ids.append(answer["id"])
+        assert len(kept._turns) == 2 and kept.bytes <= 3 * 2**20
+        assert (await respond(app, {"model": "tiny", "input": "z", "previous_response_id": ids[0]}))[0] == 404
+        echoed = {"type": "message", "role": "assistant", "content": "ok", "prompt_token_ids": list(range(200_000))}
+        status, answer = await respond(app, {"model": "tiny", "input": [echoed, {"role": "user", "content": "q"}]})
+        assert status == 200 and len(kept._turns[answer["id"]].items) < 1_000
+        status, follow = await respond(app, {"model": "tiny", "input": "again", "previous_response_id": answer["id"]})
+        assert status == 200 and follow["output"][-1]["generation_token_ids"] == [7]
+    finally:
+        await app.state.proxy.aclose()
