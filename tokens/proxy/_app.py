@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Literal
 
 import httpx
@@ -36,9 +36,17 @@ from .._chain import ChainEntry
 from .._errors import TokensError
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit
 from ._answers import serve_whole
+from ._credentials import RolloutKey
 from ._dialects import CHAT, Dialect, dialects
 from ._errors import ProxyError
 from ._intake import Intake
+from ._limits import (
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_MAX_REQUESTS,
+    DEFAULT_MAX_ROLLOUT_REQUESTS,
+    DEFAULT_QUEUE_TIMEOUT,
+    Admission,
+)
 from ._previous import DEFAULT_PREVIOUS_BYTES, DEFAULT_PREVIOUS_RESPONSES, PreviousResponses
 from ._records import Recorder
 from ._sink import TokenSink
@@ -59,6 +67,7 @@ class _App:
         self,
         upstreams: Upstreams,
         intake: Intake,
+        admission: Admission,
         *,
         client_timeout: float,
         previous: PreviousResponses,
@@ -67,6 +76,7 @@ class _App:
     ) -> None:
         self.upstreams = upstreams
         self.intake = intake
+        self.admission = admission
         self.client_timeout = client_timeout
         self.dialects = dialects(previous)
         self.telemetry = ProxyTelemetry(meter_provider, tracer_provider)
@@ -98,29 +108,36 @@ class _App:
         await response(request.scope, request.receive, send)
 
     async def serve(self, dialect: Dialect, request: Request, send: Send) -> None:
-        """A request's one way through the stages, told of once (to its answer's last byte): read in,
-        sent upstream with its call in custody, answered whole or streamed; any failure answered in the
-        client's dialect."""
+        """A request's one way through the stages, told of once (to its answer's last byte): its rollout
+        checked, a place taken for it (to its answer's last byte), read in, sent upstream with its call
+        in custody, answered whole or streamed; any failure answered in the client's dialect."""
         with self.telemetry.report(dialect.name) as report:
-            response: Response
-            try:
-                turn = await self.intake.turn_of(request, dialect, report)
-                async with turn.custody:  # begun before anything is sent; a stream's own end comes with its events
-                    reply = await self.upstreams.send(turn)
-                    if reply.stream is not None:
-                        response = serve_stream(turn, reply, self.client_timeout)
-                    else:
-                        response = await serve_whole(turn, reply)
-            except Exception as exc:
-                failure = exc if isinstance(exc, ProxyError) else None
-                if failure is None:  # a defect of ours: logged, and still an answer the client's SDK parses
-                    logger.error(
-                        "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
+            async with AsyncExitStack() as place:  # the request's place, held to its answer's last byte
+                response: Response
+                try:
+                    await place.enter_async_context(self.admission.admit(self.intake.rollout_of(request)))
+                    turn = await self.intake.turn_of(request, dialect, report)
+                    async with turn.custody:  # begun before anything is sent; a stream's own end comes with its events
+                        reply = await self.upstreams.send(turn)
+                        if reply.stream is not None:
+                            response = serve_stream(turn, reply, self.client_timeout)
+                        else:
+                            response = await serve_whole(turn, reply)
+                except Exception as exc:
+                    failure = exc if isinstance(exc, ProxyError) else None
+                    if failure is None:  # a defect of ours: logged, and still an answer the client's SDK parses
+                        logger.error(
+                            "tokens.proxy: unexpected %s serving a %s request",
+                            error_type(exc),
+                            dialect.name,
+                            exc_info=exc,
+                        )
+                        failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
+                    report.error = failure
+                    response = JSONResponse(
+                        dialect.error_body(failure), status_code=failure.status, headers=failure.headers
                     )
-                    failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
-                report.error = failure
-                response = JSONResponse(dialect.error_body(failure), status_code=failure.status)
-            await response(request.scope, request.receive, send)
+                await response(request.scope, request.receive, send)
 
     async def models(self) -> Response:
         try:
@@ -145,6 +162,11 @@ def create_app(
     client_timeout: float = 60.0,
     previous_responses: int = DEFAULT_PREVIOUS_RESPONSES,
     previous_bytes: int = DEFAULT_PREVIOUS_BYTES,
+    max_requests: int = DEFAULT_MAX_REQUESTS,
+    max_rollout_requests: int = DEFAULT_MAX_ROLLOUT_REQUESTS,
+    max_queued: int = DEFAULT_MAX_QUEUED,
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
+    rollout_key: str | bytes | None = None,
     middleware: Sequence[ChainEntry] | None = None,
     meter_provider: MeterProvider | None = None,
     tracer_provider: TracerProvider | None = None,
@@ -167,12 +189,21 @@ def create_app(
     that does not take an event within ``client_timeout`` is dropped. For ``previous_response_id``,
     the last ``previous_responses`` turns (0: none) of at most ``previous_bytes`` together are kept
     in memory, each turn its own input and output only.
+
+    At most ``max_requests`` requests are served at once, ``max_rollout_requests`` of one rollout;
+    up to ``max_queued`` more wait for a place (``queue_timeout`` seconds at most), the rest get 429
+    with ``Retry-After``. With ``rollout_key`` (at least 16 bytes), a request that names a rollout
+    must carry that rollout's token (``mint_rollout_token(rollout_key, rollout_id)``) in its path,
+    ``/r/<rollout-id>/t/<token>/v1/...``, or in ``X-Rollout-Token``: 401 without it, 403 for another.
     """
     max_response_bytes = check_limit("create_app", max_response_bytes)
     for name, value in (
         ("max_request_bytes", max_request_bytes),
         ("previous_responses", previous_responses + 1),
         ("previous_bytes", previous_bytes),
+        ("max_requests", max_requests),
+        ("max_rollout_requests", max_rollout_requests),
+        ("max_queued", max_queued + 1),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"create_app: {name} must be a positive int, not {value!r}")
@@ -180,6 +211,7 @@ def create_app(
         ("upstream_timeout", upstream_timeout),
         ("connect_timeout", connect_timeout),
         ("client_timeout", client_timeout),
+        ("queue_timeout", queue_timeout),
     ):
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < float("inf"):
             raise ValueError(f"create_app: {name} must be a positive number of seconds, not {seconds!r}")
@@ -209,10 +241,12 @@ def create_app(
     }
     if not upstreams:
         raise ValueError("create_app: upstream_url names no upstream")
-    intake = Intake(max_request_bytes, client_timeout, responses_upstream, Recorder(store))
+    key = None if rollout_key is None else RolloutKey(rollout_key)
+    intake = Intake(max_request_bytes, client_timeout, responses_upstream, Recorder(store), key)
     proxy = _App(
         Upstreams(upstreams, fall_back=responses_upstream == "auto"),
         intake,
+        Admission(max_requests, max_rollout_requests, max_queued, queue_timeout),
         client_timeout=client_timeout,
         previous=PreviousResponses(previous_responses, previous_bytes),
         meter_provider=meter_provider,
@@ -230,6 +264,7 @@ def create_app(
     routes = [
         Route("/v1/{path:path}", proxy, methods=methods),
         Route("/r/{rollout}/v1/{path:path}", proxy, methods=methods),
+        Route("/r/{rollout}/t/{token}/v1/{path:path}", proxy, methods=methods),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.proxy = proxy

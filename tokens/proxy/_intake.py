@@ -1,7 +1,8 @@
 """A request's way in: read, checked and made the ``Turn`` the later stages serve.
 
-The body is read with ``max_request_bytes`` and ``client_timeout``; the call's ids come from the
-URL's rollout id and the ``X-Rollout-Id``, ``X-Model-Call-Id``, ``X-Parent-Call-Id`` and
+The rollout a request names is checked first (``rollout_of``: its id, and its token when the
+proxy holds a rollout key). The body is read with ``max_request_bytes`` and ``client_timeout``;
+the call's ids come from the URL's rollout id and the ``X-Rollout-Id``, ``X-Model-Call-Id``, ``X-Parent-Call-Id`` and
 ``X-Weight-Version`` headers, each checked as the records check it; the dialect gives the history
 it continues, the request it asks of vLLM itself (if any) and the chat completion it is served or
 recorded as. Every refusal is a typed ``ProxyError``, before anything goes upstream. The call
@@ -22,12 +23,13 @@ from starlette.requests import ClientDisconnect, Request
 
 from ..records import CoordinateError, Coordinates, Custody
 from ..records._coordinates import check_id, check_weight_version
+from ._credentials import TOKEN_HEADER, RolloutKey
 from ._dialects import Dialect
 from ._errors import ClientTimeoutError, RequestRejectedError, RequestTooLargeError
 from ._records import Recorder
 from ._telemetry import Report
 
-__all__ = ["Call", "Intake", "Turn", "call_of", "read_json"]
+__all__ = ["Call", "Intake", "Turn", "call_of", "read_json", "rollout_id_of"]
 
 ROLLOUT_HEADER, CALL_HEADER, PARENT_HEADER, WEIGHT_HEADER = (
     "x-rollout-id",
@@ -70,18 +72,33 @@ class Intake:
     (``responses_upstream``, ``create_app``'s), and the records a call is kept in."""
 
     def __init__(
-        self, max_request_bytes: int, client_timeout: float, responses_upstream: str, recorder: Recorder
+        self,
+        max_request_bytes: int,
+        client_timeout: float,
+        responses_upstream: str,
+        recorder: Recorder,
+        rollout_key: RolloutKey | None = None,
     ) -> None:
         self.max_request_bytes = max_request_bytes
         self.client_timeout = client_timeout
         self.responses_upstream = responses_upstream
         self.recorder = recorder
+        self.rollout_key = rollout_key
+
+    def rollout_of(self, request: Request) -> str | None:
+        """The rollout the request names (None: it names none), its token checked when the proxy holds a
+        rollout key; done first, before the body is read or the request waits for a place."""
+        rollout_id = rollout_id_of(request)
+        if rollout_id is not None and self.rollout_key is not None:
+            token = request.path_params.get("token") or request.headers.get(TOKEN_HEADER)
+            self.rollout_key.check(rollout_id, token)
+        return rollout_id
 
     async def turn_of(self, request: Request, dialect: Dialect, report: Report) -> Turn:
         """The request read and checked, as the ``Turn`` the stages serve (nothing is sent yet)."""
         body = await read_json(request, self.max_request_bytes, self.client_timeout)
         report.stream = stream = bool(body.get("stream"))
-        call = call_of(request, request.path_params.get("rollout"))
+        call = call_of(request)
         history, parent = dialect.history(body)
         native = dialect.native_request(body, history, self.responses_upstream)
         if parent is not None and call.coordinates is not None and call.coordinates.parent_call_id is None:
@@ -124,12 +141,17 @@ def _too_large(max_request_bytes: int, detail: str) -> str:
     return f"the request body is over the proxy's max_request_bytes={max_request_bytes:,} ({detail})"
 
 
-def call_of(request: Request, rollout: str | None) -> Call:
+def rollout_id_of(request: Request) -> str | None:
+    """The rollout the request names: the URL's (``/r/<rollout-id>/...``), else ``X-Rollout-Id``'s."""
+    return _coordinate(request.path_params.get("rollout"), "the URL's rollout id", check_id) or _coordinate(
+        request.headers.get(ROLLOUT_HEADER), "X-Rollout-Id", check_id
+    )
+
+
+def call_of(request: Request) -> Call:
     """The request's call: its ids from the URL and headers, a fresh call id when it names none."""
     headers = request.headers
-    rollout_id = _coordinate(rollout, "the URL's rollout id", check_id) or _coordinate(
-        headers.get(ROLLOUT_HEADER), "X-Rollout-Id", check_id
-    )
+    rollout_id = rollout_id_of(request)
     call_id = _coordinate(headers.get(CALL_HEADER), "X-Model-Call-Id", check_id) or f"call_{secrets.token_hex(12)}"
     parent = _coordinate(headers.get(PARENT_HEADER), "X-Parent-Call-Id", check_id)
     weight = _coordinate(headers.get(WEIGHT_HEADER), "X-Weight-Version", check_weight_version)

@@ -9,12 +9,13 @@ import json
 import tracemalloc
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
 from tokens.proxy import create_app
 
-from .test_hostile import call
+from .test_hostile import call, post_scope
 
 ANSWER = {
     "id": "c",
@@ -110,5 +111,103 @@ async def test_the_turns_kept_are_bounded_in_bytes_and_hold_no_echoed_bundle() -
         assert status == 200 and len(kept._turns[answer["id"]].items) < 1_000
         status, follow = await respond(app, {"model": "tiny", "input": "again", "previous_response_id": answer["id"]})
         assert status == 200 and follow["output"][-1]["generation_token_ids"] == [7]
+    finally:
+        await app.state.proxy.aclose()
+
+
+# -- requests at once ----------------------------------------------------------------------------
+
+
+class Held(Canned):
+    """An upstream that answers only once ``release`` is set; ``arrived`` counts requests it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = anyio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.sizes.append(len(await request.aread()))
+        await self.release.wait()
+        return httpx.Response(200, json=ANSWER)
+
+
+async def answered(app: Any, path: str, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """The status, headers and JSON body of one request to the ASGI ``app``."""
+    sent = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    out: list[dict[str, Any]] = []
+    done = anyio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if sent:
+            return sent.pop()
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        out.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            done.set()
+
+    await app(post_scope(path), receive, send)
+    headers = {name.decode(): value.decode() for name, value in out[0]["headers"]}
+    return out[0]["status"], headers, json.loads(b"".join(m["body"] for m in out[1:]))
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+MESSAGES = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_requests_past_the_proxys_places_wait_in_a_bounded_queue_then_get_a_429(anyio_backend: str) -> None:
+    """Two places and room for one waiting: a third request waits (its body not read), a fourth is a
+    429 at once, with Retry-After and in its dialect's shape; once the two end, the third is served."""
+    transport = Held()
+    app = app_of(transport, max_requests=2, max_queued=1)
+    results: list[tuple[int, dict[str, str], dict[str, Any]]] = []
+    try:
+        async with anyio.create_task_group() as group:
+
+            async def one(path: str, body: dict[str, Any]) -> None:
+                results.append(await answered(app, path, body))
+
+            for _ in range(3):
+                group.start_soon(one, "/v1/chat/completions", CHAT)
+            with anyio.fail_after(10):
+                while len(transport.sizes) < 2 or app.state.proxy.admission.waiting < 1:
+                    await anyio.sleep(0.01)
+            status, headers, body = await answered(app, "/v1/messages", MESSAGES)
+            assert status == 429 and headers["retry-after"] == "1"
+            assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+            assert "the proxy serves 2 requests at once and 1 more are waiting" in body["error"]["message"]
+            assert len(transport.sizes) == 2  # the waiting one was not sent upstream
+            transport.release.set()
+    finally:
+        await app.state.proxy.aclose()
+    assert [status for status, _, _ in results] == [200, 200, 200]
+    assert app.state.proxy.admission.waiting == 0 and not app.state.proxy.admission._rollouts
+
+
+@pytest.mark.anyio
+async def test_a_rollout_has_its_own_places_and_a_wait_past_queue_timeout_is_a_429() -> None:
+    """One place per rollout: rollout a's second request waits, then is a 429 in the OpenAI shape
+    after queue_timeout; rollout b is served meanwhile."""
+    transport = Held()
+    app = app_of(transport, max_rollout_requests=1, queue_timeout=0.3)
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(answered, app, "/r/a/v1/chat/completions", CHAT)
+            with anyio.fail_after(10):
+                while not transport.sizes:
+                    await anyio.sleep(0.01)
+            status, headers, body = await answered(app, "/r/a/v1/chat/completions", CHAT)
+            assert status == 429 and int(headers["retry-after"]) >= 1
+            assert body["error"]["type"] == "rate_limit_exceeded" and "queue_timeout=0.3 s" in body["error"]["message"]
+            assert "rollout 'a' serves 1 requests at once" in body["error"]["message"]
+            group.start_soon(answered, app, "/r/b/v1/chat/completions", CHAT)
+            with anyio.fail_after(10):  # b reaches the upstream while a's first request holds a's place
+                while len(transport.sizes) < 2:
+                    await anyio.sleep(0.01)
+            transport.release.set()
     finally:
         await app.state.proxy.aclose()
