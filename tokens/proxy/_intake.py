@@ -116,15 +116,13 @@ async def read_json(request: Request, max_request_bytes: int, client_timeout: fl
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_request_bytes:
         raise RequestTooLargeError(_too_large(max_request_bytes, f"it declares {int(declared):,} bytes"))
-    parts: list[bytes] = []
-    size = 0
+    data = bytearray()  # grown in place: the body is held once, not as parts and their join
     try:
         with anyio.fail_after(client_timeout):
             async for part in request.stream():
-                size += len(part)
-                if size > max_request_bytes:
+                if len(data) + len(part) > max_request_bytes:
                     raise RequestTooLargeError(_too_large(max_request_bytes, "the body is larger"))
-                parts.append(part)
+                data += part
     except TimeoutError:
         raise ClientTimeoutError(
             f"the request body did not arrive within client_timeout={client_timeout:g} s; send it whole"
@@ -132,7 +130,7 @@ async def read_json(request: Request, max_request_bytes: int, client_timeout: fl
     except ClientDisconnect:
         raise RequestRejectedError("the client went away before its request body was complete") from None
     try:
-        return _DECODE.decode(b"".join(parts))
+        return _DECODE.decode(data)
     except (msgspec.MsgspecError, RecursionError) as exc:
         raise RequestRejectedError(f"the request body is not a JSON object ({str(exc)[:200]})") from None
 
