@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+from proxy_stream import started  # bench/ is this script's path
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -36,43 +37,21 @@ OPTIONS = {  # the proxy's bounds in this run
     "--previous-bytes": 64 * MiB,
     "--queue-timeout": 60,
 }
+HEAD = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "endless"}
+TOKEN = {"token_ids": [1234], "logprobs": {"content": [{"token": "token_id:1234", "logprob": -1.25, "bytes": [32]}]}}
 ANSWER = json.dumps(
     {
-        "id": "c",
+        **HEAD,
         "object": "chat.completion",
-        "created": 1,
-        "model": "canned",
         "prompt_token_ids": [1, 2, 3],
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "ok"},
-                "finish_reason": "stop",
-                "token_ids": [7],
-                "logprobs": {"content": [{"token": "token_id:7", "logprob": -0.5}]},
-            }
-        ],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": " "}, "finish_reason": "stop", **TOKEN}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
     }
 ).encode()
-HEAD = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "endless"}
 FIRST_EVENT = json.dumps(
     {**HEAD, "prompt_token_ids": [1, 2], "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
 )
-EVENT = json.dumps(
-    {
-        **HEAD,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"content": " tok"},
-                "token_ids": [1234],
-                "finish_reason": None,
-                "logprobs": {"content": [{"token": "token_id:1234", "logprob": -1.25, "bytes": [32, 116, 111, 107]}]},
-            }
-        ],
-    }
-)
+EVENT = json.dumps({**HEAD, "choices": [{"index": 0, "delta": {"content": " tok"}, "finish_reason": None, **TOKEN}]})
 
 
 # -- the hostile upstream ---------------------------------------------------------------------------
@@ -198,17 +177,6 @@ async def run(args: argparse.Namespace, base: str, pid: int) -> collections.Coun
             break
     await asyncio.gather(*tasks, return_exceptions=True)
     return counts
-
-
-def started(command: list[str], tree: Path) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=tree, env=env)
-    assert process.stdout is not None
-    url = process.stdout.readline().strip()
-    if not url.startswith("http://"):
-        process.kill()
-        raise SystemExit(f"{command} did not print its URL")
-    return process, url
 
 
 def main() -> None:

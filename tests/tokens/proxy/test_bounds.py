@@ -18,7 +18,7 @@ import pytest
 from tokens.proxy import create_app
 from tokens.proxy._server import listen
 
-from .test_hostile import call, post_scope
+from .test_hostile import call, exchange
 
 ANSWER = {
     "id": "c",
@@ -136,22 +136,7 @@ class Held(Canned):
 
 async def answered(app: Any, path: str, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any]]:
     """The status, headers and JSON body of one request to the ASGI ``app``."""
-    sent = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
-    out: list[dict[str, Any]] = []
-    done = anyio.Event()
-
-    async def receive() -> dict[str, Any]:
-        if sent:
-            return sent.pop()
-        await done.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        out.append(message)
-        if message["type"] == "http.response.body" and not message.get("more_body"):
-            done.set()
-
-    await app(post_scope(path), receive, send)
+    out = await exchange(app, path, body)
     headers = {name.decode(): value.decode() for name, value in out[0]["headers"]}
     return out[0]["status"], headers, json.loads(b"".join(m["body"] for m in out[1:]))
 

@@ -333,6 +333,13 @@ def post_scope(path: str) -> dict[str, Any]:
 
 
 async def call(app: Any, path: str, body: dict[str, Any]) -> tuple[int, list[bytes]]:
+    """The status and the body's pieces of one JSON ``POST path`` to the ASGI ``app``."""
+    out = await exchange(app, path, body)
+    return out[0]["status"], [m["body"] for m in out[1:] if m["body"]]
+
+
+async def exchange(app: Any, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ASGI messages the ``app`` sends for one JSON ``POST path`` (its start, then its body)."""
     sent = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
     out: list[dict[str, Any]] = []
     done = anyio.Event()
@@ -349,7 +356,7 @@ async def call(app: Any, path: str, body: dict[str, Any]) -> tuple[int, list[byt
             done.set()
 
     await app(post_scope(path), receive, send)
-    return out[0]["status"], [m["body"] for m in out[1:] if m["body"]]
+    return out
 
 
 @pytest.mark.anyio
