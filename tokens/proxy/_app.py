@@ -67,7 +67,6 @@ class _App:
         self,
         upstreams: Upstreams,
         intake: Intake,
-        admission: Admission,
         *,
         client_timeout: float,
         previous: PreviousResponses,
@@ -76,7 +75,6 @@ class _App:
     ) -> None:
         self.upstreams = upstreams
         self.intake = intake
-        self.admission = admission
         self.client_timeout = client_timeout
         self.dialects = dialects(previous)
         self.telemetry = ProxyTelemetry(meter_provider, tracer_provider)
@@ -109,14 +107,14 @@ class _App:
 
     async def serve(self, dialect: Dialect, request: Request, send: Send) -> None:
         """A request's one way through the stages, told of once (to its answer's last byte): its rollout
-        checked, a place taken for it (to its answer's last byte), read in, sent upstream with its call
-        in custody, answered whole or streamed; any failure answered in the client's dialect."""
+        checked and a place taken for it (held in ``place`` to its answer's last byte), read in, sent
+        upstream with its call in custody, answered whole or streamed; any failure answered in the
+        client's dialect."""
         with self.telemetry.report(dialect.name) as report:
             async with AsyncExitStack() as place:  # the request's place, held to its answer's last byte
                 response: Response
                 try:
-                    await place.enter_async_context(self.admission.admit(self.intake.rollout_of(request)))
-                    turn = await self.intake.turn_of(request, dialect, report)
+                    turn = await self.intake.turn_of(request, dialect, report, place)
                     async with turn.custody:  # begun before anything is sent; a stream's own end comes with its events
                         reply = await self.upstreams.send(turn)
                         if reply.stream is not None:
@@ -242,11 +240,11 @@ def create_app(
     if not upstreams:
         raise ValueError("create_app: upstream_url names no upstream")
     key = None if rollout_key is None else RolloutKey(rollout_key)
-    intake = Intake(max_request_bytes, client_timeout, responses_upstream, Recorder(store), key)
+    admission = Admission(max_requests, max_rollout_requests, max_queued, queue_timeout)
+    intake = Intake(max_request_bytes, client_timeout, responses_upstream, Recorder(store), admission, key)
     proxy = _App(
         Upstreams(upstreams, fall_back=responses_upstream == "auto"),
         intake,
-        Admission(max_requests, max_rollout_requests, max_queued, queue_timeout),
         client_timeout=client_timeout,
         previous=PreviousResponses(previous_responses, previous_bytes),
         meter_provider=meter_provider,

@@ -1,9 +1,10 @@
 """A request's way in: read, checked and made the ``Turn`` the later stages serve.
 
-The rollout a request names is checked first (``rollout_of``: its id, and its token when the
-proxy holds a rollout key). The body is read with ``max_request_bytes`` and ``client_timeout``;
-the call's ids come from the URL's rollout id and the ``X-Rollout-Id``, ``X-Model-Call-Id``, ``X-Parent-Call-Id`` and
-``X-Weight-Version`` headers, each checked as the records check it; the dialect gives the history
+The rollout a request names is checked first (its id, and its token when the proxy holds a
+rollout key), then the request takes its place (``_limits``), and only then is its body read,
+within ``max_request_bytes`` and ``client_timeout``; the call's ids come from the URL's rollout id
+and the ``X-Rollout-Id``, ``X-Model-Call-Id``, ``X-Parent-Call-Id`` and ``X-Weight-Version``
+headers, each checked as the records check it; the dialect gives the history
 it continues, the request it asks of vLLM itself (if any) and the chat completion it is served or
 recorded as. Every refusal is a typed ``ProxyError``, before anything goes upstream. The call
 carries the headers every answer gives back.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -26,6 +28,7 @@ from ..records._coordinates import check_id, check_weight_version
 from ._credentials import TOKEN_HEADER, RolloutKey
 from ._dialects import Dialect
 from ._errors import ClientTimeoutError, RequestRejectedError, RequestTooLargeError
+from ._limits import Admission
 from ._records import Recorder
 from ._telemetry import Report
 
@@ -77,25 +80,24 @@ class Intake:
         client_timeout: float,
         responses_upstream: str,
         recorder: Recorder,
+        admission: Admission,
         rollout_key: RolloutKey | None = None,
     ) -> None:
         self.max_request_bytes = max_request_bytes
         self.client_timeout = client_timeout
         self.responses_upstream = responses_upstream
         self.recorder = recorder
+        self.admission = admission
         self.rollout_key = rollout_key
 
-    def rollout_of(self, request: Request) -> str | None:
-        """The rollout the request names (None: it names none), its token checked when the proxy holds a
-        rollout key; done first, before the body is read or the request waits for a place."""
+    async def turn_of(self, request: Request, dialect: Dialect, report: Report, place: AsyncExitStack) -> Turn:
+        """The request read and checked, as the ``Turn`` the stages serve (nothing is sent yet). First the
+        rollout it names, its token checked when the proxy holds a rollout key, then its place (held in
+        ``place``, which the caller keeps to the answer's last byte), before its body is read."""
         rollout_id = rollout_id_of(request)
         if rollout_id is not None and self.rollout_key is not None:
-            token = request.path_params.get("token") or request.headers.get(TOKEN_HEADER)
-            self.rollout_key.check(rollout_id, token)
-        return rollout_id
-
-    async def turn_of(self, request: Request, dialect: Dialect, report: Report) -> Turn:
-        """The request read and checked, as the ``Turn`` the stages serve (nothing is sent yet)."""
+            self.rollout_key.check(rollout_id, request.path_params.get("token") or request.headers.get(TOKEN_HEADER))
+        await place.enter_async_context(self.admission.admit(rollout_id))
         body = await read_json(request, self.max_request_bytes, self.client_timeout)
         report.stream = stream = bool(body.get("stream"))
         call = call_of(request)

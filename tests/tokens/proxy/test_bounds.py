@@ -162,7 +162,7 @@ async def test_requests_past_the_proxys_places_wait_in_a_bounded_queue_then_get_
             for _ in range(3):
                 group.start_soon(one, "/v1/chat/completions", CHAT)
             with anyio.fail_after(10):
-                while len(transport.sizes) < 2 or app.state.proxy.admission.waiting < 1:
+                while len(transport.sizes) < 2 or app.state.proxy.intake.admission.waiting < 1:
                     await anyio.sleep(0.01)
             status, headers, body = await answered(app, "/v1/messages", MESSAGES)
             assert status == 429 and headers["retry-after"] == "1"
@@ -173,7 +173,7 @@ async def test_requests_past_the_proxys_places_wait_in_a_bounded_queue_then_get_
     finally:
         await app.state.proxy.aclose()
     assert [status for status, _, _ in results] == [200, 200, 200]
-    assert app.state.proxy.admission.waiting == 0 and not app.state.proxy.admission._rollouts
+    assert app.state.proxy.intake.admission.waiting == 0 and not app.state.proxy.intake.admission._rollouts
 
 
 @pytest.mark.anyio
