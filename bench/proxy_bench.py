@@ -154,9 +154,9 @@ def memory(pid: int) -> dict[str, int]:
 
 
 def bound(options: dict[str, int], idle: int) -> int:
-    """docs/proxy.md's bound: idle + max_requests x (6 x max_request_bytes + 3 x max_response_bytes)
+    """docs/proxy.md's bound: idle + max_requests x (8 x max_request_bytes + 3 x max_response_bytes)
     + 2 x previous_bytes (the turns kept, and a chain decoded while it is sent)."""
-    per_request = 6 * options["--max-request-bytes"] + 3 * options["--max-response-bytes"]
+    per_request = 8 * options["--max-request-bytes"] + 3 * options["--max-response-bytes"]
     return idle + options["--max-requests"] * per_request + 2 * options["--previous-bytes"]
 
 

@@ -26,14 +26,15 @@ __all__ = [
     "Admission",
 ]
 
-DEFAULT_MAX_REQUESTS = 64
-"""Requests served at once by one proxy (each holds its body and its answer in memory)."""
+DEFAULT_MAX_REQUESTS = 256
+"""Requests served at once by one proxy (each holds its body and its answer in memory): room for a
+few hundred rollouts' calls in flight, each waiting on vLLM for seconds to minutes."""
 DEFAULT_MAX_ROLLOUT_REQUESTS = 16
 """Requests served at once for one rollout: an agent and its subagents, not a flood under one id."""
 DEFAULT_MAX_QUEUED = 1024
 """Requests waiting for a place, in all (a waiting request's body is not read yet)."""
-DEFAULT_QUEUE_TIMEOUT = 30.0
-"""Seconds a request waits for a place before its 429."""
+DEFAULT_QUEUE_TIMEOUT = 300.0
+"""Seconds a request waits for a place before its 429 (calls ahead of it are generations, not pings)."""
 
 
 @dataclass
