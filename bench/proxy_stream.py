@@ -117,9 +117,10 @@ def serve_upstream() -> None:
     asyncio.run(run())
 
 
-def started(command: list[str]) -> tuple[subprocess.Popen[str], str]:
+def started(command: list[str], tree: Path = ROOT) -> tuple[subprocess.Popen[str], str]:
+    """``command`` started in ``tree`` (its Python packages first on the path), and the URL it printed."""
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        command, stdout=subprocess.PIPE, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}
     )
     assert process.stdout is not None
     url = process.stdout.readline().strip()

@@ -20,7 +20,7 @@ import msgspec
 
 from ._bundle import TokenCompletion
 from ._capture import Capture
-from ._errors import MalformedResponseError, PartialTokenMetadataError
+from ._errors import MalformedResponseError, PartialTokenMetadataError, ResponseTooLargeError
 from ._exchange import TokenizeFn
 from ._http import read_body
 
@@ -49,14 +49,27 @@ class StreamAccumulator:
     done: bool = False
     separator: bytes = b""
     _held: list[bytes] = field(default_factory=list)
-    _held_bytes: int = 0
     _tail: bytes = b""  # the last three bytes held
+    _received: int = 0
 
     def feed(self, data: bytes) -> list[bytes]:
         """The complete events in ``data`` (with what was held before), byte for byte as received.
 
         A piece in which no event ends is only held (no copy), so an event arriving in many pieces
-        costs its length once."""
+        costs its length once. The whole stream is bounded too: ``ResponseTooLargeError`` once more
+        than ``max_event_bytes`` (the capture's ``max_response_bytes``) arrived in total, as for a
+        whole body, so an endless stream neither passes on nor grows the gathered ids for ever."""
+        self._received += len(data)
+        events = self._events(data)
+        if self._received > self.max_event_bytes:
+            raise ResponseTooLargeError(
+                f"stream: over max_response_bytes={self.max_event_bytes:,} in total (events and all); raise "
+                "max_response_bytes if streams this long are expected",
+                limit=self.max_event_bytes,
+            )
+        return events
+
+    def _events(self, data: bytes) -> list[bytes]:
         held = self._held
         ends = (self.separator,) if self.separator else _EVENT_ENDS
         edge = self._tail + data[:3]  # an ending split between pieces
@@ -64,7 +77,6 @@ class StreamAccumulator:
             return self._hold(data)  # no event ends in this piece
         buffer = b"".join([*held, data]) if held else data
         held.clear()
-        self._held_bytes = 0
         self._tail = b""
         if not self.separator:  # vLLM ends events with LF LF; the SSE format allows CR LF CR LF too
             self.separator = b"\r\n\r\n" if b"\r\n\r\n" in buffer else b"\n\n"
@@ -76,12 +88,7 @@ class StreamAccumulator:
 
     def _hold(self, piece: bytes) -> list[bytes]:
         self._held.append(piece)
-        self._held_bytes += len(piece)
         self._tail = (self._tail + piece[-3:])[-3:]
-        if self._held_bytes > self.max_event_bytes:
-            raise MalformedResponseError(
-                f"stream: an event is over max_response_bytes={self.max_event_bytes:,} and has no end yet"
-            )
         return []
 
     def record(self, event: bytes) -> dict[str, Any] | None:

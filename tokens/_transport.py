@@ -23,6 +23,10 @@ from .records._writer import RecordWriter, custody, refuse_unrecordable
 __all__ = ["TokenCaptureTransport"]
 
 CHAT_PATH = "/chat/completions"
+BODY_EXTENSION = "tokens.body"
+"""A chat completion request built with ``extensions={BODY_EXTENSION: body}`` (a dict) is taken as
+``body`` as it is, its content not decoded (the capture proxy's: it holds the decoded body already,
+and a large body decoded twice cost a second copy of its whole tree)."""
 # Headers of the server's answer that describe bytes we replace (the body is re-encoded, uncompressed).
 _BODY_HEADERS = ("content-encoding", "content-length", "transfer-encoding")
 
@@ -85,19 +89,22 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.method != "POST" or not request.url.path.endswith(CHAT_PATH):
             return await self.inner.handle_async_request(request)
-        try:
-            body = msgspec.json.decode(await request.aread())
-        except (msgspec.MsgspecError, RecursionError):
-            return await self.inner.handle_async_request(request)  # not JSON: the server will say so
+        body = request.extensions.get(BODY_EXTENSION)
         if not isinstance(body, dict):
-            return await self.inner.handle_async_request(request)
+            try:
+                body = msgspec.json.decode(await request.aread())
+            except (msgspec.MsgspecError, RecursionError):
+                return await self.inner.handle_async_request(request)  # not JSON: the server will say so
+            if not isinstance(body, dict):
+                return await self.inner.handle_async_request(request)
         streaming = bool(body.get("stream"))
         coordinates, request_headers, body = self.coordinates(request.headers, body)
         sent = self.capture.prepare(body, streaming=streaming)
         headers = {k: v for k, v in request_headers.items() if k.lower() not in ("content-length", "accept-encoding")}
         headers["accept-encoding"] = "identity" if streaming else ACCEPT_ENCODING
+        extensions = {key: value for key, value in request.extensions.items() if key != BODY_EXTENSION}
         prepared = httpx.Request(
-            "POST", request.url, headers=headers, content=msgspec.json.encode(sent), extensions=request.extensions
+            "POST", request.url, headers=headers, content=msgspec.json.encode(sent), extensions=extensions
         )
         url = request.url
 

@@ -14,9 +14,9 @@ import respx
 from tests.token_samples import BASE, CHAT, FIXTURES
 from tokens import (
     ConflictingTokenMetadataError,
-    MalformedResponseError,
     MalformedTokenMetadataError,
     PartialTokenMetadataError,
+    ResponseTooLargeError,
     TokenCaptureTransport,
     TokenClient,
     TokensError,
@@ -178,7 +178,8 @@ async def test_streamed_group_against_the_fake(fake_vllm: FakeVLLM) -> None:
 
 
 async def test_an_event_without_end_is_refused_at_the_limit() -> None:
-    """A hostile stream that never ends its event: MalformedResponseError once max_response_bytes is passed."""
+    """A hostile stream that never ends its event: ResponseTooLargeError once max_response_bytes is passed
+    (the bound of the whole stream holds for one event that never ends too)."""
 
     async def endless() -> AsyncIterator[bytes]:
         yield EVENTS[0]
@@ -191,7 +192,7 @@ async def test_an_event_without_end_is_refused_at_the_limit() -> None:
         async with httpx.AsyncClient(transport=transport) as http:
             body = {"model": "tiny", "messages": MESSAGES, "stream": True}
             async with http.stream("POST", CHAT, json=body) as response:
-                with pytest.raises(MalformedResponseError, match="an event is over max_response_bytes=1,048,576"):
+                with pytest.raises(ResponseTooLargeError, match="over max_response_bytes=1,048,576 in total"):
                     async for _ in response.aiter_bytes():
                         pass
 

@@ -21,13 +21,17 @@ except ImportError as missing:
 
 from ..records import Coordinates
 from ._app import DEFAULT_MAX_REQUEST_BYTES, create_app
+from ._credentials import mint_rollout_token
 from ._errors import (
     CaptureFailedError,
     ClientTimeoutError,
     ContextWindowError,
+    ProxyBusyError,
     ProxyError,
     RequestRejectedError,
     RequestTooLargeError,
+    RolloutCredentialError,
+    RolloutCredentialMissingError,
     UpstreamError,
     UpstreamTimeoutError,
     anthropic_error_body,
@@ -47,11 +51,14 @@ __all__ = [
     "Coordinates",
     "EventStream",
     "MessagesEvents",
+    "ProxyBusyError",
     "ProxyError",
     "ProxyServer",
     "RequestRejectedError",
     "RequestTooLargeError",
     "ResponsesEvents",
+    "RolloutCredentialError",
+    "RolloutCredentialMissingError",
     "TokenSink",
     "UpstreamError",
     "UpstreamTimeoutError",
@@ -60,6 +67,7 @@ __all__ = [
     "chat_to_responses",
     "create_app",
     "messages_to_chat",
+    "mint_rollout_token",
     "openai_error_body",
     "responses_to_chat",
 ]

@@ -15,9 +15,12 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from .._http import DEFAULT_MAX_RESPONSE_BYTES
 from ..records import RecordsError, RecordStore, open_store
 from ._app import DEFAULT_MAX_REQUEST_BYTES, create_app
-from ._history import DEFAULT_TTL_S
+from ._credentials import ROLLOUT_KEY_ENV
+from ._history import DEFAULT_PREVIOUS_BYTES, DEFAULT_PREVIOUS_RESPONSES, DEFAULT_TTL_S
+from ._limits import DEFAULT_MAX_QUEUED, DEFAULT_MAX_REQUESTS, DEFAULT_MAX_ROLLOUT_REQUESTS, DEFAULT_QUEUE_TIMEOUT
 from ._server import bound_url, listen, serve, server_config
 
 
@@ -78,6 +81,62 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"with --store, how long a response is kept there for previous_response_id (default {DEFAULT_TTL_S:g})",
     )
+    parser.add_argument(
+        "--previous-responses",
+        type=int,
+        default=DEFAULT_PREVIOUS_RESPONSES,
+        metavar="N",
+        help=f"turns kept in memory (without --store) for previous_response_id (default {DEFAULT_PREVIOUS_RESPONSES}; "
+        "0: none)",
+    )
+    parser.add_argument(
+        "--previous-bytes",
+        type=int,
+        default=DEFAULT_PREVIOUS_BYTES,
+        metavar="BYTES",
+        help=f"those turns' size together at most (default {DEFAULT_PREVIOUS_BYTES})",
+    )
+    parser.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=DEFAULT_MAX_RESPONSE_BYTES,
+        metavar="BYTES",
+        help=f"an upstream answer (a stream in total) over this is a 502 (default {DEFAULT_MAX_RESPONSE_BYTES})",
+    )
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=DEFAULT_MAX_REQUESTS,
+        metavar="N",
+        help=f"requests served at once (default {DEFAULT_MAX_REQUESTS})",
+    )
+    parser.add_argument(
+        "--max-rollout-requests",
+        type=int,
+        default=DEFAULT_MAX_ROLLOUT_REQUESTS,
+        metavar="N",
+        help=f"requests of one rollout served at once (default {DEFAULT_MAX_ROLLOUT_REQUESTS})",
+    )
+    parser.add_argument(
+        "--max-queued",
+        type=int,
+        default=DEFAULT_MAX_QUEUED,
+        metavar="N",
+        help=f"requests waiting for a place; more get 429 (default {DEFAULT_MAX_QUEUED})",
+    )
+    parser.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=DEFAULT_QUEUE_TIMEOUT,
+        metavar="SECONDS",
+        help=f"a request waiting longer for a place gets 429 (default {DEFAULT_QUEUE_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--rollout-key-env",
+        metavar="NAME",
+        help=f"the environment variable holding the rollout key: a rollout's requests must then carry its token "
+        f"(tokens.proxy.mint_rollout_token); default {ROLLOUT_KEY_ENV}, used when set",
+    )
     return parser
 
 
@@ -109,6 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not key:
             print(f"tokens.proxy: the environment variable {args.upstream_api_key_env} is not set", file=sys.stderr)
             return 2
+    rollout_key = os.environ.get(args.rollout_key_env or ROLLOUT_KEY_ENV) or None
+    if args.rollout_key_env and rollout_key is None:
+        print(f"tokens.proxy: the environment variable {args.rollout_key_env} is not set", file=sys.stderr)
+        return 2
     store = None
     if args.store:
         try:
@@ -117,18 +180,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tokens.proxy: --store: {exc}", file=sys.stderr)
             return 2
     try:
-        return _run(args, store, key)
+        return _run(args, store, key, rollout_key)
     finally:
         if store is not None:
             asyncio.run(store.close())
 
 
-def _run(args: argparse.Namespace, store: RecordStore | None, key: str | None) -> int:
+def _run(args: argparse.Namespace, store: RecordStore | None, key: str | None, rollout_key: str | None) -> int:
     try:
         upstream = args.upstream[0] if len(args.upstream) == 1 else args.upstream
         app = create_app(upstream, store=store, upstream_api_key=key, responses_upstream=args.responses_upstream,
                          max_request_bytes=args.max_request_bytes, upstream_timeout=args.upstream_timeout,
-                         client_timeout=args.client_timeout, previous_ttl=args.previous_ttl)  # fmt: skip
+                         client_timeout=args.client_timeout, previous_ttl=args.previous_ttl,
+                         previous_responses=args.previous_responses,
+                         previous_bytes=args.previous_bytes, max_response_bytes=args.max_response_bytes,
+                         max_requests=args.max_requests, max_rollout_requests=args.max_rollout_requests,
+                         max_queued=args.max_queued, queue_timeout=args.queue_timeout,
+                         rollout_key=rollout_key)  # fmt: skip
     except ValueError as exc:
         print(f"tokens.proxy: {exc}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Literal
 
 import httpx
@@ -36,10 +36,18 @@ from .._chain import ChainEntry
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit, strip_credentials
 from ._affinity import Replicas
 from ._answers import serve_whole
+from ._credentials import RolloutKey
 from ._dialects import Dialect, dialects
 from ._errors import ProxyError
-from ._history import DEFAULT_TTL_S, ResponseHistory, history_for
+from ._history import DEFAULT_PREVIOUS_BYTES, DEFAULT_PREVIOUS_RESPONSES, DEFAULT_TTL_S, ResponseHistory, history_for
 from ._intake import Intake
+from ._limits import (
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_MAX_REQUESTS,
+    DEFAULT_MAX_ROLLOUT_REQUESTS,
+    DEFAULT_QUEUE_TIMEOUT,
+    Admission,
+)
 from ._records import Recorder
 from ._side import Side
 from ._sink import TokenSink
@@ -89,33 +97,41 @@ class _App:
         dialect = self.dialects.get(path)
         if dialect is not None and request.method == "POST":
             return await self.serve(dialect, request, send)
-        response = await self.side.answer(request, path)
-        await response(request.scope, request.receive, send)
+        async with AsyncExitStack() as place:  # a side route's place (where it asks an upstream), to its last byte
+            response = await self.side.answer(request, path, place)
+            await response(request.scope, request.receive, send)
 
     async def serve(self, dialect: Dialect, request: Request, send: Send) -> None:
-        """A request's one way through the stages, told of once (to its answer's last byte): read in,
-        sent upstream with its call in custody, answered whole or streamed; any failure answered in the
+        """A request's one way through the stages, told of once (to its answer's last byte): its rollout
+        checked and a place taken for it (held in ``place`` to its answer's last byte), read in, sent
+        upstream with its call in custody, answered whole or streamed; any failure answered in the
         client's dialect."""
         with self.telemetry.report(dialect.name) as report:
-            response: Response
-            try:
-                turn = await self.intake.turn_of(request, dialect, report)
-                async with turn.custody:  # begun before anything is sent; a stream's own end comes with its events
-                    reply = await self.upstreams.send(turn)
-                    if reply.stream is not None:
-                        response = serve_stream(turn, reply, self.client_timeout)
-                    else:
-                        response = await serve_whole(turn, reply)
-            except Exception as exc:
-                failure = exc if isinstance(exc, ProxyError) else None
-                if failure is None:  # a defect of ours: logged, and still an answer the client's SDK parses
-                    logger.error(
-                        "tokens.proxy: unexpected %s serving a %s request", error_type(exc), dialect.name, exc_info=exc
+            async with AsyncExitStack() as place:  # the request's place, held to its answer's last byte
+                response: Response
+                try:
+                    turn = await self.intake.turn_of(request, dialect, report, place)
+                    async with turn.custody:  # begun before anything is sent; a stream's own end comes with its events
+                        reply = await self.upstreams.send(turn)
+                        if reply.stream is not None:
+                            response = serve_stream(turn, reply, self.client_timeout)
+                        else:
+                            response = await serve_whole(turn, reply)
+                except Exception as exc:
+                    failure = exc if isinstance(exc, ProxyError) else None
+                    if failure is None:  # a defect of ours: logged, and still an answer the client's SDK parses
+                        logger.error(
+                            "tokens.proxy: unexpected %s serving a %s request",
+                            error_type(exc),
+                            dialect.name,
+                            exc_info=exc,
+                        )
+                        failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
+                    report.error = failure
+                    response = JSONResponse(
+                        dialect.error_body(failure), status_code=failure.status, headers=failure.headers
                     )
-                    failure = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
-                report.error = failure
-                response = JSONResponse(dialect.error_body(failure), status_code=failure.status)
-            await response(request.scope, request.receive, send)
+                await response(request.scope, request.receive, send)
 
 
 def create_app(
@@ -130,8 +146,14 @@ def create_app(
     upstream_timeout: float = 600.0,
     connect_timeout: float = 10.0,
     client_timeout: float = 60.0,
-    previous_responses: int = 1024,
+    previous_responses: int = DEFAULT_PREVIOUS_RESPONSES,
+    previous_bytes: int = DEFAULT_PREVIOUS_BYTES,
     previous_ttl: float = DEFAULT_TTL_S,
+    max_requests: int = DEFAULT_MAX_REQUESTS,
+    max_rollout_requests: int = DEFAULT_MAX_ROLLOUT_REQUESTS,
+    max_queued: int = DEFAULT_MAX_QUEUED,
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
+    rollout_key: str | bytes | None = None,
     middleware: Sequence[ChainEntry] | None = None,
     meter_provider: MeterProvider | None = None,
     tracer_provider: TracerProvider | None = None,
@@ -154,13 +176,30 @@ def create_app(
     Limits: request bodies over ``max_request_bytes`` get 413, bodies slower than ``client_timeout``
     408, upstream answers over ``max_response_bytes`` 502; ``upstream_timeout`` bounds each upstream
     read (a stream's silence between events too), ``connect_timeout`` its connection, and a client
-    that does not take an event within ``client_timeout`` is dropped. ``previous_responses`` answers
-    are kept in memory for ``previous_response_id`` (0: none); with a ``store`` that keeps them (a
-    ``RecordStore``) they are kept there instead, each for ``previous_ttl`` seconds, so that every
-    proxy over the same store continues every conversation.
+    that does not take an event within ``client_timeout`` is dropped. For ``previous_response_id``,
+    the last ``previous_responses`` turns (0: none) of at most ``previous_bytes`` together are kept
+    in memory, each turn its own input and output only (and the answer it was, for
+    ``GET /v1/responses/{id}``); with a ``store`` that keeps them (a ``RecordStore``) they are kept
+    there instead, each for ``previous_ttl`` seconds, so that every proxy over the same store
+    continues every conversation.
+
+    At most ``max_requests`` requests are served at once, ``max_rollout_requests`` of one rollout;
+    up to ``max_queued`` more wait for a place (``queue_timeout`` seconds at most), the rest get 429
+    with ``Retry-After``. With ``rollout_key`` (at least 16 bytes), a request that names a rollout
+    must carry that rollout's token (``mint_rollout_token(rollout_key, rollout_id)``) in its path,
+    ``/r/<rollout-id>/t/<token>/v1/...``, or in ``X-Rollout-Token``: 401 without it, 403 for another.
+    The side routes (probes, models, kept answers, token counts, legacy completions) are checked
+    the same way where they name a rollout, and take a place where they ask an upstream.
     """
     max_response_bytes = check_limit("create_app", max_response_bytes)
-    for name, value in (("max_request_bytes", max_request_bytes), ("previous_responses", previous_responses + 1)):
+    for name, value in (
+        ("max_request_bytes", max_request_bytes),
+        ("previous_responses", previous_responses + 1),
+        ("previous_bytes", previous_bytes),
+        ("max_requests", max_requests),
+        ("max_rollout_requests", max_rollout_requests),
+        ("max_queued", max_queued + 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"create_app: {name} must be a positive int, not {value!r}")
     for name, seconds in (
@@ -168,6 +207,7 @@ def create_app(
         ("connect_timeout", connect_timeout),
         ("client_timeout", client_timeout),
         ("previous_ttl", previous_ttl),
+        ("queue_timeout", queue_timeout),
     ):
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < float("inf"):
             raise ValueError(f"create_app: {name} must be a positive number of seconds, not {seconds!r}")
@@ -206,12 +246,14 @@ def create_app(
     }
     if not replicas:
         raise ValueError("create_app: upstream_url names no upstream")
-    intake = Intake(max_request_bytes, client_timeout, responses_upstream, Recorder(store))
+    key = None if rollout_key is None else RolloutKey(rollout_key)
+    admission = Admission(max_requests, max_rollout_requests, max_queued, queue_timeout)
+    intake = Intake(max_request_bytes, client_timeout, responses_upstream, Recorder(store), admission, key)
     proxy = _App(
         Upstreams(replicas, fall_back=responses_upstream == "auto"),
         intake,
         client_timeout=client_timeout,
-        previous=history_for(store, previous_responses, previous_ttl),
+        previous=history_for(store, previous_responses, previous_bytes, previous_ttl),
         meter_provider=meter_provider,
         tracer_provider=tracer_provider,
     )
@@ -224,10 +266,13 @@ def create_app(
             await proxy.aclose()
 
     methods = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH"]
-    probed = ["/", "/v1", "/r/{rollout}", "/r/{rollout}/", "/r/{rollout}/v1"]  # base URLs clients probe (HEAD, GET)
+    probed = ["/", "/v1"]  # base URLs clients probe (HEAD, GET), also under a rollout (and its token)
+    for rollout in ("/r/{rollout}", "/r/{rollout}/t/{token}"):
+        probed += [rollout, rollout + "/", rollout + "/v1"]
     routes = [
         Route("/v1/{path:path}", proxy, methods=methods),
         Route("/r/{rollout}/v1/{path:path}", proxy, methods=methods),
+        Route("/r/{rollout}/t/{token}/v1/{path:path}", proxy, methods=methods),
         *(Route(base, proxy, methods=methods) for base in probed),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -131,7 +131,8 @@ class _Messages(Dialect):
 
 class _Responses(Dialect):
     """OpenAI's Responses API: served by vLLM itself where it can (``native``), its answers kept for
-    ``previous_response_id`` (in ``previous``: this process's memory, or the record store)."""
+    ``previous_response_id`` (in ``previous``: this process's memory, bounded in entries and bytes,
+    or the record store)."""
 
     name = "responses"
 
@@ -179,7 +180,7 @@ class _Responses(Dialect):
         ``previous_response_id`` (unless the request said ``store: false``)."""
         if body.get("store", True) is not False:
             earlier = body.get("previous_response_id")
-            turn = history_of(body, answer, ())
+            turn = history_of(body, answer)
             outputs = len(answer.get("output", ()))  # the answer kept (for GET /v1/responses/{id}) without its bundle
             kept = {**answer, "output": turn[len(turn) - outputs :]}
             await self.previous.put(answer["id"], turn, earlier if isinstance(earlier, str) else None, call_id, kept)

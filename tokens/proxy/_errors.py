@@ -7,6 +7,7 @@ the upstream (its URL or credentials): a client of the proxy is told the upstrea
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, ClassVar
 
@@ -18,9 +19,12 @@ __all__ = [
     "CaptureFailedError",
     "ClientTimeoutError",
     "ContextWindowError",
+    "ProxyBusyError",
     "ProxyError",
     "RequestRejectedError",
     "RequestTooLargeError",
+    "RolloutCredentialError",
+    "RolloutCredentialMissingError",
     "UpstreamError",
     "UpstreamTimeoutError",
     "anthropic_error_body",
@@ -43,6 +47,11 @@ class ProxyError(TokensError):
         self.param = param
         if status is not None:
             self.status = status  # type: ignore[misc]  # an upstream's own status, passed on
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The HTTP headers its answer carries besides the body (``Retry-After`` for a 429)."""
+        return {}
 
 
 class RequestRejectedError(ProxyError):
@@ -75,6 +84,41 @@ class ClientTimeoutError(ProxyError):
     status = 408
     openai_type = "invalid_request_error"
     anthropic_type = "invalid_request_error"
+
+
+class ProxyBusyError(ProxyError):
+    """Too many requests in flight, in the proxy or in the request's rollout, and no room to wait
+    (the queue is full, or the wait reached ``queue_timeout``); nothing was read or sent upstream.
+    The answer's ``Retry-After`` says when to try again (the SDKs' retries honour it)."""
+
+    status = 429
+    openai_type = "rate_limit_exceeded"
+    anthropic_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(max(1, math.ceil(self.retry_after)))}
+
+
+class RolloutCredentialError(ProxyError):
+    """The request names a rollout, the proxy holds a rollout key, and the request's rollout token is
+    not the one minted for that rollout (``mint_rollout_token``); nothing was read, recorded or sent."""
+
+    status = 403
+    openai_type = "permission_denied"
+    anthropic_type = "permission_error"
+
+
+class RolloutCredentialMissingError(RolloutCredentialError):
+    """The request names a rollout without its rollout token, and the proxy requires one."""
+
+    status = 401
+    openai_type = "invalid_api_key"
+    anthropic_type = "authentication_error"
 
 
 class UpstreamError(ProxyError):
@@ -171,6 +215,9 @@ for _cls in (
     RequestTooLargeError,
     ClientTimeoutError,
     ContextWindowError,
+    ProxyBusyError,
+    RolloutCredentialError,
+    RolloutCredentialMissingError,
     UpstreamError,
     UpstreamTimeoutError,
 ):

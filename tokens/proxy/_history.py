@@ -4,7 +4,12 @@
 A turn is what one answered request added to its conversation: its own ``input`` items and its
 answer's output items (bundle fields removed), with the id of the answer it continued; a
 ``previous_response_id`` stands for the chain of turns back to its first, earliest first, and the
-model call id that answered it. ``MemoryHistory`` keeps the last ``entries`` turns of this process;
+model call id that answered it; each turn also keeps the answer it was (without its bundle), served
+again by ``GET /v1/responses/{id}``. ``MemoryHistory`` keeps the last ``entries`` turns of this
+process, ``max_bytes`` of them at most together, JSON-encoded (so their size is known exactly and no
+Python objects are held); asking a chain makes its turns the most recently used, its earliest last,
+so eviction takes a chain's latest turns before those they continue, and an evicted turn is gone (no
+later turn holds it);
 ``StoreHistory`` keeps them in a ``RecordStore`` (its ``token_responses`` table), so that every proxy
 over the same store (SQLite on one machine, PostgreSQL across several) continues every conversation,
 each turn for ``ttl_s`` seconds and at most ``max_turn_bytes``, a chain served up to ``max_chain_bytes``
@@ -23,10 +28,21 @@ import msgspec
 from ..records import RecordsError
 from ._errors import ProxyError, RequestRejectedError
 
-__all__ = ["DEFAULT_TTL_S", "MemoryHistory", "ResponseHistory", "StoreHistory", "history_for"]
+__all__ = [
+    "DEFAULT_PREVIOUS_BYTES",
+    "DEFAULT_PREVIOUS_RESPONSES",
+    "DEFAULT_TTL_S",
+    "MemoryHistory",
+    "ResponseHistory",
+    "StoreHistory",
+    "history_for",
+]
 
 logger = logging.getLogger("tokens.proxy")
 
+DEFAULT_PREVIOUS_RESPONSES = 1024
+DEFAULT_PREVIOUS_BYTES = 256 * 2**20
+"""256 MiB of turns kept in memory (each its own input and output, encoded): a thousand turns of a few hundred KiB."""
 DEFAULT_TTL_S = 86_400.0
 """A day: a store keeps each turn that long (an agent's episode is minutes to hours)."""
 MAX_TURN_BYTES = 16 * 2**20
@@ -69,12 +85,17 @@ class _Turn(NamedTuple):
 
 
 class MemoryHistory:
-    """The last ``entries`` turns this process served (0: none), in its memory."""
+    """The last ``entries`` turns this process served (0: none), ``max_bytes`` at most together, in its memory."""
 
-    def __init__(self, entries: int) -> None:
+    def __init__(self, entries: int, max_bytes: int = DEFAULT_PREVIOUS_BYTES) -> None:
         self.entries = entries
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._turns: OrderedDict[str, _Turn] = OrderedDict()
-        self._kept = f"the last {entries} turns this proxy served, in memory (previous_responses)"
+        self._kept = (
+            f"the last {entries} turns this proxy served, {max_bytes:,} bytes at most, in memory "
+            "(previous_responses, previous_bytes)"
+        )
 
     async def get(self, response_id: str) -> tuple[list[Any], str]:
         chain: list[tuple[str, _Turn]] = []
@@ -92,10 +113,17 @@ class MemoryHistory:
     async def put(
         self, response_id: str, items: list[Any], previous: str | None, call_id: str, answer: dict[str, Any]
     ) -> None:
-        if self.entries:
-            self._turns[response_id] = _Turn(_ENCODE.encode(items), previous, call_id, _ENCODE.encode(answer))
-            while len(self._turns) > self.entries:
-                self._turns.popitem(last=False)
+        if not self.entries:
+            return
+        turn = _Turn(_ENCODE.encode(items), previous, call_id, _ENCODE.encode(answer))
+        if _size(turn) > self.max_bytes:  # larger than the bound alone: not kept
+            return
+        replaced = self._turns.pop(response_id, None)
+        self.bytes += _size(turn) - (0 if replaced is None else _size(replaced))
+        self._turns[response_id] = turn
+        while len(self._turns) > self.entries or self.bytes > self.max_bytes:
+            _, evicted = self._turns.popitem(last=False)
+            self.bytes -= _size(evicted)
 
     async def answer(self, response_id: str) -> dict[str, Any]:
         turn = self._turns.get(response_id)
@@ -160,11 +188,17 @@ class StoreHistory:
         return _ANSWER.decode(kept)
 
 
-def history_for(store: Any, entries: int, ttl_s: float) -> ResponseHistory:
-    """The store's history when ``store`` keeps turns (a ``RecordStore``), else this process's memory."""
-    if entries and callable(getattr(store, "keep_response", None)) and callable(getattr(store, "response_chain", None)):
+def history_for(store: Any, entries: int, max_bytes: int, ttl_s: float) -> ResponseHistory:
+    """The store's history when ``store`` keeps turns (a ``RecordStore``), else this process's memory
+    (``entries`` turns, ``max_bytes`` together)."""
+    keeps = all(callable(getattr(store, name, None)) for name in ("keep_response", "response_chain", "kept_answer"))
+    if entries and keeps:
         return StoreHistory(store, ttl_s)
-    return MemoryHistory(entries)
+    return MemoryHistory(entries, max_bytes)
+
+
+def _size(turn: _Turn) -> int:
+    return len(turn.items) + len(turn.answer)
 
 
 def _joined(turns: Any) -> list[Any]:

@@ -390,11 +390,10 @@ def chat_to_responses(completion: Mapping[str, Any], request: Mapping[str, Any],
     )
 
 
-def history_of(request: Mapping[str, Any], answer: Mapping[str, Any], earlier: Sequence[Any]) -> list[Any]:
-    """The items a ``previous_response_id`` naming ``answer`` stands for: the earlier chain, this
-    request's input and the answer's output, without bundle fields."""
-    items = (*input_items(request), *answer.get("output", ()))
-    return [*earlier, *(strip_token_fields(item) for item in items)]
+def history_of(request: Mapping[str, Any], answer: Mapping[str, Any]) -> list[Any]:
+    """The items a turn adds to its ``previous_response_id`` chain: its request's input and its
+    answer's output, without bundle fields (an echoed bundle is never sent upstream, nor kept)."""
+    return [strip_token_fields(item) for item in (*input_items(request), *answer.get("output", ()))]
 
 
 # -- vLLM's own /v1/responses -------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Mapping
+from contextlib import AsyncExitStack
 from typing import Any
 
 import httpx
@@ -40,6 +41,7 @@ __all__ = ["Side"]
 
 logger = logging.getLogger("tokens.proxy")
 _DECODE = msgspec.json.Decoder(dict[str, Any])
+_COUNTS = ("messages/count_tokens", "responses/input_tokens")
 _TOKENIZED = ("tools", "chat_template_kwargs")
 """What ``/tokenize`` takes of a chat request besides its model and messages."""
 
@@ -66,10 +68,13 @@ class Side:
             return CHAT
         return self.dialects["messages"]
 
-    async def answer(self, request: Request, path: str) -> Response:
-        """The answer to a request that is no dialect's model call (``path``: under ``/v1/``)."""
+    async def answer(self, request: Request, path: str, place: AsyncExitStack) -> Response:
+        """The answer to a request that is no dialect's model call (``path``: under ``/v1/``). The
+        rollout it names is checked first (its token, when the proxy holds a rollout key); a route
+        that asks an upstream takes its place in ``place`` (which the caller holds to the last byte)."""
         dialect = self.dialect_of(request, path)
         try:
+            await self.intake.enter(request, place if _asks_upstream(request.method, path) else None)
             return await self._route(request, path, dialect)
         except Exception as exc:
             error = exc if isinstance(exc, ProxyError) else None
@@ -78,8 +83,8 @@ class Side:
                              path[:80], exc_info=exc)  # fmt: skip
                 error = ProxyError(f"the proxy failed unexpectedly ({type(exc).__name__}); see its log")
             if request.method == "HEAD":
-                return Response(status_code=error.status)
-            return JSONResponse(dialect.error_body(error), status_code=error.status)
+                return Response(status_code=error.status, headers=error.headers)
+            return JSONResponse(dialect.error_body(error), status_code=error.status, headers=error.headers)
 
     async def _route(self, request: Request, path: str, dialect: Dialect) -> Response:
         method = request.method
@@ -93,7 +98,7 @@ class Side:
             return await self._model(path.removeprefix("models/"), dialect)
         if method == "GET" and path.startswith("responses/"):
             return JSONResponse(await dialect.kept(path.removeprefix("responses/")))
-        if method == "POST" and path in ("messages/count_tokens", "responses/input_tokens"):
+        if method == "POST" and path in _COUNTS:
             count = await self._count(request, dialect)
             if path == "messages/count_tokens":
                 return JSONResponse({"input_tokens": count})
@@ -144,7 +149,7 @@ class Side:
             response = await upstream.client.post(_root(upstream) + "/tokenize", json=asked)
             return _DECODE.decode(await read_body(response, "tokenize", upstream.max_response_bytes))
 
-        affinity = call_of(request, request.path_params.get("rollout")).affinity
+        affinity = call_of(request).affinity
         try:  # the replica the call itself would go to (its tokenizer is the same on every one)
             counted, _ = await self.upstreams.pick(body).ask(affinity, tokenize)
         except (TokensError, httpx.HTTPError, msgspec.MsgspecError) as exc:
@@ -162,7 +167,7 @@ class Side:
             raise RequestRejectedError(
                 "stream: /v1/completions is served whole by the capture proxy; send stream=false", param="stream"
             )
-        call = call_of(request, request.path_params.get("rollout"))
+        call = call_of(request)
         custody = self.intake.recorder.custody(call.coordinates)
         n = body.get("n")
         if custody.recorded and n is not None and n != 1:
@@ -184,6 +189,14 @@ class Side:
                 custody.served_by = replica.name
                 await custody.write_token_in(completion)
         return JSONResponse(completion.response, headers=call.headers)
+
+
+def _asks_upstream(method: str, path: str) -> bool:
+    """Whether a side route asks an upstream (and so takes a place): the model list, a model by id,
+    the token counts and legacy completions."""
+    if method == "GET":
+        return path == "models" or path.startswith("models/")
+    return method == "POST" and (path == "completions" or path in _COUNTS)
 
 
 def _rfc3339(seconds: int) -> str:

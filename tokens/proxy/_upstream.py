@@ -29,7 +29,7 @@ from .._chain import DEFAULT_CHAIN, ChainEntry, build_chain
 from .._errors import TokensError
 from .._exchange import Exchange
 from .._http import read_body, strip_credentials
-from .._transport import TokenCaptureTransport
+from .._transport import BODY_EXTENSION, CHAT_PATH, TokenCaptureTransport
 from .._vllm_responses import decode_responses
 from ._affinity import Replicas
 from ._errors import ProxyError, upstream_error
@@ -93,8 +93,14 @@ class Upstream:
         return await read_body(response, "models", 2**20)
 
     async def ask(self, path: str, body: Mapping[str, Any]) -> httpx.Response:
-        """``body`` posted to ``path`` (under the base URL): the answer with its head read, its body not yet."""
-        request = self.client.build_request("POST", self.base + path, content=_ENCODE.encode(body), headers=_JSON)
+        """``body`` posted to ``path`` (under the base URL): the answer with its head read, its body not yet.
+        A chat completion goes to the capture transport as the dict it is, encoded once, there."""
+        if path == CHAT_PATH:
+            request = self.client.build_request(
+                "POST", self.base + path, content=b"", headers=_JSON, extensions={BODY_EXTENSION: body}
+            )
+        else:
+            request = self.client.build_request("POST", self.base + path, content=_ENCODE.encode(body), headers=_JSON)
         return await self.client.send(request, stream=True)
 
 
@@ -136,7 +142,7 @@ class Upstreams:
         if native is None:
             chat = turn.dialect.to_chat(turn.body, turn.history) if chat is None else chat
             report.upstream_api = "chat"
-            response = await upstream.ask("/chat/completions", chat)
+            response = await upstream.ask(CHAT_PATH, chat)
             if turn.stream and response.status_code < 400:
                 return Reply(chat, stream=response)
         data = await read_body(response, "answer", upstream.max_response_bytes)  # a failure raises, typed

@@ -4,6 +4,7 @@ dialect that names no upstream, and nothing is left running."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import threading
@@ -223,6 +224,20 @@ def test_a_broken_stream_ends_in_an_error_event_in_each_dialect(kind: str) -> No
     assert transport.closed.is_set()
 
 
+def test_an_endless_stream_is_bounded_in_total_by_max_response_bytes() -> None:
+    """Each event small, the stream endless: it ends in an error event once max_response_bytes
+    arrived in total (it used to pass on for ever, the gathered ids growing), and the upstream is closed."""
+    transport = Scripted(itertools.chain([FIRST], (chunk("x" * 200, 5) for _ in range(200_000))))
+    with serve(transport, max_response_bytes=2**20) as server:
+        request = {"model": "tiny", "messages": USER, "stream": True}
+        with httpx.stream("POST", server.url + "/r/r1/v1/chat/completions", json=request, timeout=60) as answer:
+            data = b"".join(answer.iter_raw())
+    assert len(data) < 2**20 + 2**16
+    last = json.loads(data.rstrip().rsplit(b"\n\n", 1)[-1].removeprefix(b"data: "))
+    assert last["error"]["type"] == "upstream_error" and "max_response_bytes=1,048,576" in last["error"]["message"]
+    assert transport.closed.is_set()
+
+
 def test_an_upstream_silent_mid_stream_times_out() -> None:
     """A real socket: headers and one event, then silence (httpx's read timeout is the network's)."""
     with socket.socket() as listener:
@@ -318,6 +333,13 @@ def post_scope(path: str) -> dict[str, Any]:
 
 
 async def call(app: Any, path: str, body: dict[str, Any]) -> tuple[int, list[bytes]]:
+    """The status and the body's pieces of one JSON ``POST path`` to the ASGI ``app``."""
+    out = await exchange(app, path, body)
+    return out[0]["status"], [m["body"] for m in out[1:] if m["body"]]
+
+
+async def exchange(app: Any, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ASGI messages the ``app`` sends for one JSON ``POST path`` (its start, then its body)."""
     sent = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
     out: list[dict[str, Any]] = []
     done = anyio.Event()
@@ -334,7 +356,7 @@ async def call(app: Any, path: str, body: dict[str, Any]) -> tuple[int, list[byt
             done.set()
 
     await app(post_scope(path), receive, send)
-    return out[0]["status"], [m["body"] for m in out[1:] if m["body"]]
+    return out
 
 
 @pytest.mark.anyio

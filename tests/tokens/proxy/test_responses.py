@@ -243,7 +243,7 @@ def test_a_cut_answer_is_incomplete_and_becomes_history() -> None:
     request = {"model": "m", "input": "t"}
     answer = chat_to_responses(completion({"role": "assistant", "content": "o", **BUNDLE}, "length"), request, "resp_x")
     assert answer["status"] == "incomplete" and answer["incomplete_details"] == {"reason": "max_output_tokens"}
-    history = history_of(request, answer, [])
+    history = history_of(request, answer)
     assert history[0] == {"type": "message", "role": "user", "content": "t"}
     assert "prompt_token_ids" not in history[1] and history[1]["content"][0]["text"] == "o"
     chat = responses_to_chat({"model": "m", "input": "again"}, history)
