@@ -258,7 +258,7 @@ def write_maker(base: Path, sandbox_id: str) -> None:
 
 def drop_maker(outer: Path) -> None:
     """The sandbox at ``outer`` has its record, or is gone: its maker file goes."""
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # never written (base_dir is no directory)
         os.unlink(outer.parent / (outer.name[:18] + MAKER))
 
 
