@@ -128,17 +128,12 @@ class _ProxyCustody(Custody):
             ) from None
 
     async def write_chat(
-        self,
-        request: Mapping[str, Any],
-        completion: TokenCompletion,
-        server_version: str | None = None,
-        *,
-        dropped: Sequence[Mapping[str, Any]] = (),
+        self, request: Mapping[str, Any], completion: TokenCompletion, server_version: str | None = None
     ) -> None:
         """Put the record (``request`` is the chat request as served: its messages are the lineage's
         items), with what the conversion left out of the client's request (``dropped``)."""
         try:
-            await super().write_chat(request, completion, server_version, dropped=[*self.dropped, *dropped])
+            await super().write_chat(request, completion, server_version)
         except RecordWriteError as exc:  # its details (the store's path or host) go to the log only
             logger.error("%s", exc)
             raise ProxyError(

@@ -264,12 +264,14 @@ class Custody:
     incomplete (shielded, bounded). Any other failure (the server's HTTP error, a lost connection)
     leaves the call begun, so a retry under the same model call id can still complete it.
     ``begin`` and ``end`` are the same steps for a call whose custody outlives one block (a stream).
-    ``served_by``, when the caller sets it, names the upstream replica in the record.
+    ``served_by``, when the caller sets it, names the upstream replica in the record; ``dropped``, what
+    was left out of the caller's request before it was sent (the record's ``dropped``).
     """
 
     recorded = True
     """Whether the call is recorded (False for the custody of a call without a sink or a rollout id)."""
     served_by: str | None = None
+    dropped: Sequence[Mapping[str, Any]] = ()
 
     def __init__(self, writer: RecordWriter, coordinates: Coordinates, failed: Callable[[BaseException], bool]) -> None:
         self.writer = writer
@@ -281,15 +283,10 @@ class Custody:
         await self.writer.begin(self.coordinates)
 
     async def write_chat(
-        self,
-        request: Mapping[str, Any],
-        completion: TokenCompletion,
-        server_version: str | None = None,
-        *,
-        dropped: Sequence[Mapping[str, Any]] = (),
+        self, request: Mapping[str, Any], completion: TokenCompletion, server_version: str | None = None
     ) -> None:
         await self.writer.write_chat(
-            self.coordinates, request, completion, server_version, dropped=dropped, served_by=self.served_by
+            self.coordinates, request, completion, server_version, dropped=self.dropped, served_by=self.served_by
         )
         self.written = True
 
@@ -322,17 +319,10 @@ class _Unrecorded(Custody):
     async def begin(self) -> None:
         return
 
-    async def write_chat(
-        self,
-        request: Mapping[str, Any],
-        completion: TokenCompletion,
-        server_version: str | None = None,
-        *,
-        dropped: Sequence[Mapping[str, Any]] = (),
-    ) -> None:
+    async def write_chat(self, *args: Any, **kwargs: Any) -> None:
         return
 
-    async def write_token_in(self, completion: TokenCompletion) -> None:
+    async def write_token_in(self, *args: Any, **kwargs: Any) -> None:
         return
 
     async def end(self, exc: BaseException | None) -> None:
