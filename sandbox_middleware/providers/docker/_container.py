@@ -3,7 +3,8 @@
 Everything another process needs to use, list, connect to or reap a sandbox is in the container's
 labels (``LABEL`` marks it as ours): the user commands run as, the work directory, the writable
 mounts, the declared ports, the deadline of its TTL (``_ttl.EXPIRES``) and ``spec.metadata``
-(``META`` + key). Labels are set at create and cannot be changed from inside the container.
+(``META`` + key). Labels are set at create and cannot be changed from inside the container. A spare
+(``_spares.py``) is told by its ``_ttl.SPARE`` label; once taken, its name says when, and its deadline.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from ..._errors import SandboxArgumentError
 from .._common._arguments import check_text, checked_view_root
 from .._common._limits import Limits
-from ._ttl import EXPIRES
+from ._ttl import EXPIRES, deadline_of, taken_at
 
 __all__ = [
     "LABEL",
@@ -167,12 +168,16 @@ def create_body(plan: Plan) -> dict[str, Any]:
     }
 
 
-def box_of(container: str, labels: Mapping[str, str], created: float | None) -> Box | None:
-    """The sandbox a container's labels describe; None for a container that is not one of ours."""
+def box_of(container: str, labels: Mapping[str, str], created: float | None, name: str) -> Box | None:
+    """The sandbox a container's labels (and, for a taken spare, its name) describe; None for a container
+    that is not one of ours. A taken spare was created when it was taken."""
     if labels.get(LABEL) != "1":
         return None
+    taken = taken_at(name)
+    if taken is not None:
+        created = taken[0]
     try:
-        deadline = float(labels[EXPIRES]) if EXPIRES in labels else None
+        deadline = deadline_of(labels, name)
         ports = tuple(int(port) for port in labels.get(_PORTS, "").split(",") if port)
         mounts = tuple(PurePosixPath(mount) for mount in labels[_MOUNTS].split(","))
         cwd = PurePosixPath(labels[_WORKDIR])

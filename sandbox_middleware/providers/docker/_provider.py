@@ -13,7 +13,9 @@ import os
 import stat
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import AsyncIterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
@@ -52,7 +54,8 @@ from ._container import (
     workdir_of,
 )
 from ._descriptors import signed, verified
-from ._ttl import WatchdogLauncher
+from ._spares import SUFFIX, DockerSpares, Shape, Spare, remove, shape_of, spare_body, sweep
+from ._ttl import WatchdogLauncher, is_spare, taken_name
 
 __all__ = ["DockerProvider"]
 
@@ -86,7 +89,9 @@ class DockerProvider:
     through the archive API, regular files only, at most ``max_transfer_bytes``. ``spec.ttl_s``
     becomes a deadline label that a watchdog process enforces (``_ttl.py``), whatever the entrypoint
     and whether or not this process lives. ``spec.metadata`` becomes labels: ``list`` and ``reap``
-    find the sandboxes of any process. Images are never pulled unless ``pull=True``.
+    find the sandboxes of any process. Images are never pulled unless ``pull=True``. With
+    ``prestart`` one container of the last created shape is kept running ahead (``_spares.py``),
+    for at most ``spare_ttl_s``, so a create of that shape takes it.
     """
 
     name = "docker"
@@ -98,6 +103,7 @@ class DockerProvider:
         max_output_bytes=Bound(0, strict=True, whole=True, high=2**53),
         max_transfer_bytes=Bound(0, strict=True, whole=True, high=2**53),
         request_timeout_s=POSITIVE.at_most(86400),
+        spare_ttl_s=Bound(10, high=86400),
     )
 
     def __init__(
@@ -119,6 +125,8 @@ class DockerProvider:
         keepalive: Sequence[str] | None = None,
         connect_key: bytes | None = None,
         request_timeout_s: float = 300.0,
+        prestart: bool = True,
+        spare_ttl_s: float = 300.0,
     ) -> None:
         self._options: dict[str, Any] = {
             "socket": socket,
@@ -137,6 +145,8 @@ class DockerProvider:
             "keepalive": None if keepalive is None else tuple(keepalive),
             "connect_key": connect_key,
             "request_timeout_s": request_timeout_s,
+            "prestart": prestart,
+            "spare_ttl_s": spare_ttl_s,
         }
         self.BOUNDS.check(locals())
         self._socket = check_text(fspath(socket, "socket"), "socket")
@@ -176,11 +186,18 @@ class DockerProvider:
             self._watchdog = WatchdogLauncher(self._socket, version)
         except PermissionError as exc:  # its lock's directory was made by someone else (_ttl.lock_path)
             raise SandboxError(f"DockerProvider: the TTL watchdog cannot lock safely: {exc}") from None
+        sweep(self._socket, version)  # the spares of processes that died without removing them
         self._api = EngineAPI(self._socket, version, request_timeout_s)  # last: nothing can fail after it
         self._commands = Commands(self._api, max_output_bytes)
         self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, Box] = {}
         self._users: dict[str, tuple[str, tuple[int, int] | None]] = {}
+        self._request_timeout = request_timeout_s
+        self._spare_ttl = spare_ttl_s
+        self._spares: DockerSpares | None = None
+        if prestart:  # removed with this provider, if not at aclose (or at exit)
+            self._spares = DockerSpares(weakref.WeakMethod(self._make_spare), partial(remove, self._socket, version))
+            weakref.finalize(self, self._spares.close)
 
     def __repr__(self) -> str:
         return f"DockerProvider(socket={self._socket!r}, api_version={self.api_version!r})"
@@ -205,27 +222,20 @@ class DockerProvider:
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
         plan = await self._plan(spec)
-        body = create_body(plan)
-        name = f"sandbox-{uuid.uuid4().hex[:12]}"
         if plan.deadline is not None:  # before the container exists: a worker killed from here leaves none unwatched
             self._watchdog.ensure()
-        container = await self._create_container(name, body, plan.image)
-        try:
-            await self._api.call("POST", f"/containers/{container}/start", f"start container {name}")
+        shape = shape_of(plan) if self._spares is not None else None
+        spare = self._spares.take(shape) if self._spares is not None and shape is not None else None
+        taken = await self._take(spare, plan) if spare is not None else None
+        if taken is not None:
+            container, name = taken
+        else:
+            name = f"sandbox-{uuid.uuid4().hex[:12]}"
+            container = await self._build(self._api, name, create_body(plan), plan.image)
+        async with self._removed_on_failure(self._api, container, plan.image):
             # After start: a tmpfs volume written to before would be unmounted again, and its files lost.
             files = [(PurePosixPath(target), text.encode()) for target, text in spec.files.items()]
             await self._seed(container, plan, files)
-        except BaseException as exc:
-            left = f"; container {container[:12]} was not removed (its labels let reap find it)"
-            # A removal that fails too (the daemon died) must not replace the start's error.
-            with anyio.CancelScope(shield=True), anyio.move_on_after(30), contextlib.suppress(SandboxError):
-                await self._remove(container)
-                left = ""
-            if isinstance(exc, EngineError | DockerUnavailableError):
-                raise SandboxCreateError(
-                    f"DockerProvider: cannot start a container of {plan.image!r}: {exc}{left}"
-                ) from exc
-            raise
         box = Box(
             container,
             plan.user,
@@ -239,7 +249,69 @@ class DockerProvider:
         self._boxes[container] = box
         if plan.deadline is not None:
             self._watchdog.ensure()
+        if self._spares is not None and shape is not None:
+            self._spares.refill(shape)
         return SandboxHandle(container, self.name, {"container": container, "name": name})
+
+    async def _build(self, api: EngineAPI, name: str, body: dict[str, Any], image: str) -> str:
+        """A started container of ``body``: the one path by which every sandbox and every spare is made."""
+        container = await self._create_container(api, name, body, image)
+        async with self._removed_on_failure(api, container, image):
+            await api.call("POST", f"/containers/{container}/start", f"start container {name}")
+        return container
+
+    @contextlib.asynccontextmanager
+    async def _removed_on_failure(self, api: EngineAPI, container: str, image: str) -> AsyncIterator[None]:
+        """Remove ``container`` (shielded, bounded) if the block fails; the daemon's error becomes a create error."""
+        try:
+            yield
+        except BaseException as exc:
+            left = f"; container {container[:12]} was not removed (its labels let reap find it)"
+            # A removal that fails too (the daemon died) must not replace the start's error.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(30), contextlib.suppress(SandboxError):
+                await self._remove(container, api)
+                left = ""
+            if isinstance(exc, EngineError | DockerUnavailableError):
+                raise SandboxCreateError(f"DockerProvider: cannot start a container of {image!r}: {exc}{left}") from exc
+            raise
+
+    def _make_spare(self, shape: Shape) -> Spare:
+        """A spare of ``shape`` (blocking, in the maker thread: its own event loop and connections)."""
+        return anyio.run(self._spare_of, shape.plan)
+
+    async def _spare_of(self, plan: Plan) -> Spare:
+        api = EngineAPI(self._socket, self.api_version, self._request_timeout)
+        try:
+            name = f"sandbox-{uuid.uuid4().hex[:12]}"
+            until = time.time() + self._spare_ttl
+            self._watchdog.ensure()  # it removes the spare when stale, whether or not this process lives
+            container = await self._build(api, name + SUFFIX, spare_body(plan, until), plan.image)
+            info = await api.inspect(container, f"inspect spare {name}") or {}
+            return Spare(container, name, str(info.get("Image")), until)
+        finally:
+            await api.aclose()
+
+    async def _take(self, spare: Spare, plan: Plan) -> tuple[str, str] | None:
+        """Make ``spare`` the caller's: renamed to say when it was taken and its deadline, once it is seen
+        running the image its name now names; its container and new name (None: it is not usable)."""
+        try:
+            image = await self._inspect_image(plan.image)
+            info = await self._api.inspect(spare.container, f"inspect spare {spare.name}") or {}
+            running = bool((info.get("State") or {}).get("Running")) and info.get("Image") == spare.image
+            if image.status_code == 200 and image.json().get("Id") == spare.image and running:
+                name = taken_name(spare.name, time.time(), plan.deadline)
+                what = f"take spare {spare.name}"
+                params = {"name": name}
+                reply = await self._api.call(
+                    "POST", f"/containers/{spare.container}/rename", what, params=params, ok=(404,)
+                )
+                if reply.status_code != 404:
+                    return spare.container, name
+        except SandboxError as exc:  # a create of its own says what the daemon says
+            logger.debug("DockerProvider: spare %s not taken: %s", spare.name, exc)
+        if self._spares is not None:
+            self._spares.discard(spare)
+        return None
 
     async def _plan(self, spec: SandboxSpec) -> Plan:
         if not spec.image:
@@ -341,10 +413,10 @@ class DockerProvider:
         except DockerUnavailableError as exc:
             raise SandboxCreateError(str(exc)) from exc
 
-    async def _create_container(self, name: str, body: dict[str, Any], image: str) -> str:
+    async def _create_container(self, api: EngineAPI, name: str, body: dict[str, Any], image: str) -> str:
         what = f"create a container of {image!r}"
         try:
-            reply = await self._api.call("POST", "/containers/create", what, params={"name": name}, body=body)
+            reply = await api.call("POST", "/containers/create", what, params={"name": name}, body=body)
         except DockerUnavailableError as exc:  # its response may be lost: the labels let reap find it
             raise SandboxCreateError(f"DockerProvider: {exc}") from exc
         except EngineError as exc:
@@ -382,11 +454,11 @@ class DockerProvider:
                     content=b"".join(chunks) + END,
                 )
 
-    async def _remove(self, container: str) -> None:
+    async def _remove(self, container: str, api: EngineAPI | None = None) -> None:
         """Force-remove ``container`` and its volumes; one already gone, or being removed by another
         process (the TTL watchdog, a reaper, a second close), is done."""
         what = f"remove container {container[:12]}"
-        reply = await self._api.call(
+        reply = await (api or self._api).call(
             "DELETE", f"/containers/{container}", what, params={"force": "true", "v": "true"}, ok=(404, 409)
         )
         if reply.status_code == 409 and "already in progress" not in (message := message_of(reply)):
@@ -444,8 +516,12 @@ class DockerProvider:
         self._boxes.pop(sandbox_id, None)
 
     async def aclose(self) -> None:
-        """Close every sandbox still open here, then the connection pool; one error names those that failed."""
+        """Remove the spare, close every sandbox still open here, then the connection pool; one error names
+        those that failed."""
         failures = []
+        if self._spares is not None:  # shielded: a cancelled aclose still removes it (bounded by its make's wait)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._spares.close)
         try:
             for sandbox_id in list(self._boxes):
                 try:
@@ -586,7 +662,7 @@ class DockerProvider:
             )
         sandbox_id = body["sandbox_id"]
         info = await self._api.inspect(sandbox_id, f"connect to {sandbox_id[:12]}")
-        box = box_of(sandbox_id, _labels(info), None) if info is not None else None
+        box = box_of(sandbox_id, _labels(info), None, str(info.get("Name"))) if info is not None else None
         if box is None or str((info or {}).get("Id")) != sandbox_id:
             raise SandboxNotFoundError(f"DockerProvider.connect: no sandbox container {sandbox_id[:12]} on this daemon")
         self._boxes.setdefault(sandbox_id, box)
@@ -606,7 +682,12 @@ class DockerProvider:
         reply = await self._api.call("GET", "/containers/json", "list sandboxes", params=params)
         listings = []
         for container in reply.json():
-            box = box_of(str(container.get("Id")), container.get("Labels") or {}, container.get("Created"))
+            labels, name = container.get("Labels") or {}, str((container.get("Names") or [""])[0])
+            box = (
+                None
+                if is_spare(labels, name)
+                else box_of(str(container.get("Id")), labels, container.get("Created"), name)
+            )
             if box is None or any(box.metadata.get(key) != value for key, value in wanted.items()):
                 continue
             created = float(box.created) if isinstance(box.created, int | float) else None
