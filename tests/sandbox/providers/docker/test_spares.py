@@ -1,0 +1,239 @@
+"""Spare containers (``docker/_spares.py``) on the real daemon: a create of the last shape takes the one
+made ahead, with the caller's spec applied; no listing shows an untaken spare; another shape is never
+served it; aclose, staleness, a changed image and the next provider after a SIGKILLed maker remove it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from sandbox_middleware import (
+    DockerProvider,
+    Middleware,
+    OwnershipMiddleware,
+    SandboxStatus,
+    recommended_middleware,
+    stack,
+)
+from sandbox_middleware.providers.docker._ttl import SPARE, taken_at
+from sandbox_middleware.testing.fixtures import TelemetryCapture
+
+from ._support import BUSYBOX, PYTHON, SESSION, SESSION_KEY, engine, spec
+
+pytestmark = pytest.mark.anyio
+TAG = "tests.spare"  # a metadata key of this module's sandboxes: each test's own value
+
+
+def on_daemon(tag: str) -> list[dict[str, Any]]:
+    """The containers (running or not) of this session whose metadata has ``TAG=tag``, as the daemon lists them."""
+    labels = [f"sandbox_middleware.docker.meta.{SESSION_KEY}={SESSION}", f"sandbox_middleware.docker.meta.{TAG}={tag}"]
+    with engine() as client:
+        reply = client.get("/containers/json", params={"all": "1", "filters": json.dumps({"label": labels})})
+        reply.raise_for_status()
+        return list(reply.json())
+
+
+def spares_on_daemon(tag: str) -> list[dict[str, Any]]:
+    """Those of them that are untaken spares (their name ends in -spare)."""
+    return [c for c in on_daemon(tag) if SPARE in (c.get("Labels") or {}) and c["Names"][0].endswith("-spare")]
+
+
+async def one_spare(tag: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The single running spare of ``tag``, waited for: a spare is made in the background after a create."""
+    with anyio.fail_after(timeout_s):
+        while True:
+            found = spares_on_daemon(tag)
+            if len(found) == 1 and found[0]["State"] == "running":
+                return found[0]
+            await anyio.sleep(0.05)
+
+
+async def gone(container: str, timeout_s: float = 60.0) -> None:
+    with engine() as client, anyio.fail_after(timeout_s):
+        while client.get(f"/containers/{container}/json").status_code != 404:
+            await anyio.sleep(0.1)
+
+
+def tagged(tag: str, **fields: Any) -> Any:
+    return spec(metadata={TAG: tag, **fields.pop("metadata", {})}, **fields)
+
+
+async def test_a_second_create_of_the_same_shape_takes_the_spare_started_with_the_callers_spec(
+    provider: DockerProvider,
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    shape = {"env": {"SECRET": "s3"}, "workdir": "project", "ttl_s": 600}
+    first = await provider.create(tagged(tag, files={"a.txt": "first"}, **shape))
+    spare = await one_spare(tag)
+    assert spare["Id"] != first.sandbox_id
+    assert [listed.handle.sandbox_id for listed in await provider.list(metadata={TAG: tag})] == [first.sandbox_id]
+
+    before = time.time()
+    second = await provider.create(tagged(tag, files={"b.txt": "second"}, **shape))
+    assert second.sandbox_id == spare["Id"]  # that very container, started before this create began
+    with engine() as client:
+        info = client.get(f"/containers/{second.sandbox_id}/json").json()
+    started = datetime.fromisoformat(info["State"]["StartedAt"][:26] + "+00:00").timestamp()
+    assert info["State"]["Running"] and started < before
+    taken = taken_at(info["Name"])
+    assert taken is not None and before - 1 <= taken[0] <= time.time() + 1
+    assert taken[1] is not None and abs(taken[1] - (taken[0] + 600)) < 2  # its TTL counts from the take
+    result = await provider.exec(second, "echo $SECRET; pwd; cat b.txt; echo; ls")
+    assert (result.return_code, result.stdout.split()) == (0, ["s3", "/workspace/project", "second", "b.txt"])
+    assert await provider.status(second) == SandboxStatus.RUNNING
+    listed = {entry.handle.sandbox_id: entry for entry in await provider.list(metadata={TAG: tag})}
+    assert set(listed) == {first.sandbox_id, second.sandbox_id}  # taken, it is the caller's
+    assert listed[second.sandbox_id].metadata == {SESSION_KEY: SESSION, TAG: tag}
+    assert listed[second.sandbox_id].created_at == pytest.approx(taken[0])
+    descriptor = await provider.serialize_handle(second)
+    other = DockerProvider(connect_key=provider._key, prestart=False)
+    try:  # another process reads its deadline from its name
+        await other.connect(descriptor)
+        assert other._boxes[second.sandbox_id].deadline == pytest.approx(taken[1])
+    finally:
+        await other.aclose()
+    for handle in (first, second):
+        await provider.close(handle)
+    await one_spare(tag)  # the next one, made behind it
+
+
+async def test_a_create_of_another_shape_is_never_served_the_spare(provider: DockerProvider) -> None:
+    tag = uuid.uuid4().hex[:8]
+    await provider.close(await provider.create(tagged(tag, env={"A": "1"})))
+    old = await one_spare(tag)
+    for other in (
+        tagged(tag, env={"A": "2"}),
+        tagged(tag, env={"A": "1"}, metadata={"more": "x"}),
+        tagged(tag, env={"A": "1"}, resources={"memory_mib": 256}),
+        tagged(tag, env={"A": "1"}, image=PYTHON),
+    ):
+        handle = await provider.create(other)
+        assert handle.sandbox_id != old["Id"]
+        await gone(old["Id"])  # the spare of the shape before is removed, one of this shape made
+        old = await one_spare(tag)
+        await provider.close(handle)
+    assert [c["Id"] for c in on_daemon(tag)] == [old["Id"]]
+
+
+async def test_aclose_removes_the_spare_and_prestart_false_makes_none(make: Callable[..., DockerProvider]) -> None:
+    tag = uuid.uuid4().hex[:8]
+    provider = make()
+    await provider.close(await provider.create(tagged(tag)))
+    spare = await one_spare(tag)
+    with anyio.CancelScope() as scope:  # cancelled at once: the removal is shielded
+        scope.cancel()
+        await provider.aclose()
+    assert on_daemon(tag) == [] and spare["Id"]
+    cold = make(prestart=False)
+    await cold.close(await cold.create(tagged(tag)))
+    await anyio.sleep(1)
+    assert on_daemon(tag) == []
+
+
+async def test_a_stale_spare_is_removed_and_never_handed_out(make: Callable[..., DockerProvider]) -> None:
+    """Past spare_ttl_s the watchdog removes a spare whose maker lives; a create takes none near that."""
+    tag = uuid.uuid4().hex[:8]
+    provider = make(spare_ttl_s=10)
+    await provider.close(await provider.create(tagged(tag)))
+    spare = await one_spare(tag)
+    await anyio.sleep(6)  # within the margin before its staleness: not handed out
+    handle = await provider.create(tagged(tag))
+    assert handle.sandbox_id != spare["Id"]
+    await provider.close(handle)
+    await gone(spare["Id"], 30)
+    fresh = await one_spare(tag)
+    await gone(fresh["Id"], 30)  # nobody takes it: the watchdog removes it once stale
+
+
+async def test_a_spare_of_an_image_since_replaced_is_not_handed_out(make: Callable[..., DockerProvider]) -> None:
+    tag = uuid.uuid4().hex[:8]
+    image = f"sandbox-middleware/spare-{tag}:test"
+    repository, _, version = image.partition(":")
+    with engine() as client:
+        client.post(f"/images/{BUSYBOX}/tag", params={"repo": repository, "tag": version}).raise_for_status()
+    try:
+        provider = make()
+        await provider.close(await provider.create(tagged(tag, image=image)))
+        spare = await one_spare(tag)
+        with engine() as client:
+            client.post(f"/images/{PYTHON}/tag", params={"repo": repository, "tag": version}).raise_for_status()
+        handle = await provider.create(tagged(tag, image=image))
+        assert handle.sandbox_id != spare["Id"]
+        assert (await provider.exec(handle, "command -v python3")).return_code == 0  # the image it names now
+        await gone(spare["Id"])
+        await provider.aclose()
+    finally:
+        with engine() as client:
+            client.delete(f"/images/{image}")
+
+
+async def test_telemetry_counts_a_taken_spare_as_one_create_and_an_untaken_one_as_none(
+    make: Callable[..., DockerProvider], telemetry: TelemetryCapture
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    layers = [
+        *recommended_middleware(meter_provider=telemetry.meter_provider, tracer_provider=telemetry.tracer_provider),
+        Middleware(OwnershipMiddleware, run_id=f"spares-{tag}"),
+    ]
+    bare = make()
+    provider = stack(bare, layers)
+    first = await provider.create(tagged(tag))  # the ownership layer's stamp and TTL are part of the shape
+    spare = await one_spare(tag)
+    assert telemetry.value("gym.sandbox.active", nemo__gym__sandbox__provider="docker") == 1
+    second = await provider.create(tagged(tag))
+    assert second.sandbox_id == spare["Id"]
+    assert telemetry.value("gym.sandbox.active", nemo__gym__sandbox__provider="docker") == 2
+    for handle in (first, second):
+        await provider.close(handle)
+    await one_spare(tag)
+    assert telemetry.value("gym.sandbox.active", nemo__gym__sandbox__provider="docker") == 0
+    assert telemetry.histogram_count("gym.sandbox.startup_duration_ms", nemo__gym__sandbox__provider="docker") == 2
+    assert telemetry.value("gym.sandbox.failure_total") == 0
+    assert [listed.handle.sandbox_id for listed in await bare.list(metadata={TAG: tag})] == []
+    await provider.aclose()
+    assert on_daemon(tag) == []
+
+
+MAKER = """
+import sys, anyio
+from sandbox_middleware import DockerProvider, SandboxSpec
+async def main():
+    provider = DockerProvider()
+    metadata = {%(session_key)r: %(session)r, %(tag_key)r: sys.argv[1]}
+    await provider.close(await provider.create(SandboxSpec(image=%(image)r, metadata=metadata)))
+    assert await anyio.to_thread.run_sync(provider._spares.wait, 60.0)
+    print("ready", flush=True)
+    await anyio.sleep(3600)
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # one backend is enough for a process killed on purpose
+async def test_a_sigkilled_makers_spare_is_removed_by_the_next_provider(docker: None) -> None:
+    tag = uuid.uuid4().hex[:8]
+    script = MAKER % {"session_key": SESSION_KEY, "session": SESSION, "tag_key": TAG, "image": BUSYBOX}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[4])}
+    async with await anyio.open_process([sys.executable, "-c", script, tag], env=env) as maker:
+        assert maker.stdout is not None
+        with anyio.fail_after(120):
+            assert (await maker.stdout.receive()).strip() == b"ready"
+        maker.send_signal(signal.SIGKILL)
+        await maker.wait()
+    [spare] = spares_on_daemon(tag)  # left running by nobody; no listing shows it
+    listing = DockerProvider(prestart=False)  # the next provider on this daemon removes it
+    try:
+        assert spare["Id"] not in [entry.handle.sandbox_id for entry in await listing.list()]
+        assert on_daemon(tag) == []
+    finally:
+        await listing.aclose()
