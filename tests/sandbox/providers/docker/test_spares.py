@@ -4,7 +4,6 @@ served it; aclose, staleness, a changed image and the next provider after a SIGK
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -13,60 +12,22 @@ import uuid
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 
-from sandbox_middleware import (
-    DockerProvider,
-    Middleware,
-    OwnershipMiddleware,
-    SandboxStatus,
-    recommended_middleware,
-    stack,
-)
-from sandbox_middleware.providers.docker._ttl import SPARE, taken_at
-from sandbox_middleware.testing.fixtures import TelemetryCapture
+from sandbox_middleware import DockerProvider, SandboxStatus
+from sandbox_middleware.providers.docker._ttl import taken_at
 
-from ._support import BUSYBOX, PYTHON, SESSION, SESSION_KEY, engine, spec
+from ._support import BUSYBOX, PYTHON, SESSION, SESSION_KEY, TAG, engine, on_daemon, one_spare, spares_on_daemon, tagged
 
 pytestmark = pytest.mark.anyio
-TAG = "tests.spare"  # a metadata key of this module's sandboxes: each test's own value
-
-
-def on_daemon(tag: str) -> list[dict[str, Any]]:
-    """The containers (running or not) of this session whose metadata has ``TAG=tag``, as the daemon lists them."""
-    labels = [f"sandbox_middleware.docker.meta.{SESSION_KEY}={SESSION}", f"sandbox_middleware.docker.meta.{TAG}={tag}"]
-    with engine() as client:
-        reply = client.get("/containers/json", params={"all": "1", "filters": json.dumps({"label": labels})})
-        reply.raise_for_status()
-        return list(reply.json())
-
-
-def spares_on_daemon(tag: str) -> list[dict[str, Any]]:
-    """Those of them that are untaken spares (their name ends in -spare)."""
-    return [c for c in on_daemon(tag) if SPARE in (c.get("Labels") or {}) and c["Names"][0].endswith("-spare")]
-
-
-async def one_spare(tag: str, timeout_s: float = 60.0) -> dict[str, Any]:
-    """The single running spare of ``tag``, waited for: a spare is made in the background after a create."""
-    with anyio.fail_after(timeout_s):
-        while True:
-            found = spares_on_daemon(tag)
-            if len(found) == 1 and found[0]["State"] == "running":
-                return found[0]
-            await anyio.sleep(0.05)
 
 
 async def gone(container: str, timeout_s: float = 60.0) -> None:
     with engine() as client, anyio.fail_after(timeout_s):
         while client.get(f"/containers/{container}/json").status_code != 404:
             await anyio.sleep(0.1)
-
-
-def tagged(tag: str, **fields: Any) -> Any:
-    return spec(metadata={TAG: tag, **fields.pop("metadata", {})}, **fields)
 
 
 async def test_a_second_create_of_the_same_shape_takes_the_spare_started_with_the_callers_spec(
@@ -176,33 +137,6 @@ async def test_a_spare_of_an_image_since_replaced_is_not_handed_out(make: Callab
     finally:
         with engine() as client:
             client.delete(f"/images/{image}")
-
-
-async def test_telemetry_counts_a_taken_spare_as_one_create_and_an_untaken_one_as_none(
-    make: Callable[..., DockerProvider], telemetry: TelemetryCapture
-) -> None:
-    tag = uuid.uuid4().hex[:8]
-    layers = [
-        *recommended_middleware(meter_provider=telemetry.meter_provider, tracer_provider=telemetry.tracer_provider),
-        Middleware(OwnershipMiddleware, run_id=f"spares-{tag}"),
-    ]
-    bare = make()
-    provider = stack(bare, layers)
-    first = await provider.create(tagged(tag))  # the ownership layer's stamp and TTL are part of the shape
-    spare = await one_spare(tag)
-    assert telemetry.value("gym.sandbox.active", nemo__gym__sandbox__provider="docker") == 1
-    second = await provider.create(tagged(tag))
-    assert second.sandbox_id == spare["Id"]
-    assert telemetry.value("gym.sandbox.active", nemo__gym__sandbox__provider="docker") == 2
-    for handle in (first, second):
-        await provider.close(handle)
-    await one_spare(tag)
-    assert telemetry.value("gym.sandbox.active", nemo__gym__sandbox__provider="docker") == 0
-    assert telemetry.histogram_count("gym.sandbox.startup_duration_ms", nemo__gym__sandbox__provider="docker") == 2
-    assert telemetry.value("gym.sandbox.failure_total") == 0
-    assert [listed.handle.sandbox_id for listed in await bare.list(metadata={TAG: tag})] == []
-    await provider.aclose()
-    assert on_daemon(tag) == []
 
 
 MAKER = """
