@@ -154,7 +154,8 @@ anyio.run(main)
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # one backend is enough for a process killed on purpose
-async def test_a_sigkilled_makers_spare_is_removed_by_the_next_provider(docker: None) -> None:
+@pytest.mark.parametrize("next_one", ["provider", "reap"])
+async def test_a_sigkilled_makers_spare_is_removed_by_the_next_provider_or_reap(docker: None, next_one: str) -> None:
     tag = uuid.uuid4().hex[:8]
     script = MAKER % {"session_key": SESSION_KEY, "session": SESSION, "tag_key": TAG, "image": BUSYBOX}
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[4])}
@@ -164,10 +165,15 @@ async def test_a_sigkilled_makers_spare_is_removed_by_the_next_provider(docker: 
             assert (await maker.stdout.receive()).strip() == b"ready"
         maker.send_signal(signal.SIGKILL)
         await maker.wait()
-    [spare] = spares_on_daemon(tag)  # left running by nobody; no listing shows it
-    listing = DockerProvider(prestart=False)  # the next provider on this daemon removes it
-    try:
-        assert spare["Id"] not in [entry.handle.sandbox_id for entry in await listing.list()]
+    [spare] = spares_on_daemon(tag)  # left running by nobody
+    if next_one == "reap":  # the command's provider, made on this daemon, removes it
+        argv = [sys.executable, "-m", "sandbox_middleware", "reap", "--provider", "docker", "--run", f"none-{tag}"]
+        done = await anyio.run_process(argv, env=env, check=False)
+        assert done.returncode == 0, done.stderr
         assert on_daemon(tag) == []
+        return
+    following = DockerProvider(prestart=False)  # the next provider on this daemon removes it, at construction
+    try:
+        assert on_daemon(tag) == [] and spare["State"] == "running"
     finally:
-        await listing.aclose()
+        await following.aclose()
