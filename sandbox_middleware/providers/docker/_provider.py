@@ -283,11 +283,12 @@ class DockerProvider:
         api = EngineAPI(self._socket, self.api_version, self._request_timeout)
         try:
             name = f"sandbox-{uuid.uuid4().hex[:12]}"
-            until = time.time() + self._spare_ttl
+            made = time.time()
+            until = made + self._spare_ttl
             self._watchdog.ensure()  # it removes the spare when stale, whether or not this process lives
             container = await self._build(api, name + SUFFIX, spare_body(plan, until), plan.image)
             info = await api.inspect(container, f"inspect spare {name}") or {}
-            return Spare(container, name, str(info.get("Image")), until)
+            return Spare(container, name, str(info.get("Image")), made, until)
         finally:
             await api.aclose()
 

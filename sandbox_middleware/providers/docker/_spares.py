@@ -60,11 +60,13 @@ class Shape:
 
 @dataclass(frozen=True)
 class Spare:
-    """One spare container: its id, its name without ``SUFFIX``, the image id it runs, when it goes stale."""
+    """One spare container: its id, its name without ``SUFFIX``, the image id it runs, when it was made
+    and when it goes stale (seconds since the epoch)."""
 
     container: str
     name: str
     image: str
+    made: float
     until: float
 
 
@@ -89,7 +91,7 @@ class DockerSpares(Spares[Shape, Spare]):
     who = "DockerProvider"
 
     def usable(self, item: Spare) -> bool:
-        return time.time() < item.until - TAKE_MARGIN_S
+        return time.time() < item.until - min(TAKE_MARGIN_S, (item.until - item.made) / 2)
 
 
 def _client(socket: str, version: str) -> httpx.Client:

@@ -107,8 +107,12 @@ async def test_a_stale_spare_is_removed_and_never_handed_out(make: Callable[...,
     tag = uuid.uuid4().hex[:8]
     provider = make(spare_ttl_s=10)
     await provider.close(await provider.create(tagged(tag)))
+    young = await one_spare(tag)
+    handle = await provider.create(tagged(tag))
+    assert handle.sandbox_id == young["Id"]  # within the first half of its 10 s
+    await provider.close(handle)
     spare = await one_spare(tag)
-    await anyio.sleep(6)  # within the margin before its staleness: not handed out
+    await anyio.sleep(6)  # within the margin before its staleness (half of 10 s): not handed out
     handle = await provider.create(tagged(tag))
     assert handle.sandbox_id != spare["Id"]
     await provider.close(handle)
