@@ -310,9 +310,16 @@ class DockerProvider:
                     return spare.container, name
         except SandboxError as exc:  # a create of its own says what the daemon says
             logger.debug("DockerProvider: spare %s not taken: %s", spare.name, exc)
+        except BaseException:  # cancelled: nobody holds it now
+            self._discard(spare)
+            raise
+        self._discard(spare)
+        return None
+
+    def _discard(self, spare: Spare) -> None:
+        """Remove a spare taken from the kept one but not handed out, in the background."""
         if self._spares is not None:
             self._spares.discard(spare)
-        return None
 
     async def _plan(self, spec: SandboxSpec) -> Plan:
         if not spec.image:

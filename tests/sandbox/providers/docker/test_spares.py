@@ -102,6 +102,23 @@ async def test_aclose_removes_the_spare_and_prestart_false_makes_none(make: Call
     assert on_daemon(tag) == []
 
 
+async def test_a_create_cancelled_while_it_takes_the_spare_removes_it(
+    provider: DockerProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    await provider.close(await provider.create(tagged(tag)))
+    spare = await one_spare(tag)
+
+    async def hangs(image: str) -> None:
+        await anyio.sleep_forever()
+
+    monkeypatch.setattr(provider, "_inspect_image", hangs)  # the take's first look (the plan's is cached)
+    with anyio.move_on_after(1) as scope:
+        await provider.create(tagged(tag))
+    assert scope.cancelled_caught
+    await gone(spare["Id"])  # nobody holds it: removed, not left to its staleness
+
+
 async def test_a_stale_spare_is_removed_and_never_handed_out(make: Callable[..., DockerProvider]) -> None:
     """Past spare_ttl_s the watchdog removes a spare whose maker lives; a create takes none near that."""
     tag = uuid.uuid4().hex[:8]
