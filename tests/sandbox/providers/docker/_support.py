@@ -15,11 +15,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
 from sandbox_middleware import SandboxSpec
 from sandbox_middleware.providers._common import _uids
+from sandbox_middleware.providers.docker._ttl import SPARE
 from tests.needs import unavailable
 
 SOCKET = "/var/run/docker.sock"
@@ -33,6 +35,7 @@ SESSION_KEY = "tests.session"
 SESSION = uuid.uuid4().hex[:12]
 """Every container of this test session carries ``spec.metadata[SESSION_KEY] = SESSION``."""
 SESSION_LABEL = f"sandbox_middleware.docker.meta.{SESSION_KEY}={SESSION}"
+TAG = "tests.spare"  # a metadata key of the spares' tests: each test's own value, its containers found by it
 BUILD = Path(__file__).resolve().parents[4] / "scripts" / "build-docker-images.sh"
 
 
@@ -136,6 +139,56 @@ def free_claims(socket: str = SOCKET, *, daemon_gone: bool = False) -> list[int]
     return freed
 
 
+def claim_of(uid: int) -> str | None:
+    """The container (id or name) the lease of host uid ``uid`` is claimed for; None: free (or a
+    LocalProvider lease)."""
+    try:
+        claim = json.loads((_uids.lease_directory() / str(uid)).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return str(claim.get("container")) if isinstance(claim, dict) else None
+
+
+def memory_cgroup(container: str) -> Path:
+    """The container's v1 memory cgroup on the host (through its init's /proc entry)."""
+    with engine() as client:
+        pid = client.get(f"/containers/{container}/json").json()["State"]["Pid"]
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        if "memory" in names.split(","):
+            return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+    raise AssertionError(f"container {container[:12]} has no v1 memory cgroup")
+
+
 def spec(image: str = BUSYBOX, metadata: Mapping[str, str] | None = None, **fields: Any) -> SandboxSpec:
     """A spec of this test session (its label lets the session remove whatever a test leaves)."""
     return SandboxSpec(image=image, metadata={SESSION_KEY: SESSION, **(metadata or {})}, **fields)
+
+
+def on_daemon(tag: str) -> list[dict[str, Any]]:
+    """The containers (running or not) of this session whose metadata has ``TAG=tag``, as the daemon lists them."""
+    labels = [f"sandbox_middleware.docker.meta.{SESSION_KEY}={SESSION}", f"sandbox_middleware.docker.meta.{TAG}={tag}"]
+    with engine() as client:
+        reply = client.get("/containers/json", params={"all": "1", "filters": json.dumps({"label": labels})})
+        reply.raise_for_status()
+        return list(reply.json())
+
+
+def spares_on_daemon(tag: str) -> list[dict[str, Any]]:
+    """Those of them that are untaken spares (their name ends in -spare)."""
+    return [c for c in on_daemon(tag) if SPARE in (c.get("Labels") or {}) and c["Names"][0].endswith("-spare")]
+
+
+async def one_spare(tag: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The single running spare of ``tag``, waited for: a spare is made in the background after a create."""
+    with anyio.fail_after(timeout_s):
+        while True:
+            found = spares_on_daemon(tag)
+            if len(found) == 1 and found[0]["State"] == "running":
+                return found[0]
+            await anyio.sleep(0.05)
+
+
+def tagged(tag: str, **fields: Any) -> SandboxSpec:
+    """A spec of this session whose metadata has ``TAG=tag`` (and ``fields``)."""
+    return spec(metadata={TAG: tag, **fields.pop("metadata", {})}, **fields)

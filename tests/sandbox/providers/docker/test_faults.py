@@ -179,6 +179,7 @@ async def test_a_ttl_container_is_watched_before_it_exists(
     handle = await provider.create(spec(ttl_s=600))
     assert held == [True]
     await provider.close(handle)
+    await provider.aclose()  # and its spare, which the watchdog watches too
     with anyio.fail_after(_ttl.IDLE_S + 10):  # it leaves nothing behind: the watchdog ends once idle
         while _ttl._running(lock):
             await anyio.sleep(0.2)

@@ -28,7 +28,7 @@ from sandbox_middleware import DockerProvider, SandboxCreateError, SandboxHandle
 from sandbox_middleware.providers._common import _uids
 
 from ._daemon import private_daemon
-from ._support import BUSYBOX, PYTHON, SESSION, SESSION_KEY, engine, spec
+from ._support import BUSYBOX, PYTHON, SESSION, SESSION_KEY, engine, memory_cgroup, spec
 
 pytestmark = pytest.mark.anyio
 
@@ -206,17 +206,6 @@ def _uid(provider_result: _protocol.SandboxExecResult) -> int:
     return int(provider_result.stdout.strip())
 
 
-def _tcp_cgroup(container: str) -> Path:
-    """The container's v1 memory cgroup on the host (through its init's /proc entry)."""
-    with engine() as client:
-        pid = client.get(f"/containers/{container}/json").json()["State"]["Pid"]
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, names, path = line.split(":", 2)
-        if "memory" in names.split(","):
-            return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-    raise AssertionError(f"container {container[:12]} has no v1 memory cgroup")
-
-
 def _needs_root_beside_the_daemon(provider: DockerProvider) -> None:
     if os.geteuid() != 0 or not os.path.exists(_HOST_PYTHON):
         pytest.skip(f"needs root beside the daemon (host processes of other uids) and {_HOST_PYTHON}")
@@ -248,7 +237,7 @@ async def test_one_sandbox_exhausting_each_pool_leaves_the_other_and_the_host_th
     assert taken["mqueue"]["error"] == "EMFILE" and taken["mqueue"]["count"] >= 1, taken  # RLIMIT_MSGQUEUE
     assert taken["pty"] == {"count": 16, "error": "ENOSPC"}, taken
     assert taken["files"]["errors"] == ["EMFILE"] and 200 < taken["files"]["per_process"] < 256, taken
-    limit = _tcp_cgroup(hostile.sandbox_id) / "memory.kmem.tcp.limit_in_bytes"
+    limit = memory_cgroup(hostile.sandbox_id) / "memory.kmem.tcp.limit_in_bytes"
     assert int(limit.read_text()) == 64 * _MiB
     peak = int((limit.parent / "memory.kmem.tcp.max_usage_in_bytes").read_text())
     assert taken["tcp"]["bytes"] < 128 * _MiB and peak <= 65 * _MiB, (taken, peak)  # of a 1 GiB try
@@ -303,10 +292,11 @@ async def test_live_sandboxes_never_share_a_uid_and_close_or_removal_frees_it(
 ) -> None:
     """With the random draw forced to repeat, two live sandboxes get two uids; a LocalProvider-style lease
     skips both though this process holds no lock on them (their containers do, by claim); a container
-    removed behind the provider's back (the TTL watchdog, by hand) frees its uid; close frees it at once."""
+    removed behind the provider's back (the TTL watchdog, by hand) frees its uid; close frees it at once.
+    No spares: each holds a uid of its own too (test_spares.py), which would take the next one here."""
     first_uid = _uids.UID_BASE + 11
     monkeypatch.setattr(_uids, "draw", lambda: first_uid)
-    provider = make()
+    provider = make(prestart=False)
     first, second = await provider.create(spec()), await provider.create(spec())
     assert [_uid(await provider.exec(box, "id -u")) for box in (first, second)] == [first_uid, first_uid + 1]
     local = _uids.lease_uid(_uids.lease_directory())

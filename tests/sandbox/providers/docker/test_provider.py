@@ -6,6 +6,7 @@ import pickle
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -155,9 +156,9 @@ async def test_a_start_failing_with_the_daemon_gone_is_a_create_error(
     async def gone(*args: object) -> None:
         raise DockerUnavailableError("the daemon went away")
 
-    async def remove_fails(container: str) -> None:
+    async def remove_fails(container: str, *api: Any) -> None:
         removed.append(container)
-        await real_remove(container)  # the test leaves nothing behind
+        await real_remove(container, *api)  # the test leaves nothing behind
         raise DockerUnavailableError("the daemon went away")
 
     monkeypatch.setattr(provider, "_seed", gone)

@@ -137,6 +137,33 @@ def test_roots_watchdog_lock_is_in_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert stat.S_ISDIR(info.st_mode) and info.st_uid == 0 and stat.S_IMODE(info.st_mode) == 0o700
 
 
+def test_a_spares_state_is_read_from_its_labels_and_name() -> None:
+    """Untaken, a spare is due at its SPARE_UNTIL and is a spare whatever else its name says; taken, its
+    name says when and its deadline (none without a TTL); a container without SPARE keeps EXPIRES."""
+    from sandbox_middleware.providers.docker._ttl import (
+        EXPIRES,
+        SPARE,
+        SPARE_UNTIL,
+        deadline_of,
+        is_spare,
+        taken_at,
+        taken_name,
+    )
+
+    spare = {SPARE: "{}", SPARE_UNTIL: "1000.5", EXPIRES: "1"}
+    for untaken in ("/sandbox-0123456789ab-spare", "/renamed", "/sandbox-0123456789ab-at-x", ""):
+        assert is_spare(spare, untaken) and deadline_of(spare, untaken) == 1000.5
+    name = taken_name("sandbox-0123456789ab", 2000.25, 2600.75)
+    assert name == "sandbox-0123456789ab-at-2000250-until-2600750"
+    assert taken_at("/" + name) == (2000.25, 2600.75) and not is_spare(spare, "/" + name)
+    assert deadline_of(spare, "/" + name) == 2600.75  # not EXPIRES, which only a spare's own labels could hold
+    assert deadline_of(spare, taken_name("sandbox-0123456789ab", 2000.0, None)) is None
+    assert deadline_of({EXPIRES: "42"}, "/" + name) == 42.0 and deadline_of({}, "/any") is None
+    assert not is_spare({EXPIRES: "42"}, "/sandbox-0123456789ab-spare")
+    with pytest.raises(ValueError):
+        deadline_of({SPARE: "{}", SPARE_UNTIL: "soon"}, "/x")
+
+
 def _tar_of(name: str, data: bytes) -> bytes:
     info = tarfile.TarInfo(name)
     info.size = len(data)
