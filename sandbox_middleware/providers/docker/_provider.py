@@ -51,6 +51,7 @@ from ._container import (
     metadata_filters,
     workdir_of,
 )
+from ._daemons import daemon_of
 from ._descriptors import signed, verified
 from ._ttl import WatchdogLauncher
 
@@ -105,6 +106,7 @@ class DockerProvider:
         *,
         socket: str = "/var/run/docker.sock",
         api_version: str | None = None,
+        runtime: str | None = None,
         network: str = "none",
         user: str = "auto",
         memory_mib: float | None = 4096,
@@ -123,6 +125,7 @@ class DockerProvider:
         self._options: dict[str, Any] = {
             "socket": socket,
             "api_version": api_version,
+            "runtime": runtime,
             "network": network,
             "user": user,
             "memory_mib": memory_mib,
@@ -151,6 +154,8 @@ class DockerProvider:
         self._user = check_text(user, "user")
         if api_version is not None:
             check_text(api_version, "api_version")
+        if runtime is not None:
+            check_text(runtime, "runtime")
         self._keepalive = [check_text(arg, "keepalive entry") for arg in (keepalive or keepalive_default())]
         if not self._keepalive:
             raise SandboxArgumentError("DockerProvider: keepalive must name a command (or be None for the default)")
@@ -167,6 +172,7 @@ class DockerProvider:
         self._init = init
         version, info = negotiate(self._socket, api_version, min(request_timeout_s, 30.0))
         self.api_version = version
+        self._daemon = daemon_of(info, runtime, self._socket)
         self._enforceable = {
             "memory_mib": bool(info.get("MemoryLimit")) and bool(info.get("SwapLimit", True)),
             "pids": bool(info.get("PidsLimit")),
@@ -183,7 +189,8 @@ class DockerProvider:
         self._users: dict[str, tuple[str, tuple[int, int] | None]] = {}
 
     def __repr__(self) -> str:
-        return f"DockerProvider(socket={self._socket!r}, api_version={self.api_version!r})"
+        runtime = "" if self._daemon.runtime is None else f", runtime={self._daemon.runtime!r}"
+        return f"DockerProvider(socket={self._socket!r}, api_version={self.api_version!r}{runtime})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles as its options: the copy holds no sandbox (it can ``connect`` with the same ``connect_key``)."""
@@ -205,7 +212,7 @@ class DockerProvider:
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
         plan = await self._plan(spec)
-        body = create_body(plan)
+        body = self._daemon.adapt(create_body(plan))
         name = f"sandbox-{uuid.uuid4().hex[:12]}"
         if plan.deadline is not None:  # before the container exists: a worker killed from here leaves none unwatched
             self._watchdog.ensure()
