@@ -20,10 +20,11 @@ from ..._errors import DockerUnavailableError, SandboxError, SandboxExpiredError
 from ..._protocol import SandboxExecResult, SandboxHandle
 from ._api import EngineAPI, EngineError
 from ._container import Box
+from ._daemons import Daemon
 from ._exec import KILL, RUN, PidReader, host_victims, new_marker
 from ._streams import Demultiplexer, OutputCapture
 
-__all__ = ["KILL_TIMEOUT_S", "Commands"]
+__all__ = ["KILL_TIMEOUT_S", "Commands", "stopped"]
 
 logger = logging.getLogger("sandbox_middleware")
 
@@ -35,9 +36,10 @@ class Commands:
     """The command runs of one provider's sandboxes, over its daemon connection; output kept at most
     ``max_output`` bytes per stream."""
 
-    def __init__(self, api: EngineAPI, max_output: int) -> None:
+    def __init__(self, api: EngineAPI, max_output: int, daemon: Daemon) -> None:
         self._api = api
         self._max_output = max_output
+        self._daemon = daemon
 
     async def run(
         self,
@@ -83,6 +85,10 @@ class Commands:
             return SandboxExecResult(out.text(), err.text(), code or -9, error_type="expired")
         if timed_out:
             return SandboxExecResult(out.text(), err.text(), code or -9, error_type="timeout")
+        if code is None or code >= 128:  # lost, or a signal's: did the whole container stop?
+            stopped_result = await self._stopped(box, out, err)
+            if stopped_result is not None:
+                return stopped_result
         if code is None:
             return SandboxExecResult(out.text(), err.text(), -1, error_type="sandbox")
         if code in (126, 127) and out.text().startswith("OCI runtime exec failed"):
@@ -106,6 +112,11 @@ class Commands:
                 raise SandboxNotFoundError(
                     f"DockerProvider: sandbox {handle.sandbox_id!r} was removed from under this provider (closed or "
                     "reaped by another process); create a new one"
+                ) from exc
+            if exc.status == 409 and "is not running" in exc.message:
+                info = await self._api.inspect(box.container, f"inspect sandbox {handle.sandbox_id[:12]}")
+                raise SandboxNotFoundError(
+                    f"DockerProvider: sandbox {handle.sandbox_id!r} is not running: {stopped(info)}; create a new one"
                 ) from exc
             if exc.status == 409:
                 raise SandboxError(
@@ -161,6 +172,21 @@ class Commands:
         except (httpx.HTTPError, DockerUnavailableError):
             return  # the container went away mid-command (closed, expired, the daemon died): see the exit code
 
+    async def _stopped(self, box: Box, out: OutputCapture, err: OutputCapture) -> SandboxExecResult | None:
+        """Where the container stopped under a command (under gVisor a memory or pids limit kills the
+        whole sandbox): ``error_type`` ``"oom"`` or ``"stopped"``, the container's exit code, and why on
+        stderr. None while it runs."""
+        try:
+            info = await self._api.inspect(box.container, "inspect a container that lost a command")
+        except DockerUnavailableError:
+            return None
+        state = (info or {}).get("State") or {}
+        if info is None or state.get("Running", True):
+            return None
+        said = f"{err.text()}[DockerProvider: the sandbox stopped during the command: {stopped(info)}]\n"
+        kind = "oom" if state.get("OOMKilled") else "stopped"
+        return SandboxExecResult(out.text(), said, int(state.get("ExitCode") or -1), error_type=kind)
+
     async def _info(self, exec_id: str) -> dict[str, Any]:
         reply = await self._api.call("GET", f"/exec/{exec_id}/json", f"inspect exec {exec_id[:12]}", ok=(404,))
         return {} if reply.status_code == 404 else dict(reply.json())
@@ -207,8 +233,8 @@ class Commands:
     async def _kill_from_host(self, box: Box, marker: str) -> bool:
         """With the container paused (nothing forks or fights back), SIGKILL the command's processes
         from the host (``_exec.host_victims``), then unpause. False where the provider cannot (not
-        root, a daemon elsewhere, the container paused by its user)."""
-        if os.geteuid() != 0:
+        root, a daemon elsewhere, the container paused by its user, gVisor)."""
+        if os.geteuid() != 0 or not self._daemon.host_pids:
             return False
         info = await self._api.inspect(box.container, "inspect a container to kill a command")
         init = int(((info or {}).get("State") or {}).get("Pid") or 0)
@@ -219,9 +245,10 @@ class Commands:
         if reply.status_code >= 400:
             return reply.status_code == 404
         try:
-            listed = await self._api.call("GET", f"/containers/{box.container}/top", "list a container's processes")
-            top = listed.json()
-            column = list(top["Titles"]).index("PID")
+            query, title = self._daemon.top()
+            what = "list a container's processes"
+            top = (await self._api.call("GET", f"/containers/{box.container}/top", what, params=query)).json()
+            column = list(top["Titles"]).index(title)
             pids = [int(row[column]) for row in top.get("Processes") or []]
             victims = host_victims(box.container, marker, pids, init)
             for pid in victims or ():
@@ -233,3 +260,19 @@ class Commands:
                     "POST", f"/containers/{box.container}/unpause", "unpause after a kill", ok=(404, 409)
                 )
         return victims is not None
+
+
+def stopped(info: dict[str, Any] | None) -> str:
+    """Why a container is not running, from its ``GET /containers/{id}/json``."""
+    if info is None:
+        return "its container is removed"
+    state = info.get("State") or {}
+    code = state.get("ExitCode")
+    if state.get("OOMKilled"):
+        how = f"its container was killed at its memory limit (OOM, exit {code})"
+    else:
+        how = f"its container exited ({code})"
+    runtime = (info.get("HostConfig") or {}).get("Runtime")
+    if runtime == "runsc":
+        how += "; under gVisor (runsc) a memory or pids limit kills the whole sandbox, files and processes"
+    return how

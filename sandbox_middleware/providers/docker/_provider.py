@@ -51,7 +51,7 @@ from ._container import (
     metadata_filters,
     workdir_of,
 )
-from ._daemons import daemon_of
+from ._daemons import daemon_of, socket_of
 from ._descriptors import signed, verified
 from ._ttl import WatchdogLauncher
 
@@ -74,7 +74,9 @@ _STATUS = {
 
 
 class DockerProvider:
-    """Sandboxes as containers of a Docker daemon (``socket``), over its Engine API; see docs/docker-provider.md.
+    """Sandboxes as containers of a Docker daemon (``socket``; unset, ``DOCKER_HOST``'s ``unix://`` path, else
+    ``/var/run/docker.sock``), over its Engine API, under the daemon's default OCI runtime or ``runtime``
+    (``"runsc"``: gVisor), checked against the daemon's ``Runtimes``; see docs/docker-provider.md.
 
     Each container runs ``spec.image`` with no capabilities, ``no-new-privileges``, a read-only
     root filesystem, no network (``network="none"``) unless asked, a non-root user (the image's
@@ -104,7 +106,7 @@ class DockerProvider:
     def __init__(
         self,
         *,
-        socket: str = "/var/run/docker.sock",
+        socket: str | None = None,
         api_version: str | None = None,
         runtime: str | None = None,
         network: str = "none",
@@ -123,7 +125,7 @@ class DockerProvider:
         request_timeout_s: float = 300.0,
     ) -> None:
         self._options: dict[str, Any] = {
-            "socket": socket,
+            "socket": socket_of(socket),  # resolved here: a pickled copy speaks to the same daemon
             "api_version": api_version,
             "runtime": runtime,
             "network": network,
@@ -142,7 +144,7 @@ class DockerProvider:
             "request_timeout_s": request_timeout_s,
         }
         self.BOUNDS.check(locals())
-        self._socket = check_text(fspath(socket, "socket"), "socket")
+        self._socket = check_text(fspath(self._options["socket"], "socket"), "socket")
         self._network = check_text(network, "network")
         if self._network == "host" or self._network.startswith("container:"):
             raise SandboxArgumentError(
@@ -183,7 +185,7 @@ class DockerProvider:
         except PermissionError as exc:  # its lock's directory was made by someone else (_ttl.lock_path)
             raise SandboxError(f"DockerProvider: the TTL watchdog cannot lock safely: {exc}") from None
         self._api = EngineAPI(self._socket, version, request_timeout_s)  # last: nothing can fail after it
-        self._commands = Commands(self._api, max_output_bytes)
+        self._commands = Commands(self._api, max_output_bytes, self._daemon)
         self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, Box] = {}
         self._users: dict[str, tuple[str, tuple[int, int] | None]] = {}

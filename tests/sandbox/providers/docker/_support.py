@@ -1,6 +1,8 @@
 """What the Docker provider's tests need: a daemon (skipped with one line where there is none; failed
-with REQUIRE_DOCKER=1), the test images (built by scripts/build-docker-images.sh when missing, never
-pulled), and the removal of every container a test session made (by its label), even after a failure."""
+with REQUIRE_DOCKER=1; ``DOCKER_HOST=unix://PATH`` names another, Podman's say, as it does for the
+provider), the OCI runtime their sandboxes run under (``SANDBOX_DOCKER_RUNTIME``, e.g. ``runsc``),
+the test images (built by scripts/build-docker-images.sh when missing, never pulled), and the removal
+of every container a test session made (by its label), even after a failure."""
 
 from __future__ import annotations
 
@@ -21,7 +23,10 @@ import pytest
 from sandbox_middleware import SandboxSpec
 from tests.needs import unavailable
 
-SOCKET = "/var/run/docker.sock"
+SOCKET = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock").removeprefix("unix://")
+"""The daemon under test: ``DOCKER_HOST``, as ``DockerProvider()`` reads it."""
+RUNTIME = os.environ.get("SANDBOX_DOCKER_RUNTIME") or None
+"""The runtime the tests' sandboxes run under (``SANDBOX_DOCKER_RUNTIME=runsc``: gVisor); unset, the daemon's."""
 BUSYBOX = "sandbox-middleware/busybox:test"
 PYTHON = "sandbox-middleware/python:test"
 IMAGES = (BUSYBOX, PYTHON)
@@ -37,6 +42,17 @@ BUILD = Path(__file__).resolve().parents[4] / "scripts" / "build-docker-images.s
 
 def engine(socket: str = SOCKET) -> httpx.Client:
     return httpx.Client(transport=httpx.HTTPTransport(uds=socket), base_url="http://docker/v1.41", timeout=60)
+
+
+def options() -> dict[str, Any]:
+    """``DockerProvider`` options of the daemon and runtime under test."""
+    return {"socket": SOCKET, "runtime": RUNTIME}
+
+
+def engine_kind() -> str:
+    """``"podman"`` or ``"docker"``: the daemon under test (Podman's ``/info`` carries ``BuildahVersion``)."""
+    with engine() as client:
+        return "podman" if "BuildahVersion" in client.get("/info").json() else "docker"
 
 
 def docker_problem(socket: str = SOCKET) -> str | None:

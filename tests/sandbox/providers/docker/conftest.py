@@ -9,7 +9,7 @@ import pytest
 
 from sandbox_middleware import DockerProvider
 
-from ._support import docker_problem, remove_containers, require_docker
+from ._support import docker_problem, options, remove_containers, require_docker
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,11 +27,12 @@ def docker() -> None:
 
 @pytest.fixture
 async def make(docker: None) -> AsyncIterator[Callable[..., DockerProvider]]:
-    """Builds providers and closes every one after the test, even a failed one."""
+    """Builds providers (of the daemon and runtime under test, ``_support.options``) and closes every one
+    after the test, even a failed one."""
     made: list[DockerProvider] = []
 
-    def build(**options: Any) -> DockerProvider:
-        made.append(DockerProvider(**options))
+    def build(**given: Any) -> DockerProvider:
+        made.append(DockerProvider(**{**options(), **given}))
         return made[-1]
 
     yield build

@@ -110,7 +110,7 @@ _WORKER = """
 import sys, anyio
 from sandbox_middleware import DockerProvider, Middleware, OwnershipMiddleware, SandboxSpec, stack
 async def main():
-    provider = stack(DockerProvider(), [Middleware(OwnershipMiddleware, run_id=sys.argv[1])])
+    provider = stack(DockerProvider(runtime=sys.argv[5] or None), [Middleware(OwnershipMiddleware, run_id=sys.argv[1])])
     for _ in range(3):
         handle = await provider.create(SandboxSpec(image=sys.argv[2], metadata={sys.argv[3]: sys.argv[4]}))
         print(handle.sandbox_id, flush=True)
@@ -120,10 +120,11 @@ anyio.run(main)
 
 
 async def test_a_killed_workers_containers_are_found_and_reaped(make: Callable[..., DockerProvider]) -> None:
-    from ._support import BUSYBOX
+    from ._support import BUSYBOX, RUNTIME
 
     provider = make()
-    crashed = await crashed_worker([sys.executable, "-c", _WORKER, "worker-run", BUSYBOX, SESSION_KEY, SESSION])
+    argv = [sys.executable, "-c", _WORKER, "worker-run", BUSYBOX, SESSION_KEY, SESSION, RUNTIME or ""]
+    crashed = await crashed_worker(argv)
     live = stack(provider, [Middleware(OwnershipMiddleware, run_id="worker-run")])
     mine = await live.create(spec())
     reaped = await reap(provider, run_id="worker-run")

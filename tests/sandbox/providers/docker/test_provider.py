@@ -29,7 +29,7 @@ from sandbox_middleware import (
     build_provider,
 )
 
-from ._support import PYTHON, SESSION, SESSION_KEY, containers, require_bridge, spec
+from ._support import PYTHON, RUNTIME, SESSION, SESSION_KEY, containers, require_bridge, spec
 
 pytestmark = pytest.mark.anyio
 
@@ -320,7 +320,8 @@ async def test_capabilities_and_pickling(make: Callable[..., DockerProvider]) ->
 
 
 async def test_a_config_builds_it_by_name(docker: None) -> None:
-    provider = build_provider({"provider": {"docker": {"memory_mib": 256}}, "middleware": ["metrics"]})
+    options = {"memory_mib": 256, "runtime": RUNTIME}
+    provider = build_provider({"provider": {"docker": options}, "middleware": ["metrics"]})
     handle = await provider.create(spec())
     assert (await provider.exec(handle, "echo $((6 * 7))")).stdout == "42\n"
     await provider.close(handle)
