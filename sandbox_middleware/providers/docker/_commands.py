@@ -21,7 +21,7 @@ from ..._protocol import SandboxExecResult, SandboxHandle
 from ._api import EngineAPI, EngineError
 from ._container import Box
 from ._daemons import Daemon
-from ._exec import KILL, RUN, PidReader, host_victims, new_marker
+from ._exec import KILL, RUN, PidReader, cgroup_pids, host_victims, new_marker
 from ._streams import Demultiplexer, OutputCapture
 
 __all__ = ["KILL_TIMEOUT_S", "Commands", "stopped"]
@@ -187,6 +187,15 @@ class Commands:
         kind = "oom" if state.get("OOMKilled") else "stopped"
         return SandboxExecResult(out.text(), said, int(state.get("ExitCode") or -1), error_type=kind)
 
+    async def _host_pids(self, box: Box, init: int) -> list[int] | None:
+        """The host pids of a paused container: its ``top`` (Docker), or its freezer cgroup's list (Podman,
+        whose ``top`` forks into the container, and answers nothing while it is frozen)."""
+        if self._daemon.kind == "podman":
+            return cgroup_pids(init)
+        top = (await self._api.call("GET", f"/containers/{box.container}/top", "list a container's processes")).json()
+        column = list(top["Titles"]).index("PID")
+        return [int(row[column]) for row in top.get("Processes") or []]
+
     async def _info(self, exec_id: str) -> dict[str, Any]:
         reply = await self._api.call("GET", f"/exec/{exec_id}/json", f"inspect exec {exec_id[:12]}", ok=(404,))
         return {} if reply.status_code == 404 else dict(reply.json())
@@ -245,12 +254,8 @@ class Commands:
         if reply.status_code >= 400:
             return reply.status_code == 404
         try:
-            query, title = self._daemon.top()
-            what = "list a container's processes"
-            top = (await self._api.call("GET", f"/containers/{box.container}/top", what, params=query)).json()
-            column = list(top["Titles"]).index(title)
-            pids = [int(row[column]) for row in top.get("Processes") or []]
-            victims = host_victims(box.container, marker, pids, init)
+            pids = await self._host_pids(box, init)
+            victims = None if pids is None else host_victims(box.container, marker, pids, init)
             for pid in victims or ():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)  # delivered as the freezer thaws them

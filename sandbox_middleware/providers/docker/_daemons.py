@@ -8,7 +8,8 @@ body with what its containers need (``adapt``): explicit ``nofile`` and ``nproc`
 own defaults (raised to 1048576 and 4194304 for root) cannot be set once every capability is dropped,
 and plain tmpfs mounts for the writable directories, since it ignores the tmpfs options of a volume
 (the directories were left on the host's disk, unbounded) and, unlike Docker, its archive API sees
-plain tmpfs mounts. Its ``top`` lists container pids unless asked for host pids (``hpid``).
+plain tmpfs mounts. Its ``top`` forks into the container (and answers nothing while it is frozen): the
+kill of a timed-out command reads the container's cgroup instead (``_exec.cgroup_pids``).
 """
 
 from __future__ import annotations
@@ -49,10 +50,6 @@ class Daemon:
     def host_pids(self) -> bool:
         """Whether a sandbox's processes are host processes (not under gVisor: the Sentry runs them)."""
         return self.effective_runtime != "runsc"
-
-    def top(self) -> tuple[dict[str, str], str]:
-        """The query of ``GET /containers/{id}/top`` that lists host pids, and the column that holds them."""
-        return ({"ps_args": "hpid"}, "HPID") if self.kind == "podman" else ({}, "PID")
 
     def adapt(self, body: dict[str, Any]) -> dict[str, Any]:
         """The create body with the runtime named and, for Podman, ulimits where the body sets none and the

@@ -172,7 +172,8 @@ class DockerProvider:
         self._max_transfer = max_transfer_bytes
         self._pull = pull
         self._init = init
-        version, info = negotiate(self._socket, api_version, min(request_timeout_s, 30.0))
+        # At least 10 s however short request_timeout_s: Podman's /info takes a second, more under load.
+        version, info = negotiate(self._socket, api_version, min(max(request_timeout_s, 10.0), 30.0))
         self.api_version = version
         self._daemon = daemon_of(info, runtime, self._socket)
         self._enforceable = {
@@ -517,7 +518,9 @@ class DockerProvider:
                 content=tar_stream(fd, info.st_size, parts, owner),
             )
         except EngineError as exc:
-            if "cannot overwrite non-directory" in exc.message:
+            if "cannot overwrite non-directory" in exc.message or (  # Docker's, Podman's
+                "copier: put: error creating" in exc.message and exc.message.endswith("file exists")
+            ):
                 raise SandboxPathError(
                     f"DockerProvider: cannot {what}: a component of {target_path!r} is not a directory (a symlink?); "
                     "transfers never follow one: name a path through real directories"

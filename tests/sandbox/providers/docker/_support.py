@@ -49,10 +49,30 @@ def options() -> dict[str, Any]:
     return {"socket": SOCKET, "runtime": RUNTIME}
 
 
+@functools.cache
 def engine_kind() -> str:
     """``"podman"`` or ``"docker"``: the daemon under test (Podman's ``/info`` carries ``BuildahVersion``)."""
     with engine() as client:
         return "podman" if "BuildahVersion" in client.get("/info").json() else "docker"
+
+
+def cannot_hold(under: str, reason: str) -> None:
+    """Skip the calling test where the daemon under test is ``under`` (``"podman"``) or its sandboxes' runtime is
+    (``"runsc"``): what it asserts does not hold there, for ``reason`` (docs/gvisor.md, docs/docker-provider.md)."""
+    if under in (RUNTIME, engine_kind()):
+        pytest.skip(f"cannot hold under {under}: {reason}")
+
+
+def require_runsc() -> None:
+    """Skip (REQUIRE_RUNSC=1: fail) the calling test where the daemon under test has no ``runsc`` runtime."""
+    require_docker()
+    with engine() as client:
+        if "runsc" not in (client.get("/info").json().get("Runtimes") or {}):
+            unavailable(
+                f"the daemon at {SOCKET} has no runsc runtime (gVisor): apt-get install runsc, then register it in "
+                "/etc/docker/daemon.json (docs/gvisor.md) and restart dockerd",
+                "REQUIRE_RUNSC",
+            )
 
 
 def docker_problem(socket: str = SOCKET) -> str | None:

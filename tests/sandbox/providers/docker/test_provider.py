@@ -29,7 +29,7 @@ from sandbox_middleware import (
     build_provider,
 )
 
-from ._support import PYTHON, RUNTIME, SESSION, SESSION_KEY, containers, require_bridge, spec
+from ._support import PYTHON, RUNTIME, SESSION, SESSION_KEY, cannot_hold, containers, require_bridge, spec
 
 pytestmark = pytest.mark.anyio
 
@@ -44,6 +44,16 @@ async def test_exec_output_exit_code_env_cwd(provider: DockerProvider) -> None:
     await provider.exec(handle, "mkdir sub")
     assert (await provider.exec(handle, "pwd", cwd="sub")).stdout == "/workspace/work/sub\n"
     assert (await provider.exec(handle, "pwd", cwd="/tmp")).stdout == "/tmp\n"
+    await provider.close(handle)
+
+
+async def test_a_missing_cwd_is_an_error_naming_it(provider: DockerProvider) -> None:
+    cannot_hold(
+        "podman",
+        "Podman reports an exec that cannot start as the command's exit 127, the runtime's words on its stderr; "
+        "only exec inspect's Pid 0 tells them apart (issue 29 item 3)",
+    )
+    handle = await provider.create(spec(workdir="work"))
     with pytest.raises(SandboxError, match=re.escape("cwd '/workspace/work/nowhere'")):
         await provider.exec(handle, "true", cwd="nowhere")
     await provider.close(handle)
@@ -286,6 +296,7 @@ async def test_an_exec_right_after_resume_runs(provider: DockerProvider) -> None
 async def test_endpoint_on_loopback_only(make: Callable[..., DockerProvider]) -> None:
     """A declared port is published on 127.0.0.1 alone, and serves."""
     require_bridge()
+    cannot_hold("runsc", "runsc is registered with --network=none here (the ptrace platform needs it): no network")
     provider = make(network="bridge")
     handle = await provider.create(spec(PYTHON, ports=[8000], entrypoint=["python3", "-m", "http.server", "8000"]))
     endpoint = await provider.endpoint(handle, 8000)
