@@ -1,7 +1,8 @@
 """What differs between the daemons ``DockerProvider`` speaks to, read once from the daemon's ``/info``.
 
 The OCI runtime a sandbox runs under (``runtime=``: ``runc``, gVisor's ``runsc``, any the daemon has
-registered) is checked against the daemon's ``Runtimes`` at construction. Under gVisor no process of a
+registered) is checked against the daemon's ``Runtimes`` at construction (Podman's compatible API ignores a
+container's runtime: asking it for one other than its default is refused). Under gVisor no process of a
 sandbox is a host process (the Sentry, a user-space kernel, runs them), so nothing is killed from the
 host. Podman's Docker-compatible API (its ``/info`` carries ``BuildahVersion``) takes the same create
 body with what its containers need (``adapt``): explicit ``nofile`` and ``nproc`` ulimits, since its
@@ -116,5 +117,11 @@ def daemon_of(info: Mapping[str, Any], runtime: str | None, socket: str) -> Daem
             f"DockerProvider: the daemon at {socket} has no runtime {runtime!r} (it has: "
             f"{', '.join(known) or 'none listed'}); {where} (gVisor: apt-get install runsc), or leave runtime unset "
             f"for the daemon's default ({default})"
+        )
+    if kind == "podman" and runtime not in (None, default):
+        raise DockerRuntimeNotFoundError(
+            f"DockerProvider: the Podman service at {socket} ignores a container's runtime in its Docker-compatible "
+            f"API (its sandboxes would run under {default}, not {runtime}); make {runtime} the service's default "
+            f'instead ([engine] runtime = "{runtime}" in containers.conf) and leave runtime unset'
         )
     return Daemon(kind, runtime, default)

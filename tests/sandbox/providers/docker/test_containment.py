@@ -27,14 +27,16 @@ _SENTRY_PIDS = (
 async def test_no_capability_no_new_privileges(provider: DockerProvider) -> None:
     """No capability in any set, and no_new_privs, asked of the kernel (prctl PR_GET_NO_NEW_PRIVS: gVisor's
     /proc/self/status has no NoNewPrivs line)."""
-    handle = await provider.create(spec(PYTHON))
+    handle = await provider.create(spec())
     status = (await provider.exec(handle, "grep -E '^(CapEff|CapBnd|CapPrm)' /proc/self/status")).stdout
     assert status.split() == ["CapPrm:", "0" * 16, "CapEff:", "0" * 16, "CapBnd:", "0" * 16]
-    no_new_privs = "import ctypes; print(ctypes.CDLL(None).prctl(39, 0, 0, 0, 0))"
-    assert (await provider.exec(handle, f'python3 -c "{no_new_privs}"')).stdout == "1\n"
     assert (await provider.exec(handle, "mknod /tmp/dev c 1 3", user="root")).return_code != 0
     assert (await provider.exec(handle, "chown 0 /tmp", user="root")).return_code != 0
+    python = await provider.create(spec(PYTHON))
+    no_new_privs = "import ctypes; print(ctypes.CDLL(None).prctl(39, 0, 0, 0, 0))"
+    assert (await provider.exec(python, f'python3 -c "{no_new_privs}"')).stdout == "1\n"
     await provider.close(handle)
+    await provider.close(python)
 
 
 async def test_the_root_filesystem_is_read_only(provider: DockerProvider) -> None:

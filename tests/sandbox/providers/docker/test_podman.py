@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_middleware import DockerProvider, Middleware, OwnershipMiddleware, SandboxNotFoundError, reap, stack
+from sandbox_middleware import (
+    DockerProvider,
+    DockerRuntimeNotFoundError,
+    Middleware,
+    OwnershipMiddleware,
+    SandboxNotFoundError,
+    reap,
+    stack,
+)
 from tests.providers import crashed_worker
 
 from ._podman import private_podman
@@ -90,3 +98,11 @@ async def test_labels_list_and_reap_against_podman(podman: DockerProvider, podma
     assert left == {mine.sandbox_id, other.sandbox_id}
     await podman.close(mine)
     await podman.close(other)
+
+
+async def test_a_runtime_podman_would_ignore_is_refused(podman_socket: str) -> None:
+    """Podman's Docker-compatible API takes HostConfig.Runtime and runs the container under its default all the
+    same (runsc asked, the host's kernel answered): asking for another runtime is a typed error, not a lie."""
+    with pytest.raises(DockerRuntimeNotFoundError, match=r"ignores a container's runtime .*containers\.conf"):
+        DockerProvider(socket=podman_socket, runtime="runsc")
+    await DockerProvider(socket=podman_socket, runtime="runc").aclose()  # its default: nothing to ignore
