@@ -202,9 +202,10 @@ class DockerProvider:
     @property
     def mechanisms(self) -> dict[str, str]:
         """How each limit is enforced by this daemon (or ``"not enforced"``)."""
+        whole = "" if self._daemon.host_pids else ", around gVisor's Sentry: past it the whole sandbox dies"
         return {
-            "memory": "cgroup (Memory = MemorySwap)" if self._enforceable["memory_mib"] else "not enforced",
-            "pids": "cgroup (PidsLimit)" if self._enforceable["pids"] else "not enforced",
+            "memory": f"cgroup (Memory = MemorySwap){whole}" if self._enforceable["memory_mib"] else "not enforced",
+            "pids": f"cgroup (PidsLimit){whole}" if self._enforceable["pids"] else "not enforced",
             "cpu": "cgroup (NanoCpus)" if self._enforceable["cpu"] else "not enforced",
             "disk": "tmpfs size of the work directory (the root filesystem is read-only)",
             "ttl": "deadline label, removed by the watchdog process",

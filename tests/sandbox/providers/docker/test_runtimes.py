@@ -37,7 +37,7 @@ async def test_runsc_runs_each_sandbox_on_gvisors_kernel(make: Callable[..., Doc
     """Under runsc a command meets gVisor's user-space kernel, not the host's; the container says its runtime."""
     require_runsc()
     provider = make(runtime="runsc")
-    assert "runtime='runsc'" in repr(provider)
+    assert "runtime='runsc'" in repr(provider) and "whole sandbox dies" in provider.mechanisms["memory"]
     handle = await provider.create(spec())
     boot = await provider.exec(handle, "dmesg | head -n 1; uname -r")
     assert "Starting gVisor" in boot.stdout and Path("/proc/sys/kernel/osrelease").read_text() not in boot.stdout
