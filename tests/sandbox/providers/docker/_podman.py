@@ -39,7 +39,8 @@ def private_podman() -> Iterator[str]:
     # Podman keeps each exec's conmon for exit_command_delay (300 s, "as Docker keeps an exec's inspect"):
     # the provider reads an exec's exit code within a second of its end.
     (root / "containers.conf").write_text("[engine]\nexit_command_delay = 5\n")
-    env = {**os.environ, "CONTAINERS_CONF": str(root / "containers.conf")}
+    (root / "tmp").mkdir()  # the service's temp files (an import's upload, api_load.tar*) go with the directory
+    env = {**os.environ, "CONTAINERS_CONF": str(root / "containers.conf"), "TMPDIR": str(root / "tmp")}
     log = open(root / "service.log", "ab")  # noqa: SIM115 - closed below
     service = subprocess.Popen(
         [podman, *flags, "system", "service", "--time=0", f"unix://{socket}"],
