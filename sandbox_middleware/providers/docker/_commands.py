@@ -86,7 +86,9 @@ class Commands:
         if timed_out:
             return SandboxExecResult(out.text(), err.text(), code or -9, error_type="timeout")
         if code is None or code >= 128:  # lost, or a signal's: did the whole container stop?
-            stopped_result = await self._stopped(box, out, err)
+            # runsc's exec exits 128 when the sandbox died under it, before the daemon knows: a moment for that
+            patience = 2.0 if code in (None, 128) and not self._daemon.host_pids else 0.0
+            stopped_result = await self._stopped(box, out, err, patience)
             if stopped_result is not None:
                 return stopped_result
         if code is None:
@@ -172,17 +174,28 @@ class Commands:
         except (httpx.HTTPError, DockerUnavailableError):
             return  # the container went away mid-command (closed, expired, the daemon died): see the exit code
 
-    async def _stopped(self, box: Box, out: OutputCapture, err: OutputCapture) -> SandboxExecResult | None:
+    async def _stopped(
+        self, box: Box, out: OutputCapture, err: OutputCapture, patience: float
+    ) -> SandboxExecResult | None:
         """Where the container stopped under a command (under gVisor a memory or pids limit kills the
-        whole sandbox): ``error_type`` ``"oom"`` or ``"stopped"``, the container's exit code, and why on
-        stderr. None while it runs."""
-        try:
-            info = await self._api.inspect(box.container, "inspect a container that lost a command")
-        except DockerUnavailableError:
-            return None
-        state = (info or {}).get("State") or {}
-        if info is None or state.get("Running", True):
-            return None
+        whole sandbox), asked for up to ``patience`` seconds: ``error_type`` ``"oom"`` or ``"stopped"``,
+        the container's exit code, and why on stderr. None while it runs."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                info = await self._api.inspect(box.container, "inspect a container that lost a command")
+            except DockerUnavailableError:
+                return None
+            state = (info or {}).get("State") or {}
+            if info is None:
+                return None
+            if not state.get("Running", True):
+                # the daemon marks an OOM kill from an event of its own, which may land after the exit's
+                if state.get("OOMKilled") or state.get("ExitCode") != 137 or time.monotonic() >= deadline + 1:
+                    break
+            elif time.monotonic() >= deadline:
+                return None
+            await anyio.sleep(0.1)
         said = f"{err.text()}[DockerProvider: the sandbox stopped during the command: {stopped(info)}]\n"
         kind = "oom" if state.get("OOMKilled") else "stopped"
         return SandboxExecResult(out.text(), said, int(state.get("ExitCode") or -1), error_type=kind)
