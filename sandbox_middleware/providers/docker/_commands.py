@@ -288,6 +288,8 @@ def stopped(info: dict[str, Any] | None) -> str:
     code = state.get("ExitCode")
     if state.get("OOMKilled"):
         how = f"its container was killed at its memory limit (OOM, exit {code})"
+    elif code == 137:  # under gVisor the daemon does not always see the OOM kill of the Sentry
+        how = "its container was killed (SIGKILL, exit 137: at its memory limit, unless something else killed it)"
     else:
         how = f"its container exited ({code})"
     runtime = (info.get("HostConfig") or {}).get("Runtime")
