@@ -38,7 +38,10 @@ def private_podman() -> Iterator[str]:
     flags = ["--root", str(root / "storage"), "--runroot", str(root / "run")]
     # Podman keeps each exec's conmon for exit_command_delay (300 s, "as Docker keeps an exec's inspect"):
     # the provider reads an exec's exit code within a second of its end.
-    (root / "containers.conf").write_text("[engine]\nexit_command_delay = 5\n")
+    (root / "containers.conf").write_text(
+        f'[engine]\nexit_command_delay = 5\ntmp_dir = "{root / "libpod"}"\n'
+        f'[network]\nnetwork_config_dir = "{root / "networks"}"\n'
+    )
     (root / "tmp").mkdir()  # the service's temp files (an import's upload, api_load.tar*) go with the directory
     env = {**os.environ, "CONTAINERS_CONF": str(root / "containers.conf"), "TMPDIR": str(root / "tmp")}
     log = open(root / "service.log", "ab")  # noqa: SIM115 - closed below
