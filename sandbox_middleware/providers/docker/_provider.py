@@ -58,6 +58,7 @@ from ._container import (
     metadata_filters,
     workdir_of,
 )
+from ._daemons import daemon_of, socket_of
 from ._descriptors import signed, verified
 from ._spares import SUFFIX, DockerSpares, Shape, Spare, remove, shape_of, spare_body, sweep
 from ._ttl import WatchdogLauncher, is_spare, taken_name
@@ -79,7 +80,9 @@ _STATUS = {
 
 
 class DockerProvider:
-    """Sandboxes as containers of a Docker daemon (``socket``), over its Engine API; see docs/docker-provider.md.
+    """Sandboxes as containers of a Docker daemon (``socket``; unset, ``DOCKER_HOST``'s ``unix://`` path, else
+    ``/var/run/docker.sock``), over its Engine API, under the daemon's default OCI runtime or ``runtime``
+    (``"runsc"``: gVisor), checked against the daemon's ``Runtimes``; see docs/docker-provider.md.
 
     Each container runs ``spec.image`` with no capabilities, ``no-new-privileges``, a read-only
     root filesystem, no network (``network="none"``) unless asked, a host uid of its own (leased
@@ -117,8 +120,9 @@ class DockerProvider:
     def __init__(
         self,
         *,
-        socket: str = "/var/run/docker.sock",
+        socket: str | None = None,
         api_version: str | None = None,
+        runtime: str | None = None,
         network: str = "none",
         user: str = "auto",
         memory_mib: float | None = 4096,
@@ -140,8 +144,9 @@ class DockerProvider:
         spare_ttl_s: float = 300.0,
     ) -> None:
         self._options: dict[str, Any] = {
-            "socket": socket,
+            "socket": socket_of(socket),  # resolved here: a pickled copy speaks to the same daemon
             "api_version": api_version,
+            "runtime": runtime,
             "network": network,
             "user": user,
             "memory_mib": memory_mib,
@@ -163,7 +168,7 @@ class DockerProvider:
             "spare_ttl_s": spare_ttl_s,
         }
         self.BOUNDS.check(locals())
-        self._socket = check_text(fspath(socket, "socket"), "socket")
+        self._socket = check_text(fspath(self._options["socket"], "socket"), "socket")
         self._network = check_text(network, "network")
         if self._network == "host" or self._network.startswith("container:"):
             raise SandboxArgumentError(
@@ -177,6 +182,8 @@ class DockerProvider:
         self._tcp_bytes = None if tcp_mib is None else int(tcp_mib * _MiB)
         if api_version is not None:
             check_text(api_version, "api_version")
+        if runtime is not None:
+            check_text(runtime, "runtime")
         self._keepalive = [check_text(arg, "keepalive entry") for arg in (keepalive or keepalive_default())]
         if not self._keepalive:
             raise SandboxArgumentError("DockerProvider: keepalive must name a command (or be None for the default)")
@@ -191,8 +198,10 @@ class DockerProvider:
         self._max_transfer = max_transfer_bytes
         self._pull = pull
         self._init = init
-        version, info = negotiate(self._socket, api_version, min(request_timeout_s, 30.0))
+        # At least 10 s however short request_timeout_s: Podman's /info takes a second, more under load.
+        version, info = negotiate(self._socket, api_version, min(max(request_timeout_s, 10.0), 30.0))
         self.api_version = version
+        self._daemon = daemon_of(info, runtime, self._socket)
         self._enforceable = {
             "memory_mib": bool(info.get("MemoryLimit")) and bool(info.get("SwapLimit", True)),
             "pids": bool(info.get("PidsLimit")),
@@ -211,7 +220,7 @@ class DockerProvider:
             raise SandboxError(f"DockerProvider: the TTL watchdog cannot lock safely: {exc}") from None
         sweep(self._socket, version)  # the spares of processes that died without removing them
         self._api = EngineAPI(self._socket, version, request_timeout_s)  # last: nothing can fail after it
-        self._commands = Commands(self._api, max_output_bytes)
+        self._commands = Commands(self._api, max_output_bytes, self._daemon)
         self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, Box] = {}
         self._images: set[str] = set()  # seen on the daemon
@@ -223,7 +232,8 @@ class DockerProvider:
             weakref.finalize(self, self._spares.close)
 
     def __repr__(self) -> str:
-        return f"DockerProvider(socket={self._socket!r}, api_version={self.api_version!r})"
+        runtime = "" if self._daemon.runtime is None else f", runtime={self._daemon.runtime!r}"
+        return f"DockerProvider(socket={self._socket!r}, api_version={self.api_version!r}{runtime})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles as its options: the copy holds no sandbox (it can ``connect`` with the same ``connect_key``)."""
@@ -232,9 +242,10 @@ class DockerProvider:
     @property
     def mechanisms(self) -> dict[str, str]:
         """How each limit is enforced by this daemon (or ``"not enforced"``)."""
+        whole = "" if self._daemon.host_pids else ", around gVisor's Sentry: past it the whole sandbox dies"
         return {
-            "memory": "cgroup (Memory = MemorySwap)" if self._enforceable["memory_mib"] else "not enforced",
-            "pids": "cgroup (PidsLimit)" if self._enforceable["pids"] else "not enforced",
+            "memory": f"cgroup (Memory = MemorySwap){whole}" if self._enforceable["memory_mib"] else "not enforced",
+            "pids": f"cgroup (PidsLimit){whole}" if self._enforceable["pids"] else "not enforced",
             "cpu": "cgroup (NanoCpus)" if self._enforceable["cpu"] else "not enforced",
             "disk": "tmpfs size of the work directory (the root filesystem is read-only)",
             "ttl": "deadline label, removed by the watchdog process",
@@ -284,7 +295,7 @@ class DockerProvider:
         plan = await self._plan(spec)
         if plan.deadline is not None:  # before the container exists: a worker killed from here leaves none unwatched
             self._watchdog.ensure()
-        shape = shape_of(plan, self._fixed_user) if self._spares is not None else None
+        shape = shape_of(plan, self._fixed_user, self._daemon.adapt) if self._spares is not None else None
         spare = self._spares.take(shape) if self._spares is not None and shape is not None else None
         made = await self._take(spare, plan) if spare is not None else None
         if made is None:  # the spare's uid is the sandbox's, as a container made here has its own
@@ -499,7 +510,7 @@ class DockerProvider:
         try:
             if lease is not None:
                 lease.claim(self._socket, name)  # a create whose reply is lost holds it by name
-            body = body_of(owner, lease is not None)
+            body = self._daemon.adapt(body_of(owner, lease is not None))  # a spare's too: the runtime, Podman's needs
             reply = await api.call("POST", "/containers/create", what, params={"name": name}, body=body)
             container = str(reply.json()["Id"])
         except EngineError as exc:
@@ -711,7 +722,9 @@ class DockerProvider:
                 content=tar_stream(fd, info.st_size, parts, owner),
             )
         except EngineError as exc:
-            if "cannot overwrite non-directory" in exc.message:
+            if "cannot overwrite non-directory" in exc.message or (  # Docker's, Podman's
+                "copier: put: error creating" in exc.message and exc.message.endswith("file exists")
+            ):
                 raise SandboxPathError(
                     f"DockerProvider: cannot {what}: a component of {target_path!r} is not a directory (a symlink?); "
                     "transfers never follow one: name a path through real directories"

@@ -37,6 +37,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ logger = logging.getLogger("sandbox_middleware")
 
 TAKE_MARGIN_S = 10.0  # at most (half the spare's TTL if less): the watchdog never removes a spare being taken
 SUFFIX = "-spare"  # of an untaken spare's name
+Adapt = Callable[[dict[str, Any]], dict[str, Any]]  # a create body as the daemon is given it
 _ANY_UID = (-1, -1)  # the owner in a shape's body: each container's uid is leased for it, so no shape has one
 
 
@@ -79,12 +81,13 @@ class Spare:
     until: float
 
 
-def shape_of(plan: Plan, fixed_user: tuple[int, int] | None) -> Shape | None:
+def shape_of(plan: Plan, fixed_user: tuple[int, int] | None, adapt: Adapt) -> Shape | None:
     """The shape of a create by a provider whose sandboxes run as ``fixed_user`` (None: a uid leased per
-    sandbox, left out of the shape); None for a spec with an entrypoint, which no spare serves."""
+    sandbox, left out of the shape), its body as ``adapt`` gives it to the daemon (``_daemons.Daemon.adapt``:
+    the runtime, Podman's ulimits and mounts); None for a spec with an entrypoint, which no spare serves."""
     if plan.entrypoint is not None:
         return None
-    body = create_body(dataclasses.replace(plan, deadline=None), fixed_user or _ANY_UID, fixed_user is None)
+    body = adapt(create_body(dataclasses.replace(plan, deadline=None), fixed_user or _ANY_UID, fixed_user is None))
     return Shape(json.dumps({"body": body, "tcp_bytes": plan.tcp_bytes}, sort_keys=True), plan)
 
 

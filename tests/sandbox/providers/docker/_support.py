@@ -1,6 +1,8 @@
 """What the Docker provider's tests need: a daemon (skipped with one line where there is none; failed
-with REQUIRE_DOCKER=1), the test images (built by scripts/build-docker-images.sh when missing, never
-pulled), and the removal of every container a test session made (by its label), even after a failure."""
+with REQUIRE_DOCKER=1; ``DOCKER_HOST=unix://PATH`` names another, Podman's say, as it does for the
+provider), the OCI runtime their sandboxes run under (``SANDBOX_DOCKER_RUNTIME``, e.g. ``runsc``),
+the test images (built by scripts/build-docker-images.sh when missing, never pulled), and the removal
+of every container a test session made (by its label), even after a failure."""
 
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ from sandbox_middleware.providers._common import _uids
 from sandbox_middleware.providers.docker._ttl import SPARE
 from tests.needs import unavailable
 
-SOCKET = "/var/run/docker.sock"
+SOCKET = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock").removeprefix("unix://")
+"""The daemon under test: ``DOCKER_HOST``, as ``DockerProvider()`` reads it."""
+RUNTIME = os.environ.get("SANDBOX_DOCKER_RUNTIME") or None
+"""The runtime the tests' sandboxes run under (``SANDBOX_DOCKER_RUNTIME=runsc``: gVisor); unset, the daemon's."""
 BUSYBOX = "sandbox-middleware/busybox:test"
 PYTHON = "sandbox-middleware/python:test"
 IMAGES = (BUSYBOX, PYTHON)
@@ -41,6 +46,39 @@ BUILD = Path(__file__).resolve().parents[4] / "scripts" / "build-docker-images.s
 
 def engine(socket: str = SOCKET) -> httpx.Client:
     return httpx.Client(transport=httpx.HTTPTransport(uds=socket), base_url="http://docker/v1.41", timeout=60)
+
+
+def options() -> dict[str, Any]:
+    """``DockerProvider`` options of the daemon and runtime under test."""
+    return {"socket": SOCKET, "runtime": RUNTIME}
+
+
+@functools.cache
+def engine_kind() -> str:
+    """``"podman"`` or ``"docker"``: the daemon under test (Podman's ``/info`` carries ``BuildahVersion``)."""
+    with engine() as client:
+        return "podman" if "BuildahVersion" in client.get("/info").json() else "docker"
+
+
+def cannot_hold(under: str, reason: str) -> None:
+    """Skip the calling test where the daemon under test is ``under`` (``"podman"``) or its sandboxes' runtime is
+    (``"runsc"``): what it asserts does not hold there, for ``reason`` (docs/gvisor.md, docs/docker-provider.md)."""
+    if under in (RUNTIME, engine_kind()):
+        pytest.skip(f"cannot hold under {under}: {reason}")
+
+
+def require_runsc() -> None:
+    """Skip (REQUIRE_RUNSC=1: fail) the calling test where the daemon under test has no ``runsc`` runtime."""
+    require_docker()
+    if engine_kind() == "podman":
+        pytest.skip("Podman's Docker-compatible API ignores a container's runtime (test_podman.py: refused)")
+    with engine() as client:
+        if "runsc" not in (client.get("/info").json().get("Runtimes") or {}):
+            unavailable(
+                f"the daemon at {SOCKET} has no runsc runtime (gVisor): apt-get install runsc, then register it in "
+                "/etc/docker/daemon.json (docs/gvisor.md) and restart dockerd",
+                "REQUIRE_RUNSC",
+            )
 
 
 def docker_problem(socket: str = SOCKET) -> str | None:
