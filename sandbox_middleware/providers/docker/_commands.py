@@ -93,7 +93,9 @@ class Commands:
                 return stopped_result
         if code is None:
             return SandboxExecResult(out.text(), err.text(), -1, error_type="sandbox")
-        if not started and code in (126, 127):  # the runtime's own failure: no process ever ran, so none wrote this
+        # The runtime's own failure: no process ever ran, so none wrote this. Podman's inspect cannot tell
+        # (Pid 0 for every ended exec): there its failure is a result (exit 127, its words on stderr), never forged.
+        if not started and code in (126, 127) and self._daemon.exec_pids:
             raise SandboxError(
                 f"DockerProvider: cannot start the command in sandbox {handle.sandbox_id[:12]} (cwd {str(workdir)!r}, "
                 f"user {as_user!r}): {out.text().strip()[:500]}"

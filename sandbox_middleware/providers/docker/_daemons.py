@@ -52,6 +52,12 @@ class Daemon:
         """Whether a sandbox's processes are host processes (not under gVisor: the Sentry runs them)."""
         return self.effective_runtime != "runsc"
 
+    @property
+    def exec_pids(self) -> bool:
+        """Whether an ended exec's inspect tells a process the runtime never started (``Pid`` 0) from one
+        that ran: Docker's does (under runc and runsc); Podman's says ``Pid`` 0 for every ended exec."""
+        return self.kind == "docker"
+
     def adapt(self, body: dict[str, Any]) -> dict[str, Any]:
         """The create body with the runtime named and, for Podman, ulimits where the body sets none and the
         tmpfs volumes as tmpfs mounts (``U``: owned by the container's user, its size kept)."""

@@ -202,6 +202,16 @@ class DockerProvider:
         version, info = negotiate(self._socket, api_version, min(max(request_timeout_s, 10.0), 30.0))
         self.api_version = version
         self._daemon = daemon_of(info, runtime, self._socket)
+        if ptys and (self._daemon.kind == "podman" or not self._daemon.host_pids):
+            where = (
+                f"the Podman service at {self._socket} ignores the volume options that mount one"
+                if self._daemon.kind == "podman"
+                else "gVisor (runsc) sees the host's devpts volume through its Gofer, where /dev/ptmx opens nothing"
+            )
+            raise SandboxArgumentError(
+                f"DockerProvider: ptys={ptys} needs a devpts of the sandbox's own, and {where} (no pty could be "
+                "opened); leave ptys=0 there, or use Docker's runc for sandboxes that need terminals"
+            )
         self._enforceable = {
             "memory_mib": bool(info.get("MemoryLimit")) and bool(info.get("SwapLimit", True)),
             "pids": bool(info.get("PidsLimit")),
@@ -271,6 +281,8 @@ class DockerProvider:
             tcp = f"not limited: {self._tcp_problem}"
         else:
             tcp = f"cgroup v1 memory.kmem.tcp.limit_in_bytes {self._tcp_bytes}, written from the host after start"
+        if not self._daemon.host_pids:  # gVisor: the Sentry's netstack, inotify and queues, not the host kernel's
+            tcp = f"gVisor's netstack: socket buffers are the Sentry's memory, in memory_mib; {tcp}"
         per_uid = "the sandbox's own uid" if self._fixed_user is None else "one uid shared by all sandboxes (user=)"
         remap = "; the daemon remaps uids: on the host, its remap range's base plus this" if self._remapped else ""
         return {

@@ -21,7 +21,7 @@ import anyio
 import httpx
 import pytest
 
-from sandbox_middleware import SandboxSpec
+from sandbox_middleware import DockerProvider, SandboxSpec
 from sandbox_middleware.providers._common import _uids
 from sandbox_middleware.providers.docker._ttl import SPARE
 from tests.needs import unavailable
@@ -217,14 +217,19 @@ def spares_on_daemon(tag: str) -> list[dict[str, Any]]:
     return [c for c in on_daemon(tag) if SPARE in (c.get("Labels") or {}) and c["Names"][0].endswith("-spare")]
 
 
-async def one_spare(tag: str, timeout_s: float = 60.0) -> dict[str, Any]:
-    """The single running spare of ``tag``, waited for: a spare is made in the background after a create."""
+async def one_spare(tag: str, timeout_s: float = 60.0, kept_by: DockerProvider | None = None) -> dict[str, Any]:
+    """The single running spare of ``tag``, waited for: a spare is made in the background after a create;
+    with ``kept_by``, until that provider keeps it too (after its start, its TCP bound and an inspect: a
+    while later against Podman), so that its next create takes it."""
     with anyio.fail_after(timeout_s):
         while True:
             found = spares_on_daemon(tag)
             if len(found) == 1 and found[0]["State"] == "running":
-                return found[0]
+                break
             await anyio.sleep(0.05)
+    spares = None if kept_by is None else kept_by._spares
+    assert spares is None or await anyio.to_thread.run_sync(spares.wait, timeout_s), "the spare is not kept"
+    return found[0]
 
 
 def tagged(tag: str, **fields: Any) -> SandboxSpec:

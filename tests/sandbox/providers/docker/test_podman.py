@@ -15,6 +15,7 @@ from sandbox_middleware import (
     DockerRuntimeNotFoundError,
     Middleware,
     OwnershipMiddleware,
+    SandboxArgumentError,
     SandboxNotFoundError,
     reap,
     stack,
@@ -109,3 +110,9 @@ async def test_a_runtime_podman_would_ignore_is_refused(podman_socket: str) -> N
     with pytest.raises(DockerRuntimeNotFoundError, match=r"ignores a container's runtime .*containers\.conf"):
         DockerProvider(socket=podman_socket, runtime="runsc")
     await DockerProvider(socket=podman_socket, runtime="runc").aclose()  # its default: nothing to ignore
+
+
+async def test_ptys_podman_cannot_mount_are_refused(podman_socket: str) -> None:
+    """Podman's Docker-compatible API ignores the devpts volume's options (no pty opened): ptys > 0 is refused."""
+    with pytest.raises(SandboxArgumentError, match=r"ptys=4 .*Podman service .*ptys=0"):
+        DockerProvider(socket=podman_socket, ptys=4)

@@ -13,6 +13,7 @@ from sandbox_middleware import (
     DockerProvider,
     DockerRuntimeNotFoundError,
     DockerUnavailableError,
+    SandboxArgumentError,
     SandboxNotFoundError,
     SandboxStatus,
 )
@@ -92,3 +93,10 @@ async def test_docker_host_names_the_daemon_when_socket_is_unset(
     monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:2375")
     with pytest.raises(DockerUnavailableError, match=re.escape("DOCKER_HOST='tcp://127.0.0.1:2375' is not a unix://")):
         DockerProvider()
+
+
+async def test_ptys_gvisor_cannot_give_are_refused() -> None:
+    """Under runsc a devpts volume is the host's, seen through the Gofer (/dev/ptmx: EINVAL): ptys > 0 is refused."""
+    require_runsc()
+    with pytest.raises(SandboxArgumentError, match=r"ptys=4 .*gVisor .*ptys=0"):
+        DockerProvider(socket=SOCKET, runtime="runsc", ptys=4)

@@ -111,7 +111,7 @@ async def test_telemetry_counts_a_taken_spare_as_one_create_and_an_untaken_one_a
     bare = make()
     provider = stack(bare, layers)
     first = await provider.create(tagged(tag))  # the ownership layer's stamp and TTL are part of the shape
-    spare = await one_spare(tag)
+    spare = await one_spare(tag, kept_by=bare)
     assert telemetry.value("gym.sandbox.active", nemo__gym__sandbox__provider="docker") == 1
     second = await provider.create(tagged(tag))
     assert second.sandbox_id == spare["Id"]
