@@ -85,6 +85,11 @@ async def test_a_second_create_of_the_same_shape_takes_the_spare_started_with_th
     await one_spare(tag)  # the next one, made behind it
 
 
+async def kept(provider: DockerProvider) -> None:
+    """Until the spare seen running on the daemon is the provider's to hand out (its make has returned)."""
+    assert provider._spares is not None and await anyio.to_thread.run_sync(provider._spares.wait, 60.0)
+
+
 async def freed(uid: int, timeout_s: float = 30.0) -> None:
     """Until the lease of ``uid`` is claimed by nothing (an untaken spare's is freed in the maker thread)."""
     with anyio.fail_after(timeout_s):
@@ -105,6 +110,7 @@ async def test_a_spare_runs_as_a_uid_of_its_own_which_its_taker_keeps_and_a_disc
     first = await provider.create(tagged(tag))
     own = int((await provider.exec(first, "id -u")).stdout)
     spare = await one_spare(tag)
+    await kept(provider)
     uid = int(spare["Labels"][UID])
     assert uid != own and claim_of(uid) == spare["Id"] and claim_of(own) == first.sandbox_id
     with engine() as client:
@@ -130,6 +136,7 @@ async def test_a_spare_runs_as_a_uid_of_its_own_which_its_taker_keeps_and_a_disc
     assert claim_of(uid) is None
 
     untaken = await one_spare(tag)  # made behind the take
+    await kept(provider)
     other = await provider.create(tagged(tag, env={"A": "2"}))  # another shape: the spare is removed
     assert other.sandbox_id != untaken["Id"]
     await gone(untaken["Id"])
