@@ -153,6 +153,7 @@ async def test_a_create_of_another_shape_is_never_served_the_spare(provider: Doc
     tag = uuid.uuid4().hex[:8]
     await provider.close(await provider.create(tagged(tag, env={"A": "1"})))
     old = await one_spare(tag)
+    await kept(provider)
     for other in (
         tagged(tag, env={"A": "2"}),
         tagged(tag, env={"A": "1"}, metadata={"more": "x"}),
@@ -163,6 +164,7 @@ async def test_a_create_of_another_shape_is_never_served_the_spare(provider: Doc
         assert handle.sandbox_id != old["Id"]
         await gone(old["Id"])  # the spare of the shape before is removed, one of this shape made
         old = await one_spare(tag)
+        await kept(provider)
         await provider.close(handle)
     assert [c["Id"] for c in on_daemon(tag)] == [old["Id"]]
 
