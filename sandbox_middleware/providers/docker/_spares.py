@@ -141,7 +141,10 @@ def sweep(socket: str, version: str) -> None:
             for container in reply.json():
                 labels, name = container.get("Labels") or {}, str((container.get("Names") or [""])[0])
                 if is_spare(labels, name) and _abandoned(labels, name):
-                    _removed(client, socket, str(container["Id"]), name.lstrip("/"), leased_uid(labels))
+                    try:  # one the daemon refuses to remove (its uid kept) does not stop the others'
+                        _removed(client, socket, str(container["Id"]), name.lstrip("/"), leased_uid(labels))
+                    except httpx.HTTPStatusError as exc:
+                        logger.debug("DockerProvider: spare %s not swept: %s", name, exc)
     except (httpx.HTTPError, ValueError, KeyError) as exc:  # the watchdog removes them at SPARE_UNTIL
         logger.debug("DockerProvider: dead processes' spares not swept: %s", exc)
 
