@@ -174,21 +174,22 @@ class WatchdogLauncher:
 
 def _expired(client: httpx.Client, now: float) -> tuple[list[str], bool]:
     """Ids of containers with a deadline (``EXPIRES``) or of spares that are past it, and whether any
-    such container is left."""
+    container with a deadline is left (a taken spare without a TTL keeps its spare label, and none)."""
     found = []
     for label in (EXPIRES, SPARE):
         reply = client.get("/containers/json", params={"all": "1", "filters": json.dumps({"label": [label]})})
         reply.raise_for_status()
         found += reply.json()
-    due = []
+    due, left = [], False
     for container in found:
         try:
             deadline = deadline_of(container.get("Labels") or {}, str((container.get("Names") or [""])[0]))
         except (TypeError, ValueError):
             continue
+        left = left or deadline is not None
         if deadline is not None and deadline <= now:
             due.append(str(container["Id"]))
-    return due, bool(found)
+    return due, left
 
 
 def main(socket: str, version: str, lock: str) -> int:
