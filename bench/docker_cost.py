@@ -6,9 +6,14 @@ Run (in NeMo Gym's venv, which has this package too):
 
 Each round, in turn for each contender: create a sandbox, run ``true`` EXECS times, close it.
 "raw" is the least the Engine API allows: create + start, then per exec create + start (streamed)
-+ inspect, then a forced delete, over one httpx connection pool: the daemon's own floor. Rounds
-interleave the contenders so machine noise hits all alike; it prints medians and our ratios. Goals
-(the issue's): our create + exec + close cycle at most 0.7x NeMo Gym's, our exec at most 0.9x.
++ inspect, then a forced delete, over one httpx connection pool: the daemon's own floor. "ours"
+has its spares (the default, ``prestart=True``): its create of the same spec each round takes the
+container made ahead; "ours_cold" is ``prestart=False``, a create that finds no spare. The spare's
+refill runs in the background during the rest of our round (our execs and close pay for it); the
+bench then waits, untimed, until it is made, so it never runs during another contender's round.
+Rounds interleave the contenders so machine noise hits all alike; it prints medians and our
+ratios. Goals (the issue's): our create + exec + close cycle at most 0.7x NeMo Gym's, our exec at
+most 0.9x, our create of the spare's shape at most 0.3x the raw create.
 """
 
 from __future__ import annotations
@@ -69,6 +74,13 @@ async def _timed(call: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
     return (time.perf_counter() - started) * 1000, result
 
 
+async def _settled(provider: Any) -> None:
+    """Until a spare that ``provider`` makes in the background is made (not timed: no other round pays for it)."""
+    spares = getattr(provider, "_spares", None)
+    if spares is not None:
+        await anyio.to_thread.run_sync(spares.wait, 60.0)
+
+
 async def _round(provider: Any, execs: int, samples: dict[str, list[float]]) -> None:
     spec = SandboxSpec(image=IMAGE)
     took, handle = await _timed(lambda: provider.create(spec))
@@ -79,12 +91,18 @@ async def _round(provider: Any, execs: int, samples: dict[str, list[float]]) -> 
     took, _ = await _timed(lambda: provider.close(handle))
     samples["close"].append(took)
     samples["cycle"].append(samples["create"][-1] + samples["exec"][-execs] + samples["close"][-1])
+    await _settled(provider)
 
 
 async def main(rounds: int, execs: int) -> None:
     from nemo_gym.sandbox.providers.docker import DockerProvider as NemoDockerProvider
 
-    contenders: dict[str, Any] = {"ours": DockerProvider(), "nemo_gym": NemoDockerProvider(), "raw": Raw()}
+    contenders: dict[str, Any] = {
+        "ours": DockerProvider(),
+        "ours_cold": DockerProvider(prestart=False),
+        "nemo_gym": NemoDockerProvider(),
+        "raw": Raw(),
+    }
     samples = {name: {key: [] for key in ("create", "exec", "close", "cycle")} for name in contenders}
     for provider in contenders.values():  # warm-up: first-use costs (image inspect, pools) out of the figures
         await _round(provider, 1, {key: [] for key in ("create", "exec", "close", "cycle")})
@@ -97,15 +115,22 @@ async def main(rounds: int, execs: int) -> None:
         name: {key: statistics.median(values) for key, values in parts.items()} for name, parts in samples.items()
     }
     print(f"docker cost: {rounds} rounds, {execs} execs of `true` per sandbox, image {IMAGE} (median ms)")
-    print(f"{'':10}{'ours':>10}{'nemo_gym':>10}{'raw':>10}{'ours/nemo':>11}{'ours/raw':>10}")
+    names = ("ours", "ours_cold", "nemo_gym", "raw")
+    print("".join(f"{name:>11}" for name in ("", *names)) + f"{'ours/nemo':>11}{'ours/raw':>10}{'cold/nemo':>11}")
     for key in ("create", "exec", "close", "cycle"):
-        ours, nemo, raw = (median[name][key] for name in ("ours", "nemo_gym", "raw"))
-        print(f"{key:10}{ours:10.1f}{nemo:10.1f}{raw:10.1f}{ours / nemo:10.2f}x{ours / raw:9.2f}x")
-    cycle = median["ours"]["cycle"] / median["nemo_gym"]["cycle"]
-    exec_ratio = median["ours"]["exec"] / median["nemo_gym"]["exec"]
+        ours, cold, nemo, raw = (median[name][key] for name in names)
+        figures = "".join(f"{value:11.1f}" for value in (ours, cold, nemo, raw))
+        print(f"{key:>11}{figures}{ours / nemo:10.2f}x{ours / raw:9.2f}x{cold / nemo:10.2f}x")
+    ratios = {
+        "cycle <= 0.70x NeMo Gym's": (median["ours"]["cycle"] / median["nemo_gym"]["cycle"], 0.7),
+        "exec <= 0.90x NeMo Gym's": (median["ours"]["exec"] / median["nemo_gym"]["exec"], 0.9),
+        "create (the spare's shape) <= 0.30x raw": (median["ours"]["create"] / median["raw"]["create"], 0.3),
+    }
     print(
-        f"goals: cycle <= 0.70x NeMo Gym's: {cycle:.2f}x ({'met' if cycle <= 0.7 else 'NOT met'}); "
-        f"exec <= 0.90x: {exec_ratio:.2f}x ({'met' if exec_ratio <= 0.9 else 'NOT met'})"
+        "goals: "
+        + "; ".join(
+            f"{goal}: {got:.2f}x ({'met' if got <= bound else 'NOT met'})" for goal, (got, bound) in ratios.items()
+        )
     )
 
 

@@ -22,6 +22,7 @@ clauses catch ours)::
         ├── SandboxTransferLimitError         a file larger than max_transfer_bytes
         ├── BwrapUnavailableError             isolation="bwrap" cannot run on this machine
         ├── DockerUnavailableError            no Docker daemon answers at the socket (or not an API version we speak)
+        │   └── DockerRuntimeNotFoundError    the daemon has no OCI runtime of the name asked for (runtime="runsc")
         ├── SandboxImageNotFoundError         spec.image is not on the daemon (never retried)
         ├── SandboxNotStartedError            a Sandbox facade used before start()
         ├── RegistryError                     an unknown or duplicate provider or middleware name
@@ -53,6 +54,7 @@ __all__ = [
     "BwrapUnavailableError",
     "CommandFailedError",
     "ConfigError",
+    "DockerRuntimeNotFoundError",
     "DockerUnavailableError",
     "InjectedCreateError",
     "InjectedFault",
@@ -195,6 +197,14 @@ class DockerUnavailableError(SandboxError):
     """
 
 
+class DockerRuntimeNotFoundError(DockerUnavailableError):
+    """The daemon has no OCI runtime of the name ``DockerProvider(runtime=...)`` asked for.
+
+    Raised at construction, from the daemon's ``/info`` ``Runtimes``; the message names the runtime,
+    those the daemon has, and how to register one (``daemon.json``'s ``runtimes``).
+    """
+
+
 class SandboxImageNotFoundError(SandboxError):
     """``spec.image`` is not on the daemon (and pulling is off, or the pull found nothing).
 
@@ -277,6 +287,7 @@ PUBLIC: dict[str, type[Exception]] = {
         SandboxTransferLimitError,
         BwrapUnavailableError,
         DockerUnavailableError,
+        DockerRuntimeNotFoundError,
         SandboxImageNotFoundError,
         SandboxNotStartedError,
         RegistryError,

@@ -38,6 +38,7 @@ XDIST_GROUPS = {
     "tests/tokens/records/test_cross_process.py": "ray",
     "tests/sandbox/providers/local/containment/test_host_pools.py": "host-pools",
     "tests/docs/test_examples.py": "docs",
+    "tests/sandbox/providers/docker/test_podman.py": "podman",  # one private Podman service per run
 }
 
 

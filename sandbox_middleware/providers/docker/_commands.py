@@ -20,10 +20,11 @@ from ..._errors import DockerUnavailableError, SandboxError, SandboxExpiredError
 from ..._protocol import SandboxExecResult, SandboxHandle
 from ._api import EngineAPI, EngineError
 from ._container import Box
-from ._exec import KILL, RUN, PidReader, host_victims, new_marker
+from ._daemons import Daemon
+from ._exec import KILL, RUN, PidReader, cgroup_pids, host_victims, new_marker
 from ._streams import Demultiplexer, OutputCapture
 
-__all__ = ["KILL_TIMEOUT_S", "Commands"]
+__all__ = ["KILL_TIMEOUT_S", "Commands", "stopped"]
 
 logger = logging.getLogger("sandbox_middleware")
 
@@ -35,9 +36,10 @@ class Commands:
     """The command runs of one provider's sandboxes, over its daemon connection; output kept at most
     ``max_output`` bytes per stream."""
 
-    def __init__(self, api: EngineAPI, max_output: int) -> None:
+    def __init__(self, api: EngineAPI, max_output: int, daemon: Daemon) -> None:
         self._api = api
         self._max_output = max_output
+        self._daemon = daemon
 
     async def run(
         self,
@@ -83,9 +85,17 @@ class Commands:
             return SandboxExecResult(out.text(), err.text(), code or -9, error_type="expired")
         if timed_out:
             return SandboxExecResult(out.text(), err.text(), code or -9, error_type="timeout")
+        if code is None or code >= 128:  # lost, or a signal's: did the whole container stop?
+            # runsc's exec exits 128 when the sandbox died under it, before the daemon knows: a moment for that
+            patience = 2.0 if code in (None, 128) and not self._daemon.host_pids else 0.0
+            stopped_result = await self._stopped(box, out, err, patience)
+            if stopped_result is not None:
+                return stopped_result
         if code is None:
             return SandboxExecResult(out.text(), err.text(), -1, error_type="sandbox")
-        if not started and code in (126, 127):  # the runtime's own failure: no process ever ran, so none wrote this
+        # The runtime's own failure: no process ever ran, so none wrote this. Podman's inspect cannot tell
+        # (Pid 0 for every ended exec): there its failure is a result (exit 127, its words on stderr), never forged.
+        if not started and code in (126, 127) and self._daemon.exec_pids:
             raise SandboxError(
                 f"DockerProvider: cannot start the command in sandbox {handle.sandbox_id[:12]} (cwd {str(workdir)!r}, "
                 f"user {as_user!r}): {out.text().strip()[:500]}"
@@ -106,6 +116,11 @@ class Commands:
                 raise SandboxNotFoundError(
                     f"DockerProvider: sandbox {handle.sandbox_id!r} was removed from under this provider (closed or "
                     "reaped by another process); create a new one"
+                ) from exc
+            if exc.status == 409 and "is not running" in exc.message:
+                info = await self._api.inspect(box.container, f"inspect sandbox {handle.sandbox_id[:12]}")
+                raise SandboxNotFoundError(
+                    f"DockerProvider: sandbox {handle.sandbox_id!r} is not running: {stopped(info)}; create a new one"
                 ) from exc
             if exc.status == 409:
                 raise SandboxError(
@@ -161,6 +176,41 @@ class Commands:
         except (httpx.HTTPError, DockerUnavailableError):
             return  # the container went away mid-command (closed, expired, the daemon died): see the exit code
 
+    async def _stopped(
+        self, box: Box, out: OutputCapture, err: OutputCapture, patience: float
+    ) -> SandboxExecResult | None:
+        """Where the container stopped under a command (under gVisor a memory or pids limit kills the
+        whole sandbox), asked for up to ``patience`` seconds: ``error_type`` ``"oom"`` or ``"stopped"``,
+        the container's exit code, and why on stderr. None while it runs."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                info = await self._api.inspect(box.container, "inspect a container that lost a command")
+            except DockerUnavailableError:
+                return None
+            state = (info or {}).get("State") or {}
+            if info is None:
+                return None
+            if not state.get("Running", True):
+                # the daemon marks an OOM kill from an event of its own, which may land after the exit's
+                if state.get("OOMKilled") or state.get("ExitCode") != 137 or time.monotonic() >= deadline + 1:
+                    break
+            elif time.monotonic() >= deadline:
+                return None
+            await anyio.sleep(0.1)
+        said = f"{err.text()}[DockerProvider: the sandbox stopped during the command: {stopped(info)}]\n"
+        kind = "oom" if state.get("OOMKilled") else "stopped"
+        return SandboxExecResult(out.text(), said, int(state.get("ExitCode") or -1), error_type=kind)
+
+    async def _host_pids(self, box: Box, init: int) -> list[int] | None:
+        """The host pids of a paused container: its ``top`` (Docker), or its freezer cgroup's list (Podman,
+        whose ``top`` forks into the container, and answers nothing while it is frozen)."""
+        if self._daemon.kind == "podman":
+            return cgroup_pids(init)
+        top = (await self._api.call("GET", f"/containers/{box.container}/top", "list a container's processes")).json()
+        column = list(top["Titles"]).index("PID")
+        return [int(row[column]) for row in top.get("Processes") or []]
+
     async def _info(self, exec_id: str) -> dict[str, Any]:
         reply = await self._api.call("GET", f"/exec/{exec_id}/json", f"inspect exec {exec_id[:12]}", ok=(404,))
         return {} if reply.status_code == 404 else dict(reply.json())
@@ -209,8 +259,8 @@ class Commands:
     async def _kill_from_host(self, box: Box, marker: str) -> bool:
         """With the container paused (nothing forks or fights back), SIGKILL the command's processes
         from the host (``_exec.host_victims``), then unpause. False where the provider cannot (not
-        root, a daemon elsewhere, the container paused by its user)."""
-        if os.geteuid() != 0:
+        root, a daemon elsewhere, the container paused by its user, gVisor)."""
+        if os.geteuid() != 0 or not self._daemon.host_pids:
             return False
         info = await self._api.inspect(box.container, "inspect a container to kill a command")
         init = int(((info or {}).get("State") or {}).get("Pid") or 0)
@@ -221,11 +271,8 @@ class Commands:
         if reply.status_code >= 400:
             return reply.status_code == 404
         try:
-            listed = await self._api.call("GET", f"/containers/{box.container}/top", "list a container's processes")
-            top = listed.json()
-            column = list(top["Titles"]).index("PID")
-            pids = [int(row[column]) for row in top.get("Processes") or []]
-            victims = host_victims(box.container, marker, pids, init)
+            pids = await self._host_pids(box, init)
+            victims = None if pids is None else host_victims(box.container, marker, pids, init)
             for pid in victims or ():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)  # delivered as the freezer thaws them
@@ -235,3 +282,21 @@ class Commands:
                     "POST", f"/containers/{box.container}/unpause", "unpause after a kill", ok=(404, 409)
                 )
         return victims is not None
+
+
+def stopped(info: dict[str, Any] | None) -> str:
+    """Why a container is not running, from its ``GET /containers/{id}/json``."""
+    if info is None:
+        return "its container is removed"
+    state = info.get("State") or {}
+    code = state.get("ExitCode")
+    if state.get("OOMKilled"):
+        how = f"its container was killed at its memory limit (OOM, exit {code})"
+    elif code == 137:  # under gVisor the daemon does not always see the OOM kill of the Sentry
+        how = "its container was killed (SIGKILL, exit 137: at its memory limit, unless something else killed it)"
+    else:
+        how = f"its container exited ({code})"
+    runtime = (info.get("HostConfig") or {}).get("Runtime")
+    if runtime == "runsc":
+        how += "; under gVisor (runsc) a memory or pids limit kills the whole sandbox, files and processes"
+    return how

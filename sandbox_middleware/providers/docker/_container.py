@@ -4,13 +4,14 @@ Everything another process needs to use, list, connect to or reap a sandbox is i
 labels (``LABEL`` marks it as ours): the user commands run as, the host uid leased for it
 (``UID``: ``_identity.py``), the work directory, the writable mounts, the declared ports, the
 deadline of its TTL (``_ttl.EXPIRES``) and ``spec.metadata``
-(``META`` + key). Labels are set at create and cannot be changed from inside the container.
+(``META`` + key). Labels are set at create and cannot be changed from inside the container. A spare
+(``_spares.py``) is told by its ``_ttl.SPARE`` label; once taken, its name says when, and its deadline.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -19,13 +20,15 @@ from ..._errors import SandboxArgumentError
 from .._common._arguments import check_text, checked_view_root
 from .._common._limits import Limits
 from ._pools import pts_mount, ulimits
-from ._ttl import EXPIRES
+from ._ttl import EXPIRES, deadline_of, taken_at
 
 __all__ = [
     "LABEL",
     "META",
     "UID",
+    "BodyOf",
     "Box",
+    "Made",
     "Plan",
     "box_of",
     "checked_metadata",
@@ -93,6 +96,23 @@ class Plan:
     ptys: int  # pseudo-terminals at most (0: no devpts)
     tcp_bytes: int | None  # its TCP buffers at most (cgroup v1, written from the host after start)
     remapped: bool = False  # the daemon maps container uids to others on the host (userns-remap, rootless)
+
+
+BodyOf = Callable[[tuple[int, int], bool], dict[str, Any]]
+"""A container's create body for its host uid and gid and whether that uid is leased (its own):
+``create_body`` of a plan, or ``_spares.spare_body``."""
+
+
+@dataclass(frozen=True)
+class Made:
+    """A container made (created and started) for a sandbox or a spare: its id, the name it was created
+    with (or renamed to when taken), its host uid and gid, and the uid leased for it (None: the
+    provider's fixed ``user=``), claimed for its id."""
+
+    container: str
+    name: str
+    owner: tuple[int, int]
+    uid: int | None
 
 
 def workdir_of(workdir: str | None) -> tuple[PurePosixPath, PurePosixPath]:
@@ -187,12 +207,16 @@ def create_body(plan: Plan, owner: tuple[int, int], leased: bool) -> dict[str, A
     }
 
 
-def box_of(container: str, labels: Mapping[str, str], created: float | None) -> Box | None:
-    """The sandbox a container's labels describe; None for a container that is not one of ours."""
+def box_of(container: str, labels: Mapping[str, str], created: float | None, name: str) -> Box | None:
+    """The sandbox a container's labels (and, for a taken spare, its name) describe; None for a container
+    that is not one of ours. A taken spare was created when it was taken."""
     if labels.get(LABEL) != "1":
         return None
+    taken = taken_at(name)
+    if taken is not None:
+        created = taken[0]
     try:
-        deadline = float(labels[EXPIRES]) if EXPIRES in labels else None
+        deadline = deadline_of(labels, name)
         ports = tuple(int(port) for port in labels.get(_PORTS, "").split(",") if port)
         mounts = tuple(PurePosixPath(mount) for mount in labels[_MOUNTS].split(","))
         cwd = PurePosixPath(labels[_WORKDIR])

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from ._streams import OutputCapture
 
-__all__ = ["KILL", "MARKER", "RUN", "PidReader", "host_victims", "new_marker"]
+__all__ = ["KILL", "MARKER", "RUN", "PidReader", "cgroup_pids", "host_victims", "new_marker"]
 
 MARKER = "SANDBOX_MIDDLEWARE_EXEC"
 
@@ -83,6 +83,21 @@ def host_victims(container: str, marker: str, pids: Iterable[int], init: int) ->
         return None
     wanted = {groups[pid] for pid in carriers} - {spared}
     return [pid for pid, group in groups.items() if pid in carriers or group in wanted]
+
+
+def cgroup_pids(init: int) -> list[int] | None:
+    """The host pids in the freezer cgroup (cgroup v1; v2: the unified one) of host pid ``init``, read from the
+    host's cgroup filesystem: unlike Podman's ``top``, which forks into the container, this works while the
+    container is frozen. None where that cgroup is not found here."""
+    try:
+        with open(f"/proc/{init}/cgroup") as cgroups:
+            lines = [line.rstrip("\n").split(":", 2) for line in cgroups]
+        path = next((p for _, c, p in lines if "freezer" in c.split(",")), None)
+        procs = f"/sys/fs/cgroup/freezer{path}/cgroup.procs" if path else f"/sys/fs/cgroup{lines[0][2]}/cgroup.procs"
+        with open(procs) as listed:
+            return [int(pid) for pid in listed.read().split()]
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def new_marker() -> str:

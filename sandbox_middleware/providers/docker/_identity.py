@@ -18,7 +18,7 @@ import anyio.to_thread
 from ..._errors import SandboxArgumentError
 from .._common._uids import UID_BASE, UID_COUNT, UidLease, lease_directory, lease_uid, release_claim
 
-__all__ = ["checked_user", "exec_user", "lease", "release"]
+__all__ = ["checked_user", "exec_user", "lease", "release", "release_blocking"]
 
 _NUMERIC = re.compile(r"([0-9]{1,10})(?::([0-9]{1,10}))?")  # ASCII digits only: int() takes other scripts' digits too
 _HIGHEST = 2**32 - 2  # (uid_t)-1 means "unchanged" to the kernel
@@ -75,4 +75,9 @@ async def lease() -> UidLease:
 
 async def release(uid: int, socket: str, containers: tuple[str, ...]) -> None:
     """Free ``uid``, claimed for one of ``containers`` on ``socket`` (its id, or its name), now removed."""
-    await anyio.to_thread.run_sync(release_claim, lease_directory(), uid, socket, containers)
+    await anyio.to_thread.run_sync(release_blocking, uid, socket, containers)
+
+
+def release_blocking(uid: int, socket: str, containers: tuple[str, ...]) -> None:
+    """``release``, blocking: where no event loop runs (the spare maker's removals, finalizers, exit)."""
+    release_claim(lease_directory(), uid, socket, containers)

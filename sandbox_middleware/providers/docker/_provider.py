@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import stat
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import AsyncIterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
@@ -43,7 +46,9 @@ from ._archive import END, TarReader, check_directory, check_stat, located, padd
 from ._commands import KILL_TIMEOUT_S, Commands
 from ._container import (
     LABEL,
+    BodyOf,
     Box,
+    Made,
     Plan,
     box_of,
     checked_metadata,
@@ -53,8 +58,10 @@ from ._container import (
     metadata_filters,
     workdir_of,
 )
+from ._daemons import daemon_of, socket_of
 from ._descriptors import signed, verified
-from ._ttl import WatchdogLauncher
+from ._spares import SUFFIX, DockerSpares, Shape, Spare, remove, shape_of, spare_body, sweep
+from ._ttl import WatchdogLauncher, is_spare, taken_name
 
 __all__ = ["DockerProvider"]
 
@@ -73,7 +80,9 @@ _STATUS = {
 
 
 class DockerProvider:
-    """Sandboxes as containers of a Docker daemon (``socket``), over its Engine API; see docs/docker-provider.md.
+    """Sandboxes as containers of a Docker daemon (``socket``; unset, ``DOCKER_HOST``'s ``unix://`` path, else
+    ``/var/run/docker.sock``), over its Engine API, under the daemon's default OCI runtime or ``runtime``
+    (``"runsc"``: gVisor), checked against the daemon's ``Runtimes``; see docs/docker-provider.md.
 
     Each container runs ``spec.image`` with no capabilities, ``no-new-privileges``, a read-only
     root filesystem, no network (``network="none"``) unless asked, a host uid of its own (leased
@@ -88,7 +97,9 @@ class DockerProvider:
     through the archive API, regular files only, at most ``max_transfer_bytes``. ``spec.ttl_s``
     becomes a deadline label that a watchdog process enforces (``_ttl.py``), whatever the entrypoint
     and whether or not this process lives. ``spec.metadata`` becomes labels: ``list`` and ``reap``
-    find the sandboxes of any process. Images are never pulled unless ``pull=True``.
+    find the sandboxes of any process. Images are never pulled unless ``pull=True``. With
+    ``prestart`` one container of the last created shape is kept running ahead (``_spares.py``),
+    for at most ``spare_ttl_s``, so a create of that shape takes it.
     """
 
     name = "docker"
@@ -103,13 +114,15 @@ class DockerProvider:
         nofile=Bound(16, whole=True, high=2**20),  # a shell and its command need a few descriptors
         ptys=Bound(0, whole=True, high=4096),  # kernel.pty.max is 4096 by default
         tcp_mib=POSITIVE.at_most(2**24).or_none(),
+        spare_ttl_s=Bound(10, high=86400),
     )
 
     def __init__(
         self,
         *,
-        socket: str = "/var/run/docker.sock",
+        socket: str | None = None,
         api_version: str | None = None,
+        runtime: str | None = None,
         network: str = "none",
         user: str = "auto",
         memory_mib: float | None = 4096,
@@ -127,10 +140,13 @@ class DockerProvider:
         nofile: int = 256,
         ptys: int = 0,
         tcp_mib: float | None = 64,
+        prestart: bool = True,
+        spare_ttl_s: float = 300.0,
     ) -> None:
         self._options: dict[str, Any] = {
-            "socket": socket,
+            "socket": socket_of(socket),  # resolved here: a pickled copy speaks to the same daemon
             "api_version": api_version,
+            "runtime": runtime,
             "network": network,
             "user": user,
             "memory_mib": memory_mib,
@@ -148,9 +164,11 @@ class DockerProvider:
             "nofile": nofile,
             "ptys": ptys,
             "tcp_mib": tcp_mib,
+            "prestart": prestart,
+            "spare_ttl_s": spare_ttl_s,
         }
         self.BOUNDS.check(locals())
-        self._socket = check_text(fspath(socket, "socket"), "socket")
+        self._socket = check_text(fspath(self._options["socket"], "socket"), "socket")
         self._network = check_text(network, "network")
         if self._network == "host" or self._network.startswith("container:"):
             raise SandboxArgumentError(
@@ -164,6 +182,8 @@ class DockerProvider:
         self._tcp_bytes = None if tcp_mib is None else int(tcp_mib * _MiB)
         if api_version is not None:
             check_text(api_version, "api_version")
+        if runtime is not None:
+            check_text(runtime, "runtime")
         self._keepalive = [check_text(arg, "keepalive entry") for arg in (keepalive or keepalive_default())]
         if not self._keepalive:
             raise SandboxArgumentError("DockerProvider: keepalive must name a command (or be None for the default)")
@@ -178,8 +198,20 @@ class DockerProvider:
         self._max_transfer = max_transfer_bytes
         self._pull = pull
         self._init = init
-        version, info = negotiate(self._socket, api_version, min(request_timeout_s, 30.0))
+        # At least 10 s however short request_timeout_s: Podman's /info takes a second, more under load.
+        version, info = negotiate(self._socket, api_version, min(max(request_timeout_s, 10.0), 30.0))
         self.api_version = version
+        self._daemon = daemon_of(info, runtime, self._socket)
+        if ptys and (self._daemon.kind == "podman" or not self._daemon.host_pids):
+            where = (
+                f"the Podman service at {self._socket} ignores the volume options that mount one"
+                if self._daemon.kind == "podman"
+                else "gVisor (runsc) sees the host's devpts volume through its Gofer, where /dev/ptmx opens nothing"
+            )
+            raise SandboxArgumentError(
+                f"DockerProvider: ptys={ptys} needs a devpts of the sandbox's own, and {where} (no pty could be "
+                "opened); leave ptys=0 there, or use Docker's runc for sandboxes that need terminals"
+            )
         self._enforceable = {
             "memory_mib": bool(info.get("MemoryLimit")) and bool(info.get("SwapLimit", True)),
             "pids": bool(info.get("PidsLimit")),
@@ -196,14 +228,22 @@ class DockerProvider:
             self._watchdog = WatchdogLauncher(self._socket, version)
         except PermissionError as exc:  # its lock's directory was made by someone else (_ttl.lock_path)
             raise SandboxError(f"DockerProvider: the TTL watchdog cannot lock safely: {exc}") from None
+        sweep(self._socket, version)  # the spares of processes that died without removing them
         self._api = EngineAPI(self._socket, version, request_timeout_s)  # last: nothing can fail after it
-        self._commands = Commands(self._api, max_output_bytes)
+        self._commands = Commands(self._api, max_output_bytes, self._daemon)
         self._key = connect_key if connect_key is not None else os.urandom(32)
         self._boxes: dict[str, Box] = {}
         self._images: set[str] = set()  # seen on the daemon
+        self._request_timeout = request_timeout_s
+        self._spare_ttl = spare_ttl_s
+        self._spares: DockerSpares | None = None
+        if prestart:  # removed with this provider, if not at aclose (or at exit)
+            self._spares = DockerSpares(weakref.WeakMethod(self._make_spare), partial(remove, self._socket, version))
+            weakref.finalize(self, self._spares.close)
 
     def __repr__(self) -> str:
-        return f"DockerProvider(socket={self._socket!r}, api_version={self.api_version!r})"
+        runtime = "" if self._daemon.runtime is None else f", runtime={self._daemon.runtime!r}"
+        return f"DockerProvider(socket={self._socket!r}, api_version={self.api_version!r}{runtime})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles as its options: the copy holds no sandbox (it can ``connect`` with the same ``connect_key``)."""
@@ -212,9 +252,10 @@ class DockerProvider:
     @property
     def mechanisms(self) -> dict[str, str]:
         """How each limit is enforced by this daemon (or ``"not enforced"``)."""
+        whole = "" if self._daemon.host_pids else ", around gVisor's Sentry: past it the whole sandbox dies"
         return {
-            "memory": "cgroup (Memory = MemorySwap)" if self._enforceable["memory_mib"] else "not enforced",
-            "pids": "cgroup (PidsLimit)" if self._enforceable["pids"] else "not enforced",
+            "memory": f"cgroup (Memory = MemorySwap){whole}" if self._enforceable["memory_mib"] else "not enforced",
+            "pids": f"cgroup (PidsLimit){whole}" if self._enforceable["pids"] else "not enforced",
             "cpu": "cgroup (NanoCpus)" if self._enforceable["cpu"] else "not enforced",
             "disk": "tmpfs size of the work directory (the root filesystem is read-only)",
             "ttl": "deadline label, removed by the watchdog process",
@@ -240,6 +281,8 @@ class DockerProvider:
             tcp = f"not limited: {self._tcp_problem}"
         else:
             tcp = f"cgroup v1 memory.kmem.tcp.limit_in_bytes {self._tcp_bytes}, written from the host after start"
+        if not self._daemon.host_pids:  # gVisor: the Sentry's netstack, inotify and queues, not the host kernel's
+            tcp = f"gVisor's netstack: socket buffers are the Sentry's memory, in memory_mib; {tcp}"
         per_uid = "the sandbox's own uid" if self._fixed_user is None else "one uid shared by all sandboxes (user=)"
         remap = "; the daemon remaps uids: on the host, its remap range's base plus this" if self._remapped else ""
         return {
@@ -262,29 +305,18 @@ class DockerProvider:
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
         plan = await self._plan(spec)
-        name = f"sandbox-{uuid.uuid4().hex[:12]}"
         if plan.deadline is not None:  # before the container exists: a worker killed from here leaves none unwatched
             self._watchdog.ensure()
-        container, owner, uid = await self._create_container(name, plan)
-        try:
-            await self._api.call("POST", f"/containers/{container}/start", f"start container {name}")
-            await self._bound_tcp(container, plan)
+        shape = shape_of(plan, self._fixed_user, self._daemon.adapt) if self._spares is not None else None
+        spare = self._spares.take(shape) if self._spares is not None and shape is not None else None
+        made = await self._take(spare, plan) if spare is not None else None
+        if made is None:  # the spare's uid is the sandbox's, as a container made here has its own
+            made = await self._build(self._api, f"sandbox-{uuid.uuid4().hex[:12]}", plan, partial(create_body, plan))
+        container, owner, uid = made.container, made.owner, made.uid
+        async with self._removed_on_failure(self._api, made, plan.image):
             # After start: a tmpfs volume written to before would be unmounted again, and its files lost.
             files = [(PurePosixPath(target), text.encode()) for target, text in spec.files.items()]
             await self._seed(container, plan, owner, files)
-        except BaseException as exc:
-            left = f"; container {container[:12]} was not removed (its labels let reap find it)"
-            # A removal that fails too (the daemon died) must not replace the start's error.
-            with anyio.CancelScope(shield=True), anyio.move_on_after(30), contextlib.suppress(SandboxError):
-                await self._remove(container)
-                left = ""
-                if uid is not None:
-                    await _identity.release(uid, self._socket, (container, name))
-            if isinstance(exc, EngineError | DockerUnavailableError):
-                raise SandboxCreateError(
-                    f"DockerProvider: cannot start a container of {plan.image!r}: {exc}{left}{self._unmapped(exc)}"
-                ) from exc
-            raise
         box = Box(
             container,
             f"{owner[0]}:{owner[1]}",
@@ -299,7 +331,89 @@ class DockerProvider:
         self._boxes[container] = box
         if plan.deadline is not None:
             self._watchdog.ensure()
-        return SandboxHandle(container, self.name, {"container": container, "name": name})
+        if self._spares is not None and shape is not None:
+            self._spares.refill(shape)
+        return SandboxHandle(container, self.name, {"container": container, "name": made.name})
+
+    async def _build(self, api: EngineAPI, name: str, plan: Plan, body_of: BodyOf) -> Made:
+        """A started container ``name`` of ``plan``, its body ``body_of`` gives for its owner (``create_body``,
+        or ``_spares.spare_body``), its uid leased and claimed, its TCP buffers bounded: the one path by
+        which every sandbox and every spare is made."""
+        made = await self._create_container(api, name, plan, body_of)
+        async with self._removed_on_failure(api, made, plan.image):
+            await api.call("POST", f"/containers/{made.container}/start", f"start container {name}")
+            await self._bound_tcp(api, made.container, plan)
+        return made
+
+    @contextlib.asynccontextmanager
+    async def _removed_on_failure(self, api: EngineAPI, made: Made, image: str) -> AsyncIterator[None]:
+        """Remove the container ``made`` (shielded, bounded) and free its uid if the block fails; the
+        daemon's error becomes a create error."""
+        container = made.container
+        try:
+            yield
+        except BaseException as exc:
+            left = f"; container {container[:12]} was not removed (its labels let reap find it)"
+            # A removal that fails too (the daemon died) must not replace the start's error.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(30), contextlib.suppress(SandboxError):
+                await self._remove(container, api)
+                left = ""
+                if made.uid is not None:
+                    await _identity.release(made.uid, self._socket, (container, made.name))
+            if isinstance(exc, EngineError | DockerUnavailableError):
+                raise SandboxCreateError(
+                    f"DockerProvider: cannot start a container of {image!r}: {exc}{left}{self._unmapped(exc)}"
+                ) from exc
+            raise
+
+    def _make_spare(self, shape: Shape) -> Spare:
+        """A spare of ``shape`` (blocking, in the maker thread: its own event loop and connections)."""
+        return anyio.run(self._spare_of, shape.plan)
+
+    async def _spare_of(self, plan: Plan) -> Spare:
+        api = EngineAPI(self._socket, self.api_version, self._request_timeout)
+        try:
+            name = f"sandbox-{uuid.uuid4().hex[:12]}"
+            made = time.time()
+            until = made + self._spare_ttl
+            self._watchdog.ensure()  # it removes the spare when stale, whether or not this process lives
+            # Its own uid, leased and claimed (for its name, then its id) as any sandbox's; a rename keeps it.
+            built = await self._build(api, name + SUFFIX, plan, partial(spare_body, plan, until))
+            async with self._removed_on_failure(api, built, plan.image):
+                info = await api.inspect(built.container, f"inspect spare {name}") or {}
+            return Spare(built, name, str(info.get("Image")), made, until)
+        finally:
+            await api.aclose()
+
+    async def _take(self, spare: Spare, plan: Plan) -> Made | None:
+        """Make ``spare`` the caller's: renamed to say when it was taken and its deadline, once it is seen
+        running the image its name now names; the container under its new name, with its uid, claimed by
+        id, now the sandbox's (None: it is not usable)."""
+        try:
+            image = await self._inspect_image(plan.image)
+            info = await self._api.inspect(spare.built.container, f"inspect spare {spare.name}") or {}
+            running = bool((info.get("State") or {}).get("Running")) and info.get("Image") == spare.image
+            if image.status_code == 200 and image.json().get("Id") == spare.image and running:
+                name = taken_name(spare.name, time.time(), plan.deadline)
+                what = f"take spare {spare.name}"
+                params = {"name": name}
+                reply = await self._api.call(
+                    "POST", f"/containers/{spare.built.container}/rename", what, params=params, ok=(404,)
+                )
+                if reply.status_code != 404:
+                    return dataclasses.replace(spare.built, name=name)
+        except SandboxError as exc:  # a create of its own says what the daemon says
+            logger.debug("DockerProvider: spare %s not taken: %s", spare.name, exc)
+        except BaseException:  # cancelled: nobody holds it now
+            self._discard(spare)
+            raise
+        self._discard(spare)
+        return None
+
+    def _discard(self, spare: Spare) -> None:
+        """Remove a spare taken from the kept one but not handed out, in the background."""
+        if self._spares is not None:
+            self._spares.discard(spare)
 
     async def _plan(self, spec: SandboxSpec) -> Plan:
         if not spec.image:
@@ -396,10 +510,11 @@ class DockerProvider:
         except DockerUnavailableError as exc:
             raise SandboxCreateError(str(exc)) from exc
 
-    async def _create_container(self, name: str, plan: Plan) -> tuple[str, tuple[int, int], int | None]:
-        """Create (not start) the container ``name`` of ``plan``, as a host uid of its own: leased from the
-        host's pool and claimed for the container before the daemon is asked (``_identity.py``), or the
-        provider's fixed ``user=``. Its id, its uid and gid, and the leased uid (None: the fixed user)."""
+    async def _create_container(self, api: EngineAPI, name: str, plan: Plan, body_of: BodyOf) -> Made:
+        """Create (not start) the container ``name`` of ``plan``, whose body ``body_of`` gives for its owner,
+        as a host uid of its own: leased from the host's pool and claimed for the container (by ``name``,
+        then by its id) before and after the daemon is asked (``_identity.py``), or the provider's fixed
+        ``user=``."""
         what = f"create a container of {plan.image!r}"
         lease = await _identity.lease() if self._fixed_user is None else None
         owner = (lease.uid, lease.uid) if lease is not None else self._fixed_user
@@ -407,8 +522,8 @@ class DockerProvider:
         try:
             if lease is not None:
                 lease.claim(self._socket, name)  # a create whose reply is lost holds it by name
-            body = create_body(plan, owner, lease is not None)
-            reply = await self._api.call("POST", "/containers/create", what, params={"name": name}, body=body)
+            body = self._daemon.adapt(body_of(owner, lease is not None))  # a spare's too: the runtime, Podman's needs
+            reply = await api.call("POST", "/containers/create", what, params={"name": name}, body=body)
             container = str(reply.json()["Id"])
         except EngineError as exc:
             if lease is not None:  # refused (4xx): no container was made; a 5xx may have left one, which holds it
@@ -423,7 +538,7 @@ class DockerProvider:
         if lease is not None:
             lease.claim(self._socket, container)
             lease.keep()
-        return container, owner, None if lease is None else lease.uid
+        return Made(container, name, owner, None if lease is None else lease.uid)
 
     def _unmapped(self, exc: SandboxError) -> str:
         """What to do where a remapping daemon has no host uid for the sandbox's."""
@@ -447,12 +562,12 @@ class DockerProvider:
             return SandboxArgumentError(f"DockerProvider: the daemon refused the container: {exc.message}")
         return SandboxCreateError(f"DockerProvider: cannot {what}: {exc.message}")
 
-    async def _bound_tcp(self, container: str, plan: Plan) -> None:
+    async def _bound_tcp(self, api: EngineAPI, container: str, plan: Plan) -> None:
         """On cgroup v1, bound the started container's TCP buffers from the host (``_pools.bound_tcp``);
         where this provider cannot, say so once and in ``mechanisms``."""
         if plan.tcp_bytes is None or self._tcp_problem is not None:
             return
-        info = await self._api.inspect(container, f"inspect container {container[:12]}") or {}
+        info = await api.inspect(container, f"inspect container {container[:12]}") or {}
         pid = int((info.get("State") or {}).get("Pid") or 0)
         problem = _pools.bound_tcp(container, pid, plan.tcp_bytes) if pid else "the container has no process"
         if problem is not None and info:
@@ -484,11 +599,11 @@ class DockerProvider:
                     content=b"".join(chunks) + END,
                 )
 
-    async def _remove(self, container: str) -> None:
+    async def _remove(self, container: str, api: EngineAPI | None = None) -> None:
         """Force-remove ``container`` and its volumes; one already gone, or being removed by another
         process (the TTL watchdog, a reaper, a second close), is done."""
         what = f"remove container {container[:12]}"
-        reply = await self._api.call(
+        reply = await (api or self._api).call(
             "DELETE", f"/containers/{container}", what, params={"force": "true", "v": "true"}, ok=(404, 409)
         )
         if reply.status_code == 409 and "already in progress" not in (message := message_of(reply)):
@@ -550,8 +665,12 @@ class DockerProvider:
             await _identity.release(uid, self._socket, (sandbox_id, *names))
 
     async def aclose(self) -> None:
-        """Close every sandbox still open here, then the connection pool; one error names those that failed."""
+        """Remove the spare, close every sandbox still open here, then the connection pool; one error names
+        those that failed."""
         failures = []
+        if self._spares is not None:  # shielded: a cancelled aclose still removes it (bounded by its make's wait)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._spares.close)
         try:
             for sandbox_id in list(self._boxes):
                 try:
@@ -615,7 +734,9 @@ class DockerProvider:
                 content=tar_stream(fd, info.st_size, parts, owner),
             )
         except EngineError as exc:
-            if "cannot overwrite non-directory" in exc.message:
+            if "cannot overwrite non-directory" in exc.message or (  # Docker's, Podman's
+                "copier: put: error creating" in exc.message and exc.message.endswith("file exists")
+            ):
                 raise SandboxPathError(
                     f"DockerProvider: cannot {what}: a component of {target_path!r} is not a directory (a symlink?); "
                     "transfers never follow one: name a path through real directories"
@@ -693,7 +814,7 @@ class DockerProvider:
             )
         sandbox_id = body["sandbox_id"]
         info = await self._api.inspect(sandbox_id, f"connect to {sandbox_id[:12]}")
-        box = box_of(sandbox_id, _labels(info), None) if info is not None else None
+        box = box_of(sandbox_id, _labels(info), None, str(info.get("Name"))) if info is not None else None
         if box is None or str((info or {}).get("Id")) != sandbox_id:
             raise SandboxNotFoundError(f"DockerProvider.connect: no sandbox container {sandbox_id[:12]} on this daemon")
         self._boxes.setdefault(sandbox_id, box)
@@ -713,7 +834,12 @@ class DockerProvider:
         reply = await self._api.call("GET", "/containers/json", "list sandboxes", params=params)
         listings = []
         for container in reply.json():
-            box = box_of(str(container.get("Id")), container.get("Labels") or {}, container.get("Created"))
+            labels, name = container.get("Labels") or {}, str((container.get("Names") or [""])[0])
+            box = (
+                None
+                if is_spare(labels, name)
+                else box_of(str(container.get("Id")), labels, container.get("Created"), name)
+            )
             if box is None or any(box.metadata.get(key) != value for key, value in wanted.items()):
                 continue
             created = float(box.created) if isinstance(box.created, int | float) else None

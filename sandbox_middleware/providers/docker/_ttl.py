@@ -8,6 +8,13 @@ its own session, apart from the process that started it, so a TTL holds when tha
 killed; it exits once no container with a deadline has been left for ``IDLE_S`` seconds, and after
 ``DOWN_S`` seconds of a daemon that does not answer.
 
+A spare (``_spares.py``) carries ``SPARE`` (its maker) and no ``EXPIRES``: labels cannot change
+once it is taken, so its state is in its name, which only the Engine API can change. Untaken
+(``sandbox-<id>-spare``) it is removed at ``SPARE_UNTIL``; taken, it is renamed
+``sandbox-<id>-at-<ms>`` (when it was taken) with ``-until-<ms>`` (its TTL's deadline), read by
+``deadline_of`` here and by ``list``. The lock's name carries ``v2``: a watchdog of an older
+version, which knows no spares, does not keep this one from running beside it.
+
 This file imports only the standard library and httpx: the provider starts it as
 ``python _ttl.py SOCKET VERSION LOCK``, which must not pay for importing the package.
 """
@@ -19,17 +26,34 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Mapping
 
 import httpx
 
-__all__ = ["EXPIRES", "POLL_S", "WatchdogLauncher", "lock_path"]
+__all__ = [
+    "EXPIRES",
+    "POLL_S",
+    "SPARE",
+    "SPARE_UNTIL",
+    "WatchdogLauncher",
+    "deadline_of",
+    "is_spare",
+    "lock_path",
+    "taken_at",
+    "taken_name",
+]
 
 EXPIRES = "sandbox_middleware.docker.expires_at"
+SPARE = "sandbox_middleware.docker.spare"  # a spare's maker (Owner metadata, JSON)
+SPARE_UNTIL = "sandbox_middleware.docker.spare_until"  # when an untaken spare is removed (seconds since the epoch)
+_TAKEN = re.compile(r"/?sandbox-[0-9a-f]{12}-at-([0-9]{1,16})(?:-until-([0-9]{1,16}))?")
 POLL_S = 0.5
 IDLE_S = 10.0  # with no container left: a create that started it may not have made its container yet
 DOWN_S = 120.0
@@ -67,7 +91,35 @@ def _owned(directory: str) -> bool:
 def lock_path(socket: str) -> str:
     """The lock file of the watchdog of ``socket``, in a directory no other user can write."""
     digest = hashlib.sha256(os.path.abspath(socket).encode()).hexdigest()[:16]
-    return os.path.join(_private_dir(), f"docker-ttl-{digest}.lock")
+    return os.path.join(_private_dir(), f"docker-ttl-v2-{digest}.lock")
+
+
+def taken_name(sandbox: str, now: float, deadline: float | None) -> str:
+    """The name a spare ``sandbox-<id>`` gets when a create takes it: when, and its TTL's deadline."""
+    until = "" if deadline is None else f"-until-{int(deadline * 1000)}"
+    return f"{sandbox}-at-{int(now * 1000)}{until}"
+
+
+def taken_at(name: str) -> tuple[float, float | None] | None:
+    """When a taken spare was taken and its deadline, from its name; None for any other name."""
+    found = _TAKEN.fullmatch(name)
+    if found is None:
+        return None
+    return int(found[1]) / 1000, None if found[2] is None else int(found[2]) / 1000
+
+
+def is_spare(labels: Mapping[str, str], name: str) -> bool:
+    """Whether a container is an untaken spare: ``SPARE`` among its labels and no taken spare's name."""
+    return SPARE in labels and taken_at(name) is None
+
+
+def deadline_of(labels: Mapping[str, str], name: str) -> float | None:
+    """When a container of ours is due for removal (None: never): ``EXPIRES``; for a spare, ``SPARE_UNTIL``
+    until it is taken, then the deadline in its name. ``ValueError`` for a label that is not a number."""
+    if SPARE not in labels:
+        return float(labels[EXPIRES]) if EXPIRES in labels else None
+    taken = taken_at(name)
+    return float(labels.get(SPARE_UNTIL, "0")) if taken is None else taken[1]
 
 
 def _open_lock(lock: str) -> int:
@@ -96,42 +148,48 @@ class WatchdogLauncher:
         self._argv = [sys.executable, os.path.abspath(__file__), socket, version, lock_path(socket)]
         self._lock = self._argv[-1]
         self._started: list[subprocess.Popen[bytes]] = []
+        self._guard = threading.Lock()  # creates, and the spare maker's thread
 
     def ensure(self) -> None:
-        self.reap()
-        if _running(self._lock):
-            return
-        self._started.append(
-            subprocess.Popen(
-                self._argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-                close_fds=True,
+        with self._guard:
+            self._started = [process for process in self._started if process.poll() is None]
+            if _running(self._lock):
+                return
+            self._started.append(
+                subprocess.Popen(
+                    self._argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                    close_fds=True,
+                )
             )
-        )
 
     def reap(self) -> None:
         """Collect the exit status of watchdogs that have ended (they are left to run otherwise)."""
-        self._started = [process for process in self._started if process.poll() is None]
+        with self._guard:
+            self._started = [process for process in self._started if process.poll() is None]
 
 
 def _expired(client: httpx.Client, now: float) -> tuple[list[str], bool]:
-    """Ids of labelled containers past their deadline, and whether any labelled container is left."""
-    filters = json.dumps({"label": [EXPIRES]})
-    reply = client.get("/containers/json", params={"all": "1", "filters": filters})
-    reply.raise_for_status()
-    found = reply.json()
-    due = []
+    """Ids of containers with a deadline (``EXPIRES``) or of spares that are past it, and whether any
+    container with a deadline is left (a taken spare without a TTL keeps its spare label, and none)."""
+    found = []
+    for label in (EXPIRES, SPARE):
+        reply = client.get("/containers/json", params={"all": "1", "filters": json.dumps({"label": [label]})})
+        reply.raise_for_status()
+        found += reply.json()
+    due, left = [], False
     for container in found:
         try:
-            deadline = float((container.get("Labels") or {})[EXPIRES])
-        except (KeyError, TypeError, ValueError):
+            deadline = deadline_of(container.get("Labels") or {}, str((container.get("Names") or [""])[0]))
+        except (TypeError, ValueError):
             continue
-        if deadline <= now:
+        left = left or deadline is not None
+        if deadline is not None and deadline <= now:
             due.append(str(container["Id"]))
-    return due, bool(found)
+    return due, left
 
 
 def main(socket: str, version: str, lock: str) -> int:

@@ -31,12 +31,13 @@ class PrivateDaemon:
         self._log = open(root / "dockerd.log", "ab")  # noqa: SIM115 - closed in stop()
 
     def start(self) -> None:
+        namespace = self.root.name.replace("_", "0")  # containerd's names: no "_" beside a "-"
         argv = [
             "unshare", "--net", shutil.which("dockerd") or "dockerd", "--data-root", str(self.root / "data"),
             "--exec-root", str(self.root / "exec"), "--pidfile", str(self.root / "docker.pid"),
             "-H", f"unix://{self.socket}", "--bridge=none", "--iptables=false", "--ip-masq=false",
-            "--storage-driver=vfs", "--containerd-namespace", f"sm-test-{self.root.name}",
-            "--containerd-plugins-namespace", f"sm-test-{self.root.name}-plugins",
+            "--storage-driver=vfs", "--containerd-namespace", f"sm-test-{namespace}",
+            "--containerd-plugins-namespace", f"sm-test-{namespace}-plugins",
         ]  # fmt: skip
         if self.remap is not None:
             argv.append(f"--userns-remap={self.remap}")

@@ -1,6 +1,8 @@
 """What the Docker provider's tests need: a daemon (skipped with one line where there is none; failed
-with REQUIRE_DOCKER=1), the test images (built by scripts/build-docker-images.sh when missing, never
-pulled), and the removal of every container a test session made (by its label), even after a failure."""
+with REQUIRE_DOCKER=1; ``DOCKER_HOST=unix://PATH`` names another, Podman's say, as it does for the
+provider), the OCI runtime their sandboxes run under (``SANDBOX_DOCKER_RUNTIME``, e.g. ``runsc``),
+the test images (built by scripts/build-docker-images.sh when missing, never pulled), and the removal
+of every container a test session made (by its label), even after a failure."""
 
 from __future__ import annotations
 
@@ -15,14 +17,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
-from sandbox_middleware import SandboxSpec
+from sandbox_middleware import DockerProvider, SandboxSpec
 from sandbox_middleware.providers._common import _uids
+from sandbox_middleware.providers.docker._ttl import SPARE
 from tests.needs import unavailable
 
-SOCKET = "/var/run/docker.sock"
+SOCKET = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock").removeprefix("unix://")
+"""The daemon under test: ``DOCKER_HOST``, as ``DockerProvider()`` reads it."""
+RUNTIME = os.environ.get("SANDBOX_DOCKER_RUNTIME") or None
+"""The runtime the tests' sandboxes run under (``SANDBOX_DOCKER_RUNTIME=runsc``: gVisor); unset, the daemon's."""
 BUSYBOX = "sandbox-middleware/busybox:test"
 PYTHON = "sandbox-middleware/python:test"
 IMAGES = (BUSYBOX, PYTHON)
@@ -33,11 +40,45 @@ SESSION_KEY = "tests.session"
 SESSION = uuid.uuid4().hex[:12]
 """Every container of this test session carries ``spec.metadata[SESSION_KEY] = SESSION``."""
 SESSION_LABEL = f"sandbox_middleware.docker.meta.{SESSION_KEY}={SESSION}"
+TAG = "tests.spare"  # a metadata key of the spares' tests: each test's own value, its containers found by it
 BUILD = Path(__file__).resolve().parents[4] / "scripts" / "build-docker-images.sh"
 
 
 def engine(socket: str = SOCKET) -> httpx.Client:
     return httpx.Client(transport=httpx.HTTPTransport(uds=socket), base_url="http://docker/v1.41", timeout=60)
+
+
+def options() -> dict[str, Any]:
+    """``DockerProvider`` options of the daemon and runtime under test."""
+    return {"socket": SOCKET, "runtime": RUNTIME}
+
+
+@functools.cache
+def engine_kind() -> str:
+    """``"podman"`` or ``"docker"``: the daemon under test (Podman's ``/info`` carries ``BuildahVersion``)."""
+    with engine() as client:
+        return "podman" if "BuildahVersion" in client.get("/info").json() else "docker"
+
+
+def cannot_hold(under: str, reason: str) -> None:
+    """Skip the calling test where the daemon under test is ``under`` (``"podman"``) or its sandboxes' runtime is
+    (``"runsc"``): what it asserts does not hold there, for ``reason`` (docs/gvisor.md, docs/docker-provider.md)."""
+    if under in (RUNTIME, engine_kind()):
+        pytest.skip(f"cannot hold under {under}: {reason}")
+
+
+def require_runsc() -> None:
+    """Skip (REQUIRE_RUNSC=1: fail) the calling test where the daemon under test has no ``runsc`` runtime."""
+    require_docker()
+    if engine_kind() == "podman":
+        pytest.skip("Podman's Docker-compatible API ignores a container's runtime (test_podman.py: refused)")
+    with engine() as client:
+        if "runsc" not in (client.get("/info").json().get("Runtimes") or {}):
+            unavailable(
+                f"the daemon at {SOCKET} has no runsc runtime (gVisor): apt-get install runsc, then register it in "
+                "/etc/docker/daemon.json (docs/gvisor.md) and restart dockerd",
+                "REQUIRE_RUNSC",
+            )
 
 
 def docker_problem(socket: str = SOCKET) -> str | None:
@@ -136,6 +177,61 @@ def free_claims(socket: str = SOCKET, *, daemon_gone: bool = False) -> list[int]
     return freed
 
 
+def claim_of(uid: int) -> str | None:
+    """The container (id or name) the lease of host uid ``uid`` is claimed for; None: free (or a
+    LocalProvider lease)."""
+    try:
+        claim = json.loads((_uids.lease_directory() / str(uid)).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return str(claim.get("container")) if isinstance(claim, dict) else None
+
+
+def memory_cgroup(container: str) -> Path:
+    """The container's v1 memory cgroup on the host (through its init's /proc entry)."""
+    with engine() as client:
+        pid = client.get(f"/containers/{container}/json").json()["State"]["Pid"]
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        if "memory" in names.split(","):
+            return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+    raise AssertionError(f"container {container[:12]} has no v1 memory cgroup")
+
+
 def spec(image: str = BUSYBOX, metadata: Mapping[str, str] | None = None, **fields: Any) -> SandboxSpec:
     """A spec of this test session (its label lets the session remove whatever a test leaves)."""
     return SandboxSpec(image=image, metadata={SESSION_KEY: SESSION, **(metadata or {})}, **fields)
+
+
+def on_daemon(tag: str) -> list[dict[str, Any]]:
+    """The containers (running or not) of this session whose metadata has ``TAG=tag``, as the daemon lists them."""
+    labels = [f"sandbox_middleware.docker.meta.{SESSION_KEY}={SESSION}", f"sandbox_middleware.docker.meta.{TAG}={tag}"]
+    with engine() as client:
+        reply = client.get("/containers/json", params={"all": "1", "filters": json.dumps({"label": labels})})
+        reply.raise_for_status()
+        return list(reply.json())
+
+
+def spares_on_daemon(tag: str) -> list[dict[str, Any]]:
+    """Those of them that are untaken spares (their name ends in -spare)."""
+    return [c for c in on_daemon(tag) if SPARE in (c.get("Labels") or {}) and c["Names"][0].endswith("-spare")]
+
+
+async def one_spare(tag: str, timeout_s: float = 60.0, kept_by: DockerProvider | None = None) -> dict[str, Any]:
+    """The single running spare of ``tag``, waited for: a spare is made in the background after a create;
+    with ``kept_by``, until that provider keeps it too (after its start, its TCP bound and an inspect: a
+    while later against Podman), so that its next create takes it."""
+    with anyio.fail_after(timeout_s):
+        while True:
+            found = spares_on_daemon(tag)
+            if len(found) == 1 and found[0]["State"] == "running":
+                break
+            await anyio.sleep(0.05)
+    spares = None if kept_by is None else kept_by._spares
+    assert spares is None or await anyio.to_thread.run_sync(spares.wait, timeout_s), "the spare is not kept"
+    return found[0]
+
+
+def tagged(tag: str, **fields: Any) -> SandboxSpec:
+    """A spec of this session whose metadata has ``TAG=tag`` (and ``fields``)."""
+    return spec(metadata={TAG: tag, **fields.pop("metadata", {})}, **fields)

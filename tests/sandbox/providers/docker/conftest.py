@@ -9,7 +9,7 @@ import pytest
 from sandbox_middleware import DockerProvider
 from tests.providers import closing_all
 
-from ._support import docker_problem, free_claims, remove_containers, require_docker
+from ._support import docker_problem, free_claims, options, remove_containers, require_docker
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -28,8 +28,9 @@ def docker() -> None:
 
 @pytest.fixture
 async def make(docker: None) -> AsyncIterator[Callable[..., DockerProvider]]:
-    """Builds providers and closes every one after the test, even a failed one."""
-    async with closing_all(DockerProvider) as build:
+    """Builds providers (of the daemon and runtime under test, ``_support.options``) and closes every one
+    after the test, even a failed one."""
+    async with closing_all(lambda **given: DockerProvider(**{**options(), **given})) as build:
         yield build
 
 

@@ -6,6 +6,7 @@ import pickle
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -30,7 +31,7 @@ from sandbox_middleware import (
 )
 from sandbox_middleware.providers._common import _uids
 
-from ._support import PYTHON, SESSION, SESSION_KEY, containers, require_bridge, spec
+from ._support import PYTHON, RUNTIME, SESSION, SESSION_KEY, cannot_hold, containers, require_bridge, spec
 
 pytestmark = pytest.mark.anyio
 
@@ -45,6 +46,16 @@ async def test_exec_output_exit_code_env_cwd(provider: DockerProvider) -> None:
     await provider.exec(handle, "mkdir sub")
     assert (await provider.exec(handle, "pwd", cwd="sub")).stdout == "/workspace/work/sub\n"
     assert (await provider.exec(handle, "pwd", cwd="/tmp")).stdout == "/tmp\n"
+    await provider.close(handle)
+
+
+async def test_a_missing_cwd_is_an_error_naming_it(provider: DockerProvider) -> None:
+    cannot_hold(
+        "podman",
+        "Podman reports an exec that cannot start as the command's exit 127, the runtime's words on its stderr; "
+        "only exec inspect's Pid 0 tells them apart (issue 29 item 3)",
+    )
+    handle = await provider.create(spec(workdir="work"))
     with pytest.raises(SandboxError, match=re.escape("cwd '/workspace/work/nowhere'")):
         await provider.exec(handle, "true", cwd="nowhere")
     await provider.close(handle)
@@ -155,9 +166,9 @@ async def test_a_start_failing_with_the_daemon_gone_is_a_create_error(
     async def gone(*args: object) -> None:
         raise DockerUnavailableError("the daemon went away")
 
-    async def remove_fails(container: str) -> None:
+    async def remove_fails(container: str, *api: Any) -> None:
         removed.append(container)
-        await real_remove(container)  # the test leaves nothing behind
+        await real_remove(container, *api)  # the test leaves nothing behind
         raise DockerUnavailableError("the daemon went away")
 
     monkeypatch.setattr(provider, "_seed", gone)
@@ -301,6 +312,7 @@ async def test_an_exec_right_after_resume_runs(provider: DockerProvider) -> None
 async def test_endpoint_on_loopback_only(make: Callable[..., DockerProvider]) -> None:
     """A declared port is published on 127.0.0.1 alone, and serves."""
     require_bridge()
+    cannot_hold("runsc", "runsc is registered with --network=none here (the ptrace platform needs it): no network")
     provider = make(network="bridge")
     handle = await provider.create(spec(PYTHON, ports=[8000], entrypoint=["python3", "-m", "http.server", "8000"]))
     endpoint = await provider.endpoint(handle, 8000)
@@ -335,7 +347,8 @@ async def test_capabilities_and_pickling(make: Callable[..., DockerProvider]) ->
 
 
 async def test_a_config_builds_it_by_name(docker: None) -> None:
-    provider = build_provider({"provider": {"docker": {"memory_mib": 256}}, "middleware": ["metrics"]})
+    options = {"memory_mib": 256, "runtime": RUNTIME}
+    provider = build_provider({"provider": {"docker": options}, "middleware": ["metrics"]})
     handle = await provider.create(spec())
     assert (await provider.exec(handle, "echo $((6 * 7))")).stdout == "42\n"
     await provider.close(handle)

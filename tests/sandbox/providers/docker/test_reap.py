@@ -22,7 +22,8 @@ import anyio, sys
 from sandbox_middleware import DockerProvider, Middleware, OwnershipMiddleware, SandboxSpec, stack
 
 async def main():
-    provider = stack(DockerProvider(), [Middleware(OwnershipMiddleware, run_id=sys.argv[1])])
+    # No spare: one carries the run's labels too, though it is no sandbox reap lists (test_spares.py)
+    provider = stack(DockerProvider(prestart=False), [Middleware(OwnershipMiddleware, run_id=sys.argv[1])])
     for _ in range(3):
         spec = SandboxSpec(image=sys.argv[2], metadata={sys.argv[3]: sys.argv[4]})
         print((await provider.create(spec)).sandbox_id, flush=True)

@@ -22,7 +22,7 @@ from sandbox_middleware.middleware import _ownership
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests.providers import PlainProvider
 
-from ._support import PYTHON, containers, require_bridge, spec
+from ._support import PYTHON, TAG, containers, on_daemon, one_spare, require_bridge, spec, tagged
 
 pytestmark = pytest.mark.anyio
 
@@ -98,3 +98,30 @@ async def test_ownership_says_when_nothing_can_reap(
             assert not layer.inner.inner.inner.inner.reapable  # type: ignore[attr-defined]
     [warning] = caplog.records
     assert "'unlistable'" in warning.getMessage() and "can never find" in warning.getMessage()
+
+
+async def test_telemetry_counts_a_taken_spare_as_one_create_and_an_untaken_one_as_none(
+    make: Callable[..., DockerProvider], telemetry: TelemetryCapture
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    layers = [
+        *recommended_middleware(meter_provider=telemetry.meter_provider, tracer_provider=telemetry.tracer_provider),
+        Middleware(OwnershipMiddleware, run_id=f"spares-{tag}"),
+    ]
+    bare = make()
+    provider = stack(bare, layers)
+    first = await provider.create(tagged(tag))  # the ownership layer's stamp and TTL are part of the shape
+    spare = await one_spare(tag, kept_by=bare)
+    assert telemetry.value("gym.sandbox.active", nemo__gym__sandbox__provider="docker") == 1
+    second = await provider.create(tagged(tag))
+    assert second.sandbox_id == spare["Id"]
+    assert telemetry.value("gym.sandbox.active", nemo__gym__sandbox__provider="docker") == 2
+    for handle in (first, second):
+        await provider.close(handle)
+    await one_spare(tag)
+    assert telemetry.value("gym.sandbox.active", nemo__gym__sandbox__provider="docker") == 0
+    assert telemetry.histogram_count("gym.sandbox.startup_duration_ms", nemo__gym__sandbox__provider="docker") == 2
+    assert telemetry.value("gym.sandbox.failure_total") == 0
+    assert [listed.handle.sandbox_id for listed in await bare.list(metadata={TAG: tag})] == []
+    await provider.aclose()
+    assert on_daemon(tag) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -17,9 +18,14 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 from sandbox_middleware import SandboxError, SandboxPathError, SandboxTransferLimitError
+from sandbox_middleware.providers._common._limits import Limits
 from sandbox_middleware.providers.docker._archive import TarReader, check_stat, located
+from sandbox_middleware.providers.docker._container import UID, Plan, create_body
+from sandbox_middleware.providers.docker._daemons import Daemon
 from sandbox_middleware.providers.docker._exec import PidReader
+from sandbox_middleware.providers.docker._spares import shape_of, spare_body
 from sandbox_middleware.providers.docker._streams import Demultiplexer, OutputCapture
+from sandbox_middleware.providers.docker._ttl import SPARE, SPARE_UNTIL
 from tests.needs import unavailable
 
 from ._support import INSTALL, REQUIRE, build_failure
@@ -137,6 +143,33 @@ def test_roots_watchdog_lock_is_in_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert stat.S_ISDIR(info.st_mode) and info.st_uid == 0 and stat.S_IMODE(info.st_mode) == 0o700
 
 
+def test_a_spares_state_is_read_from_its_labels_and_name() -> None:
+    """Untaken, a spare is due at its SPARE_UNTIL and is a spare whatever else its name says; taken, its
+    name says when and its deadline (none without a TTL); a container without SPARE keeps EXPIRES."""
+    from sandbox_middleware.providers.docker._ttl import (
+        EXPIRES,
+        SPARE,
+        SPARE_UNTIL,
+        deadline_of,
+        is_spare,
+        taken_at,
+        taken_name,
+    )
+
+    spare = {SPARE: "{}", SPARE_UNTIL: "1000.5", EXPIRES: "1"}
+    for untaken in ("/sandbox-0123456789ab-spare", "/renamed", "/sandbox-0123456789ab-at-x", ""):
+        assert is_spare(spare, untaken) and deadline_of(spare, untaken) == 1000.5
+    name = taken_name("sandbox-0123456789ab", 2000.25, 2600.75)
+    assert name == "sandbox-0123456789ab-at-2000250-until-2600750"
+    assert taken_at("/" + name) == (2000.25, 2600.75) and not is_spare(spare, "/" + name)
+    assert deadline_of(spare, "/" + name) == 2600.75  # not EXPIRES, which only a spare's own labels could hold
+    assert deadline_of(spare, taken_name("sandbox-0123456789ab", 2000.0, None)) is None
+    assert deadline_of({EXPIRES: "42"}, "/" + name) == 42.0 and deadline_of({}, "/any") is None
+    assert not is_spare({EXPIRES: "42"}, "/sandbox-0123456789ab-spare")
+    with pytest.raises(ValueError):
+        deadline_of({SPARE: "{}", SPARE_UNTIL: "soon"}, "/x")
+
+
 def _tar_of(name: str, data: bytes) -> bytes:
     info = tarfile.TarInfo(name)
     info.size = len(data)
@@ -204,3 +237,50 @@ def test_a_failing_image_build_says_what_the_script_said(tmp_path: Path) -> None
     failure = build_failure("busybox", env=nowhere)
     assert failure is not None and failure.startswith("scripts/build-docker-images.sh failed (exit 1):"), failure
     assert f"Cannot connect to the Docker daemon at unix://{tmp_path}/no-daemon.sock" in failure
+
+
+def _plan(**changes: object) -> Plan:
+    """A plan as ``DockerProvider._plan`` makes one (default limits, a leased uid's RLIMIT_NPROC)."""
+    limits = Limits.resolve({"memory_mib": 256, "pids": 64, "cpu": None, "disk_gib": 1}, None)
+    plan = Plan(
+        image="sandbox-middleware/busybox:test",
+        mount=PurePosixPath("/workspace"),
+        cwd=PurePosixPath("/workspace"),
+        env={"HOME": "/workspace"},
+        entrypoint=None,
+        keepalive=["/bin/sh"],
+        limits=limits,
+        tmp_bytes=1 << 20,
+        network="none",
+        ports=(),
+        deadline=None,
+        metadata={},
+        init=True,
+        nofile=256,
+        nproc=64,
+        ptys=0,
+        tcp_bytes=64 << 20,
+    )
+    return dataclasses.replace(plan, **changes)  # type: ignore[arg-type]
+
+
+def test_a_spares_shape_leaves_out_the_uid_and_deadline_but_not_the_host_pools_bounds() -> None:
+    """A spare matches creates whatever uid each container is leased, and whatever their TTL's deadline;
+    never one whose open files, processes, ptys or TCP buffers are bounded otherwise. Its body is the
+    sandbox's for its own uid, with the spare's labels."""
+    plan, adapt = _plan(), Daemon("docker", None, "runc").adapt
+    shape = shape_of(plan, None, adapt)
+    assert shape is not None and shape == shape_of(_plan(deadline=1e10), None, adapt)
+    assert str(UID) in shape.key and '"User": "-1:-1"' in shape.key  # a leased uid, none in particular
+    for other in (_plan(nofile=512), _plan(nproc=128), _plan(ptys=4), _plan(tcp_bytes=None), _plan(tcp_bytes=1 << 20)):
+        assert shape_of(other, None, adapt) != shape
+    fixed = shape_of(plan, (2000, 2000), adapt)
+    assert fixed not in (shape, shape_of(plan, (2001, 2001), adapt))  # a fixed user= is its shape
+    assert shape_of(_plan(entrypoint=["/bin/true"]), None, adapt) is None
+    # the body as the daemon is given it: another runtime's, or Podman's mounts and ulimits, is another shape
+    for daemon in (Daemon("docker", "runsc", "runc"), Daemon("podman", None, "runc")):
+        assert shape_of(plan, None, daemon.adapt) != shape
+    body, sandbox = spare_body(plan, 123.0, (7, 7), True), create_body(plan, (7, 7), True)
+    assert {key: value for key, value in body["Labels"].items() if key not in (SPARE, SPARE_UNTIL)} == sandbox["Labels"]
+    assert body["Labels"][UID] == "7" and body["Labels"][SPARE_UNTIL] == "123.0"
+    assert {**body, "Labels": None} == {**sandbox, "Labels": None}  # User, ulimits, pty and tmpfs mounts: its own
