@@ -367,7 +367,7 @@ async def test_a_sandbox_outliving_its_maker_keeps_its_uid(
     assert done.returncode == 0, done.stderr.decode()
     assert int(done.stdout) == first_uid
     monkeypatch.setattr(_uids, "draw", lambda: first_uid)
-    provider = make()
+    provider = make(prestart=False)  # a spare's maker drawing the same uid would hold its lock at the close
     handle = await provider.create(spec())
     assert _uid(await provider.exec(handle, "id -u")) == first_uid + 1
     (left,) = await provider.list(metadata={"maker": "gone", SESSION_KEY: SESSION})
