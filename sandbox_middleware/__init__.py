@@ -23,6 +23,8 @@ from ._errors import (
     SandboxPtyError,
     SandboxQuotaExceededError,
     SandboxRateLimitedError,
+    SandboxSnapshotError,
+    SandboxSnapshotNotFoundError,
     SandboxTransferLimitError,
     SandboxValueError,
 )
@@ -38,6 +40,7 @@ from ._protocol import (
     SandboxPtySession,
     SandboxPtySpec,
     SandboxResources,
+    SandboxSnapshot,
     SandboxSpec,
     SandboxStatus,
     SupportsSandboxBackgroundServices,
@@ -50,6 +53,7 @@ from ._protocol import (
     SupportsSandboxPtyAttach,
     SupportsSandboxRuntimeRequirements,
     SupportsSandboxSharedStorage,
+    SupportsSandboxSnapshot,
 )
 from ._reaper import ReapedSandbox, ReapReport, UnreapedSandbox, reap
 from ._registry import register_middleware, register_provider
@@ -129,6 +133,9 @@ __all__ = [
     "SandboxQuotaExceededError",
     "SandboxRateLimitedError",
     "SandboxResources",
+    "SandboxSnapshot",
+    "SandboxSnapshotError",
+    "SandboxSnapshotNotFoundError",
     "SandboxSpec",
     "SandboxStatus",
     "SandboxTransferLimitError",
@@ -143,6 +150,7 @@ __all__ = [
     "SupportsSandboxPtyAttach",
     "SupportsSandboxRuntimeRequirements",
     "SupportsSandboxSharedStorage",
+    "SupportsSandboxSnapshot",
     "TracingMiddleware",
     "UnreapedSandbox",
     "WarmPoolMiddleware",

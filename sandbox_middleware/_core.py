@@ -138,9 +138,9 @@ class ProviderMiddleware:
     is forwarded, and overridden where a layer has something to release.
 
     Every optional capability (``CAPABILITIES``: endpoint, connect, PTY, PTY attach, pause/resume,
-    network, port forwarding, shared storage, runtime requirements, background services) is
-    forwarded to ``inner`` exactly when ``inner`` has it, so ``isinstance`` against the
-    runtime-checkable protocols tells the truth through any number of layers; a subclass that
+    network, port forwarding, shared storage, runtime requirements, background services, list,
+    snapshot) is forwarded to ``inner`` exactly when ``inner`` has it, so ``isinstance`` against
+    the runtime-checkable protocols tells the truth through any number of layers; a subclass that
     overrides e.g. ``connect`` to observe it never claims a capability its inner provider lacks.
     Layers pickle and copy (``pickle``, ``copy``, a Ray task) with their options and capabilities.
     """

@@ -15,6 +15,8 @@ clauses catch ours)::
         ├── SandboxPtyError [NeMo Gym]        a PTY session failed outside a normal exit
         ├── SandboxNotFoundError              no live sandbox of this provider has that handle
         │   └── SandboxExpiredError           its ttl_s ran out
+        ├── SandboxSnapshotError              a snapshot cannot be taken, used or deleted as asked (never retried)
+        │   └── SandboxSnapshotNotFoundError  (also SandboxNotFoundError) no snapshot of this provider has that id
         ├── SandboxPathError                  a path would leave the sandbox
         ├── SandboxLimitError                 a limit this machine cannot enforce (never retried)
         ├── SandboxQuotaExceededError         a hard provider quota is exhausted (never retried); names the quota
@@ -73,6 +75,8 @@ __all__ = [
     "SandboxPtyError",
     "SandboxQuotaExceededError",
     "SandboxRateLimitedError",
+    "SandboxSnapshotError",
+    "SandboxSnapshotNotFoundError",
     "SandboxTransferLimitError",
     "SandboxValueError",
     "UsageError",
@@ -167,6 +171,18 @@ class SandboxNotFoundError(SandboxError):
 
 class SandboxExpiredError(SandboxNotFoundError):
     """The sandbox's ``ttl_s`` ran out: its processes were killed and it accepts no more commands."""
+
+
+class SandboxSnapshotError(SandboxError):
+    """A snapshot cannot be taken, used or deleted as asked (a provider without the capability, a
+    descriptor that does not match the provider's own record of it).
+
+    Not a ``SandboxCreateError``: asking again cannot succeed, so retry layers do not retry it.
+    """
+
+
+class SandboxSnapshotNotFoundError(SandboxSnapshotError, SandboxNotFoundError):
+    """The snapshot names none this provider holds: never taken here, taken by another provider, or deleted."""
 
 
 class SandboxPathError(SandboxError):
@@ -282,6 +298,8 @@ PUBLIC: dict[str, type[Exception]] = {
         SandboxPtyError,
         SandboxNotFoundError,
         SandboxExpiredError,
+        SandboxSnapshotError,
+        SandboxSnapshotNotFoundError,
         SandboxPathError,
         SandboxLimitError,
         SandboxTransferLimitError,

@@ -11,6 +11,7 @@ direction is ``SANDBOX_CREATE_ERRORS``: both libraries' create-failure classes i
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import enum
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from ._errors import (
     SandboxNotFoundError,
     SandboxPathError,
     SandboxPtyError,
+    SandboxSnapshotError,
     SandboxValueError,
 )
 from ._nemo import (
@@ -57,6 +59,7 @@ __all__ = [
     "SandboxPtySession",
     "SandboxPtySpec",
     "SandboxResources",
+    "SandboxSnapshot",
     "SandboxSpec",
     "SandboxStatus",
     "SandboxValueError",
@@ -70,6 +73,7 @@ __all__ = [
     "SupportsSandboxPtyAttach",
     "SupportsSandboxRuntimeRequirements",
     "SupportsSandboxSharedStorage",
+    "SupportsSandboxSnapshot",
 ]
 
 
@@ -304,7 +308,7 @@ class SandboxPtySession(Protocol):
     async def __aexit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None: ...
 
 
-# The ten optional capabilities of NeMo Gym 0.7.0, member for member.
+# The ten optional capabilities of NeMo Gym 0.7.0, member for member (then this package's own: list, snapshot).
 
 
 @runtime_checkable
@@ -423,6 +427,105 @@ class SupportsSandboxList(Protocol):
     async def list(self, *, metadata: Mapping[str, str] | None = None) -> builtins.list[SandboxListing]: ...
 
 
+_SNAPSHOT_FIELDS = ("snapshot_id", "provider", "created", "size_bytes", "metadata")
+
+
+@dataclass(frozen=True)
+class SandboxSnapshot:
+    """A sandbox's filesystem state as its provider keeps it until ``delete_snapshot``: a descriptor.
+
+    ``snapshot_id`` is the provider's own id, ``provider`` its ``name``, ``created`` seconds since the
+    epoch, ``size_bytes`` what the snapshot holds (the files' sizes, not the disk it costs), ``metadata``
+    the string labels given to ``snapshot`` (and stamped by layers such as ``OwnershipMiddleware``).
+    It pickles and round-trips through JSON (``to_dict``/``from_dict``), so another process on the
+    provider's host (a Ray worker) can ``create(spec, from_snapshot=...)`` from it. A descriptor is
+    not a credential: the provider checks it against its own record and refuses one that does not
+    match (``SandboxSnapshotNotFoundError``).
+    """
+
+    snapshot_id: str
+    provider: str
+    created: float
+    size_bytes: int
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("snapshot_id", "provider"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise SandboxValueError(f"SandboxSnapshot.{name} must be a non-empty string, got {value!r}")
+        if isinstance(self.created, bool) or not isinstance(self.created, (int, float)):
+            raise SandboxValueError(f"SandboxSnapshot.created must be seconds since the epoch, got {self.created!r}")
+        if isinstance(self.size_bytes, bool) or not isinstance(self.size_bytes, int) or self.size_bytes < 0:
+            raise SandboxValueError(f"SandboxSnapshot.size_bytes must be an int >= 0, got {self.size_bytes!r}")
+        if not isinstance(self.metadata, Mapping) or not all(
+            isinstance(key, str) and isinstance(value, str) for key, value in self.metadata.items()
+        ):
+            raise SandboxValueError(f"SandboxSnapshot.metadata must map strings to strings, got {self.metadata!r}")
+        object.__setattr__(self, "created", float(self.created))
+        object.__setattr__(self, "metadata", dict(self.metadata))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The descriptor as JSON-serializable values (``from_dict`` reads it back)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SandboxSnapshot:
+        """A descriptor from ``to_dict``'s mapping; a missing or unknown key is a ``SandboxValueError``."""
+        if not isinstance(data, Mapping):
+            raise SandboxValueError(f"a snapshot descriptor must be a mapping, not {type(data).__name__}")
+        missing = [name for name in _SNAPSHOT_FIELDS[:-1] if name not in data]
+        unknown = sorted(set(map(str, data)) - set(_SNAPSHOT_FIELDS))
+        if missing or unknown:
+            raise SandboxValueError(
+                f"a snapshot descriptor has the keys {', '.join(_SNAPSHOT_FIELDS)}"
+                + (f"; missing: {', '.join(missing)}" if missing else "")
+                + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+            )
+        return cls(**{name: data[name] for name in _SNAPSHOT_FIELDS if name in data})
+
+
+@runtime_checkable
+class SupportsSandboxSnapshot(Protocol):
+    """Snapshots of a sandbox's filesystem, and sandboxes made from them.
+
+    A provider with this capability also takes ``create(spec, from_snapshot=snapshot)``: a new
+    sandbox made from ``spec`` as usual (image, limits, env, TTL) whose filesystem starts as the
+    snapshot's. It is the one ``create`` operation, so every layer retries, admits, stamps, counts and
+    times it like any create (``Operation.extensions["from_snapshot"]``).
+
+    ``snapshot`` takes the state of the sandbox's working directory, or of ``paths`` (relative to the
+    working directory, or absolute inside the sandbox; a path that leaves the sandbox is a
+    ``SandboxPathError``), symlinks kept as links, while the sandbox runs; each provider documents
+    whether the copy is consistent as of one moment. No process state is kept. ``delete_snapshot``
+    frees it (a snapshot it does not hold: ``SandboxSnapshotNotFoundError``); ``list_snapshots``
+    lists those whose metadata contains every item of ``metadata``, including those of other
+    processes (what ``reap`` removes).
+    """
+
+    async def snapshot(
+        self,
+        handle: SandboxHandle,
+        *,
+        paths: builtins.list[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> SandboxSnapshot: ...
+
+    async def delete_snapshot(self, snapshot: SandboxSnapshot) -> None: ...
+
+    async def list_snapshots(self, *, metadata: Mapping[str, str] | None = None) -> builtins.list[SandboxSnapshot]: ...
+
+
+def snapshot_capable(provider: object, action: str) -> SupportsSandboxSnapshot:
+    """``provider`` as a ``SupportsSandboxSnapshot``, or the ``SandboxSnapshotError`` that says it is not one."""
+    if isinstance(provider, SupportsSandboxSnapshot):
+        return provider
+    raise SandboxSnapshotError(
+        f"cannot {action}: provider {getattr(provider, 'name', '?')!r} ({type(provider).__name__}) takes no "
+        "snapshots (no SupportsSandboxSnapshot); LocalProvider and DockerProvider do"
+    )
+
+
 CAPABILITIES: tuple[type, ...] = (
     SupportsSandboxEndpoint,
     ConnectableProvider,
@@ -435,5 +538,6 @@ CAPABILITIES: tuple[type, ...] = (
     SupportsSandboxRuntimeRequirements,
     SupportsSandboxBackgroundServices,
     SupportsSandboxList,
+    SupportsSandboxSnapshot,
 )
 """Every optional capability; a layer forwards each exactly when its inner provider has it."""

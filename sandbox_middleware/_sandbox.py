@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -14,10 +15,19 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from ._errors import SandboxError, SandboxNotStartedError
-from ._protocol import SandboxExecResult, SandboxHandle, SandboxProvider, SandboxSpec, SandboxStatus
+from ._errors import SandboxError, SandboxNotStartedError, SandboxValueError
+from ._protocol import (
+    SandboxExecResult,
+    SandboxHandle,
+    SandboxProvider,
+    SandboxSnapshot,
+    SandboxSpec,
+    SandboxStatus,
+    SupportsSandboxSnapshot,
+    snapshot_capable,
+)
 
-__all__ = ["Sandbox", "close_shielded"]
+__all__ = ["Forks", "Sandbox", "close_shielded"]
 
 logger = logging.getLogger("sandbox_middleware")
 
@@ -45,6 +55,10 @@ class Sandbox:
     ``create_timeout_s`` (default ``spec.ready_timeout_s``, else 600 s): a cancellation that
     arrives meanwhile takes effect once the handle is back, and the sandbox is closed first. The
     price is that cancelling a session waits for its in-flight create.
+
+    ``from_snapshot`` makes the sandbox from a ``SandboxSnapshot`` (``create(spec, from_snapshot=...)``
+    of a ``SupportsSandboxSnapshot`` provider); ``snapshot()`` takes one of this sandbox and
+    ``fork(n)`` makes ``n`` sandboxes from one.
     """
 
     def __init__(
@@ -56,8 +70,10 @@ class Sandbox:
         shield_create: bool = True,
         create_timeout_s: float | None = None,
         local_files: Mapping[str, str | Path] | None = None,
+        from_snapshot: SandboxSnapshot | None = None,
     ) -> None:
         self.provider = provider
+        self.from_snapshot = from_snapshot
         self.spec = spec if spec is not None else SandboxSpec()
         self.local_files = {target: Path(source) for target, source in (local_files or {}).items()}
         self.close_timeout_s = close_timeout_s
@@ -83,9 +99,9 @@ class Sandbox:
             raise SandboxError(f"sandbox {self._handle.sandbox_id!r} is already started")
         if self.shield_create:
             with anyio.CancelScope(shield=True), anyio.fail_after(self.create_timeout_s):
-                handle = await self.provider.create(self.spec)
+                handle = await self._create()
         else:
-            handle = await self.provider.create(self.spec)
+            handle = await self._create()
         self._handle = handle
         try:
             await anyio.lowlevel.checkpoint()  # a cancellation that arrived during the shielded create lands here
@@ -97,6 +113,12 @@ class Sandbox:
             await self._stop_after_failure()
             raise
         return handle
+
+    async def _create(self) -> SandboxHandle:
+        if self.from_snapshot is None:
+            return await self.provider.create(self.spec)
+        snapshot_capable(self.provider, "create a sandbox from a snapshot")
+        return await self.provider.create(self.spec, from_snapshot=self.from_snapshot)  # type: ignore[call-arg]
 
     async def _write_files(self, handle: SandboxHandle) -> None:
         """``spec.files``: each text written to a local temporary file, uploaded, then removed."""
@@ -154,6 +176,36 @@ class Sandbox:
     async def status(self) -> SandboxStatus:
         return await self.provider.status(self.handle)
 
+    async def snapshot(
+        self, *, paths: list[str] | None = None, metadata: Mapping[str, str] | None = None
+    ) -> SandboxSnapshot:
+        """A snapshot of this sandbox's filesystem (its working directory, or ``paths``); the caller
+        deletes it (``delete_snapshot``) or ``reap`` does, once this run is over."""
+        provider = snapshot_capable(self.provider, "take a snapshot")
+        return await provider.snapshot(self.handle, paths=paths, metadata=metadata)
+
+    def fork(
+        self,
+        n: int,
+        spec: SandboxSpec | None = None,
+        *,
+        keep_snapshot: bool = False,
+        paths: list[str] | None = None,
+    ) -> Forks:
+        """``n`` new sandboxes whose filesystem starts as this one's now: one snapshot, ``n`` creates
+        from it at once. Each is made from ``spec`` (default: this sandbox's spec without its
+        ``files``, which the snapshot already holds), so its limits, env and TTL are its own.
+
+        ``forks = await sandbox.fork(8)`` gives the started ``Sandbox`` objects (the caller stops
+        each); ``async with sandbox.fork(8) as forks:`` also stops them all on the way out. The
+        snapshot is deleted once the last fork is made, unless ``keep_snapshot`` (``Forks.snapshot``
+        then holds it). If any create fails or is cancelled, the forks made are closed and the
+        snapshot deleted (shielded, bounded by ``close_timeout_s``) before the error propagates.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SandboxValueError(f"Sandbox.fork(n): n must be an int >= 1, got {n!r}")
+        return Forks(self, n, spec, keep_snapshot=keep_snapshot, paths=paths)
+
     async def __aenter__(self) -> Sandbox:
         await self.start()
         return self
@@ -165,3 +217,80 @@ class Sandbox:
             await self.stop()
         else:
             await self._stop_after_failure()
+
+
+class Forks:
+    """What ``Sandbox.fork`` returns: awaited, the list of started forks; entered, the same list,
+    every fork stopped on exit (shielded, bounded). ``snapshot`` is the snapshot they were made from
+    while it is kept (``keep_snapshot=True``), else None once the forks are made."""
+
+    def __init__(
+        self, parent: Sandbox, n: int, spec: SandboxSpec | None, *, keep_snapshot: bool, paths: list[str] | None
+    ) -> None:
+        self._parent = parent
+        self._n = n
+        self._spec = spec if spec is not None else dataclasses.replace(parent.spec, files={})
+        self._keep = keep_snapshot
+        self._paths = paths
+        self.snapshot: SandboxSnapshot | None = None
+        self.sandboxes: list[Sandbox] = []
+
+    def __await__(self) -> Generator[Any, None, list[Sandbox]]:
+        return self._make().__await__()
+
+    async def _make(self) -> list[Sandbox]:
+        if self.sandboxes:
+            raise SandboxError("these forks are already made; fork again for more")
+        parent = self._parent
+        provider = snapshot_capable(parent.provider, "fork a sandbox")
+        snapshot = await provider.snapshot(parent.handle, paths=self._paths)
+        forks = [
+            Sandbox(
+                parent.provider,
+                self._spec,
+                close_timeout_s=parent.close_timeout_s,
+                shield_create=parent.shield_create,
+                create_timeout_s=parent.create_timeout_s,
+                from_snapshot=snapshot,
+            )
+            for _ in range(self._n)
+        ]
+        try:
+            async with anyio.create_task_group() as group:
+                for fork in forks:
+                    group.start_soon(fork.start)
+        except BaseException:
+            await self._undo(provider, forks, snapshot)
+            raise
+        if self._keep:
+            self.snapshot = snapshot
+        else:
+            await self._delete(provider, snapshot)
+        self.sandboxes = forks
+        return forks
+
+    async def _undo(self, provider: SupportsSandboxSnapshot, forks: list[Sandbox], snapshot: SandboxSnapshot) -> None:
+        """After a failed fork: every fork made is stopped and the snapshot deleted; their own failures
+        are logged, never raised over the error that is propagating."""
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as group:
+                for fork in forks:
+                    group.start_soon(fork._stop_after_failure)
+            try:
+                await self._delete(provider, snapshot)
+            except Exception:
+                logger.warning("could not delete snapshot %s after a failed fork", snapshot.snapshot_id, exc_info=True)
+
+    async def _delete(self, provider: SupportsSandboxSnapshot, snapshot: SandboxSnapshot) -> None:
+        with anyio.CancelScope(shield=True), anyio.fail_after(self._parent.close_timeout_s):
+            await provider.delete_snapshot(snapshot)
+
+    async def __aenter__(self) -> list[Sandbox]:
+        return await self._make()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        async with anyio.create_task_group() as group:
+            for fork in self.sandboxes:
+                group.start_soon(fork.stop if exc is None else fork._stop_after_failure)

@@ -135,7 +135,7 @@ def _call_args(protocol: type, method: str, handle: SandboxHandle) -> tuple[tupl
 
 
 def test_every_capability_of_nemo_gym_is_in_the_table() -> None:
-    """The ten optional capabilities of NeMo Gym 0.7.0, by name, and our listing capability."""
+    """The ten optional capabilities of NeMo Gym 0.7.0, by name, and our listing and snapshot capabilities."""
     assert sorted(protocol.__name__ for protocol in CAPABILITIES) == [
         "ConnectableProvider",
         "SupportsSandboxBackgroundServices",
@@ -148,6 +148,7 @@ def test_every_capability_of_nemo_gym_is_in_the_table() -> None:
         "SupportsSandboxPtyAttach",
         "SupportsSandboxRuntimeRequirements",
         "SupportsSandboxSharedStorage",
+        "SupportsSandboxSnapshot",
     ]
 
 
