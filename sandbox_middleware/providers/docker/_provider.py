@@ -37,7 +37,8 @@ from ..._errors import (
     SandboxTransferLimitError,
 )
 from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
-from .._common._arguments import check_text, checked_env, checked_exec, fspath, sandbox_id_of
+from .._common._arguments import check_text, checked_env, fspath, sandbox_id_of
+from .._common._base import ExecCall, ProviderBase
 from .._common._deadlines import checked_ttl, exec_deadline
 from .._common._limits import LIMIT_BOUNDS, Limits, file_max
 from . import _identity, _pools
@@ -79,7 +80,7 @@ _STATUS = {
 }
 
 
-class DockerProvider:
+class DockerProvider(ProviderBase):
     """Sandboxes as containers of a Docker daemon (``socket``; unset, ``DOCKER_HOST``'s ``unix://`` path, else
     ``/var/run/docker.sock``), over its Engine API, under the daemon's default OCI runtime or ``runtime``
     (``"runsc"``: gVisor), checked against the daemon's ``Runtimes``; see docs/docker-provider.md.
@@ -686,22 +687,12 @@ class DockerProvider:
 
     # --- commands ----------------------------------------------------------------------------------
 
-    async def exec(
-        self,
-        handle: SandboxHandle,
-        command: str,
-        *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout_s: int | float | None = None,
-        user: str | int | None = None,
-    ) -> SandboxExecResult:
-        call_env, timeout = checked_exec(command, env, timeout_s)
+    async def _exec(self, handle: SandboxHandle, call: ExecCall) -> SandboxExecResult:
         box = self._box(handle)
-        workdir = box.cwd if cwd is None else box.cwd / check_text(cwd, "cwd")
-        as_user = _identity.exec_user(user, box.user, box.container)
-        deadline = exec_deadline(timeout, box.remaining())
-        return await self._commands.run(handle, box, command, call_env, workdir, as_user, deadline)
+        workdir = box.cwd if call.cwd is None else box.cwd / check_text(call.cwd, "cwd")
+        as_user = _identity.exec_user(call.user, box.user, box.container)
+        deadline = exec_deadline(call.timeout_s, box.remaining())
+        return await self._commands.run(handle, box, call.command, call.env, workdir, as_user, deadline)
 
     # --- files -----------------------------------------------------------------------------------
 

@@ -42,7 +42,6 @@ from .._common._arguments import (
     SYSTEM_DIRS,
     check_text,
     checked_env,
-    checked_exec,
     checked_ro_path,
     checked_view_root,
     fspath,
@@ -50,6 +49,7 @@ from .._common._arguments import (
     sandbox_id_of,
     sandbox_parts,
 )
+from .._common._base import ExecCall, ProviderBase
 from .._common._deadlines import checked_ttl, exec_deadline
 from .._common._limits import LIMIT_BOUNDS, Limits
 from .._common._uids import UidLease
@@ -96,7 +96,7 @@ Shape = tuple[Limits, PurePosixPath]  # what makes sandboxes interchangeable for
 logger = logging.getLogger("sandbox_middleware")
 
 
-class LocalProvider:
+class LocalProvider(ProviderBase):
     """Sandboxes on this machine, each a fresh directory; see docs/local-provider.md, "Security model".
 
     Commands run ``bash -c`` with stdin from ``/dev/null`` and a clean environment (``PATH``,
@@ -533,42 +533,32 @@ class LocalProvider:
 
     # --- commands ----------------------------------------------------------------------------------
 
-    async def exec(
-        self,
-        handle: SandboxHandle,
-        command: str,
-        *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout_s: int | float | None = None,
-        user: str | int | None = None,
-    ) -> SandboxExecResult:
-        call_env, timeout = checked_exec(command, env, timeout_s)
+    async def _exec(self, handle: SandboxHandle, call: ExecCall) -> SandboxExecResult:
         box = self._box(handle)
-        if user is not None:
+        if call.user is not None:
             raise SandboxError("LocalProvider runs commands as the current user; user= is not supported")
         parts = box.cwd
-        if cwd is not None:  # the default was made at create; under bwrap a swapped one resolves inside anyway
-            parts = sandbox_parts(cwd, box.roots, "cwd")
+        if call.cwd is not None:  # the default was made at create; under bwrap a swapped one resolves inside anyway
+            parts = sandbox_parts(call.cwd, box.roots, "cwd")
             try:
-                await anyio.to_thread.run_sync(check_directory, box.root, parts, cwd)
+                await anyio.to_thread.run_sync(check_directory, box.root, parts, call.cwd)
             except SandboxError as exc:
                 raise SandboxError(
-                    f"LocalProvider: cwd {cwd!r} is not a directory in sandbox {handle.sandbox_id!r}; "
+                    f"LocalProvider: cwd {call.cwd!r} is not a directory in sandbox {handle.sandbox_id!r}; "
                     f"create it first ({exc})"
                 ) from exc
-        child_env = {**self._base_env(box), **box.env, **call_env}
+        child_env = {**self._base_env(box), **box.env, **call.env}
         remaining = None if box.deadline is None else max(0.0, box.deadline - time.monotonic())
-        deadline = exec_deadline(timeout, remaining)
+        deadline = exec_deadline(call.timeout_s, remaining)
         try:
             if self._bwrap is not None:  # a message to the sandbox's starter, which starts it inside
                 starter = box.starter
                 if starter is None:
                     starter = await anyio.to_thread.run_sync(self._starter_of, box, handle.sandbox_id)
                 inside = str(box.view_root.joinpath(*parts))
-                start = partial(starter.run, ["bash", "-c", command], child_env, inside)
+                start = partial(starter.run, ["bash", "-c", call.command], child_env, inside)
             else:
-                argv = box.launch.argv(["bash", "-c", command])
+                argv = box.launch.argv(["bash", "-c", call.command])
                 start = partial(run_process, box, handle, argv, box.root.joinpath(*parts), child_env)
             return await run_command(handle, box, start, deadline, self._max_output)
         except OSError as exc:  # out of descriptors or memory for pipes and memfds, say
