@@ -46,9 +46,10 @@ def _members(protocol: type) -> dict[str, list[tuple[str, Any, Any]]]:
 
 def test_ten_protocols_all_in_our_table() -> None:
     """NeMo Gym 0.7.0 has ten capability protocols; each is in CAPABILITIES under its name (beside our
-    own listing capability, which NeMo Gym does not have)."""
+    own listing and snapshot capabilities, which NeMo Gym does not have)."""
     assert len(NEMO_CAPABILITIES) == 10
-    ours = sorted(p.__name__ for p in CAPABILITIES if p is not sandbox_middleware.SupportsSandboxList)
+    own = (sandbox_middleware.SupportsSandboxList, sandbox_middleware.SupportsSandboxSnapshot)
+    ours = sorted(p.__name__ for p in CAPABILITIES if p not in own)
     assert sorted(p.__name__ for p in NEMO_CAPABILITIES) == ours
 
 
