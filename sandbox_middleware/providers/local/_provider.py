@@ -366,8 +366,8 @@ class LocalProvider:
             drop_maker(box.outer)  # its record names its owner now (a spare's maker went with its SPARE_RECORD)
             with open_directory(box.root, cwd, "spec.workdir", create=True, owner=box.uid):
                 pass
-        except BaseException as exc:
-            leftovers = self._teardown(box)
+        except BaseException as exc:  # a fork's snapshot cannot have been deleted meanwhile: _make_fork holds it
+            leftovers = teardown(box, self._base)
             if isinstance(exc, OSError):
                 suffix = f"; could not remove {leftovers}" if leftovers else ""
                 raise SandboxCreateError(f"LocalProvider: cannot create a sandbox: {exc}{suffix}") from exc
