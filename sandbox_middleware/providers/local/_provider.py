@@ -127,6 +127,10 @@ class LocalProvider:
     absolute, else at ``/workspace``. ``isolation="none"`` runs commands as this process's user
     with the host's whole filesystem in view: limits and the clean environment still hold, but it
     is no security boundary.
+
+    Snapshots (``SupportsSandboxSnapshot``) are copies of a sandbox's files in ``base_dir``; a sandbox
+    created from one (a fork) starts as an overlay on it, its writes in its own tmpfs (``_snapshots.py``;
+    docs/local-provider.md, "Snapshots and forks").
     """
 
     name = "local"

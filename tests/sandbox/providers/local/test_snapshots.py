@@ -302,3 +302,45 @@ async def test_a_snapshot_half_made_by_a_killed_process_is_swept(sandbox_base: P
         for listing in await provider.list():  # the dead process's sandbox, whole: reap's to close
             await provider.close(listing.handle)
         await provider.aclose()
+
+
+_FORKER = """
+import anyio, json, sys
+from sandbox_middleware import LocalProvider, SandboxSnapshot, SandboxSpec
+
+async def main():
+    provider = LocalProvider(base_dir=sys.argv[1], prestart=False)
+    fork = await provider.create(SandboxSpec(), from_snapshot=SandboxSnapshot.from_dict(json.loads(sys.argv[2])))
+    print((await provider.exec(fork, "cat f")).stdout.strip(), flush=True)
+    await anyio.sleep(600)
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # one backend is enough for a process killed on purpose
+async def test_a_fork_in_another_process_keeps_a_deleted_snapshot_until_it_is_closed(
+    local: LocalProvider, sandbox_base: Path
+) -> None:
+    """A descriptor (JSON) used in another process; that process is SIGKILLed with its fork alive: the
+    snapshot deleted here stays for that fork, whose close (a listed handle, as reap closes it) removes it."""
+    parent = await local.create(SandboxSpec())
+    await run(local, parent, "echo from-parent > f")
+    snapshot = await local.snapshot(parent)
+    argv = [sys.executable, "-c", _FORKER, str(sandbox_base), json.dumps(snapshot.to_dict())]
+    async with await anyio.open_process(argv) as child:
+        try:
+            assert child.stdout is not None
+            with anyio.fail_after(60):
+                assert (await child.stdout.receive()).strip() == b"from-parent"
+        finally:
+            child.send_signal(signal.SIGKILL)
+            with anyio.CancelScope(shield=True):
+                await child.wait()
+    await local.delete_snapshot(snapshot)
+    assert await local.list_snapshots() == [] and len(snapshot_dirs(sandbox_base)) == 1
+    LocalProvider(base_dir=sandbox_base, prestart=False)  # its sweep leaves it: a fork names it
+    assert len(snapshot_dirs(sandbox_base)) == 1
+    [orphan] = [listing.handle for listing in await local.list() if listing.handle.sandbox_id != parent.sandbox_id]
+    await local.close(orphan)
+    assert snapshot_dirs(sandbox_base) == []
