@@ -30,6 +30,7 @@ from sandbox_middleware import (
 )
 from sandbox_middleware.providers.local._cgroups import CgroupBackend
 from tests.leftovers import mounts_below, sandbox_dirs, spare_dirs
+from tests.sandbox.providers.local.containment._support import run_unprivileged
 
 pytestmark = pytest.mark.anyio
 
@@ -344,3 +345,29 @@ async def test_a_fork_in_another_process_keeps_a_deleted_snapshot_until_it_is_cl
     [orphan] = [listing.handle for listing in await local.list() if listing.handle.sandbox_id != parent.sandbox_id]
     await local.close(orphan)
     assert snapshot_dirs(sandbox_base) == []
+
+
+_UNPRIVILEGED = """
+import anyio, json, os, sys
+from sandbox_middleware import LocalProvider, SandboxSpec
+
+async def main():
+    provider = LocalProvider(isolation="none", base_dir=os.path.join(sys.argv[1], "boxes"))
+    parent = await provider.create(SandboxSpec())
+    await provider.exec(parent, "mkdir d && echo one > d/f && ln -s d/f link")
+    snapshot = await provider.snapshot(parent)
+    fork = await provider.create(SandboxSpec(), from_snapshot=snapshot)
+    seen = (await provider.exec(fork, "cat d/f; readlink link; echo two > d/f; echo new > n")).stdout
+    after = (await provider.exec(parent, "cat d/f; ls")).stdout
+    await provider.delete_snapshot(snapshot)
+    await provider.aclose()
+    print(json.dumps({"seen": seen, "after": after, "left": sorted(os.listdir(os.path.join(sys.argv[1], "boxes")))}))
+
+anyio.run(main)
+"""
+
+
+def test_without_the_right_to_mount_a_fork_starts_as_a_copy(sandbox_base: Path) -> None:
+    """As a user who may not mount (no overlay), a fork's files are a copy of the snapshot's: as isolated."""
+    result = run_unprivileged(_UNPRIVILEGED, sandbox_base)
+    assert result == {"seen": "one\nd/f\n", "after": "one\nd\nlink\n", "left": []}
