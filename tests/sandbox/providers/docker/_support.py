@@ -2,7 +2,7 @@
 with REQUIRE_DOCKER=1; ``DOCKER_HOST=unix://PATH`` names another, Podman's say, as it does for the
 provider), the OCI runtime their sandboxes run under (``SANDBOX_DOCKER_RUNTIME``, e.g. ``runsc``),
 the test images (built by scripts/build-docker-images.sh when missing, never pulled), and the removal
-of every container a test session made (by its label), even after a failure."""
+of every container and snapshot image a test session made (by its label), even after a failure."""
 
 from __future__ import annotations
 
@@ -154,6 +154,23 @@ def remove_containers(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[
     with engine(socket) as client:
         for container in found:
             client.delete(f"/containers/{container}", params={"force": "1", "v": "1"})
+    return found
+
+
+def images(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
+    """Ids of the images carrying ``label`` (``key=value``): snapshots (whose metadata the label is)."""
+    with engine(socket) as client:
+        reply = client.get("/images/json", params={"filters": json.dumps({"label": [label]})})
+        reply.raise_for_status()
+        return [str(image["Id"]) for image in reply.json()]
+
+
+def remove_images(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
+    """Force-remove the images carrying ``label`` (never their parents); returns their ids."""
+    found = images(label, socket)
+    with engine(socket) as client:
+        for image in found:
+            client.delete(f"/images/{image}", params={"force": "1", "noprune": "1"})
     return found
 
 
