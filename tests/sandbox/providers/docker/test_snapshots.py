@@ -4,10 +4,12 @@ descriptor; nothing is left behind (containers, helpers and images, found by thi
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
+import tarfile
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -26,7 +28,8 @@ from sandbox_middleware import (
     SandboxStatus,
     SupportsSandboxSnapshot,
 )
-from sandbox_middleware.providers.docker._snapshots import REPOSITORY, SNAPSHOT
+from sandbox_middleware.providers.docker._archive import TarEntries
+from sandbox_middleware.providers.docker._snapshots import REPOSITORY, SNAPSHOT, _renamer, _rewritten, _Sizes
 
 from ._support import (
     BUSYBOX,
@@ -368,3 +371,72 @@ async def test_a_fork_may_take_a_spare_of_its_shape(make: Callable[..., DockerPr
     await provider.close(fork)
     await provider.aclose()
     assert _left(tag) == ([], [])
+
+
+# --- the archive rewriting, without a daemon -------------------------------------------------------
+
+
+def _archive(*members: tuple[tarfile.TarInfo, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for info, data in members:
+            archive.addfile(info, io.BytesIO(data) if data else None)
+    return buffer.getvalue()
+
+
+def _member(
+    name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", mode: int = 0o644, link: str = ""
+) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.mode, info.linkname, info.uid = kind, len(data), mode, link, 1_500_000_123
+    return info, data
+
+
+async def _rewrite(archive: bytes, source: str, prefix: list[str]) -> list[tarfile.TarInfo]:
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(archive), 333):
+            yield archive[start : start + 333]
+
+    entries = TarEntries(chunks(), "the test's archive")
+    out = b"".join(
+        [piece async for piece in _rewritten(entries, _renamer(source, prefix, keep_root=True), (7, 8), _Sizes())]
+    )
+    with tarfile.open(fileobj=io.BytesIO(out)) as archive_out:
+        return archive_out.getmembers()
+
+
+async def test_an_archive_is_renamed_owned_and_stripped_of_what_a_snapshot_does_not_keep() -> None:
+    """Long names (PAX) survive; every entry is the new owner's; setuid and setgid go, devices are left
+    out; a symlink's target is kept as it is, a hard link renamed like its file."""
+    long = "src/" + "d" * 150 + "/file"
+    archive = _archive(
+        _member("src", tarfile.DIRTYPE, mode=0o755),
+        _member(long, data=b"payload", mode=0o6755),
+        _member("src/link", tarfile.SYMTYPE, link="/etc/passwd"),
+        _member("src/hard", tarfile.LNKTYPE, link=long),
+        _member("src/null", tarfile.CHRTYPE),
+        _member("src/fifo", tarfile.FIFOTYPE),
+    )
+    members = await _rewrite(archive, "src", [".snap", "work"])
+    assert [member.name for member in members] == [
+        ".snap/work",
+        f".snap/work/{long[4:]}",
+        ".snap/work/link",
+        ".snap/work/hard",
+        ".snap/work/fifo",
+    ]
+    assert all((member.uid, member.gid) == (7, 8) for member in members)
+    assert members[1].mode == 0o755 and members[2].linkname == "/etc/passwd"
+    assert members[3].linkname == f".snap/work/{long[4:]}"
+
+
+@pytest.mark.parametrize("name", ["other/x", "src/../etc/x", "src//x", "src/./x"])
+async def test_an_entry_outside_the_archived_path_is_refused(name: str) -> None:
+    with pytest.raises(SandboxSnapshotError, match="outside"):
+        await _rewrite(_archive(_member("src", tarfile.DIRTYPE), _member(name, data=b"x")), "src", ["work"])
+
+
+async def test_a_hard_link_out_of_the_archive_is_refused() -> None:
+    archive = _archive(_member("src", tarfile.DIRTYPE), _member("src/h", tarfile.LNKTYPE, link="../etc/passwd"))
+    with pytest.raises(SandboxSnapshotError):
+        await _rewrite(archive, "src", ["work"])
