@@ -140,38 +140,40 @@ def build_failure(*names: str, env: Mapping[str, str] | None = None) -> str | No
     return f"scripts/{BUILD.name} failed (exit {done.returncode}):\n{said}"
 
 
+def _labelled(kind: str, label: str, socket: str) -> list[str]:
+    """Ids of the ``kind`` (``containers``, running or not, or ``images``) carrying ``label`` (``key=value``)."""
+    with engine(socket) as client:
+        reply = client.get(f"/{kind}/json", params={"all": "1", "filters": json.dumps({"label": [label]})})
+        reply.raise_for_status()
+        return [str(found["Id"]) for found in reply.json()]
+
+
+def _removed(kind: str, label: str, socket: str, params: Mapping[str, str]) -> list[str]:
+    found = _labelled(kind, label, socket)
+    with engine(socket) as client:
+        for thing in found:
+            client.delete(f"/{kind}/{thing}", params=params)
+    return found
+
+
 def containers(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
     """Ids of the containers (running or not) carrying ``label`` (``key=value``)."""
-    with engine(socket) as client:
-        reply = client.get("/containers/json", params={"all": "1", "filters": json.dumps({"label": [label]})})
-        reply.raise_for_status()
-        return [str(container["Id"]) for container in reply.json()]
+    return _labelled("containers", label, socket)
 
 
 def remove_containers(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
     """Force-remove (with their volumes) the containers carrying ``label``; returns their ids."""
-    found = containers(label, socket)
-    with engine(socket) as client:
-        for container in found:
-            client.delete(f"/containers/{container}", params={"force": "1", "v": "1"})
-    return found
+    return _removed("containers", label, socket, {"force": "1", "v": "1"})
 
 
 def images(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
     """Ids of the images carrying ``label`` (``key=value``): snapshots (whose metadata the label is)."""
-    with engine(socket) as client:
-        reply = client.get("/images/json", params={"filters": json.dumps({"label": [label]})})
-        reply.raise_for_status()
-        return [str(image["Id"]) for image in reply.json()]
+    return _labelled("images", label, socket)
 
 
 def remove_images(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
     """Force-remove the images carrying ``label`` (never their parents); returns their ids."""
-    found = images(label, socket)
-    with engine(socket) as client:
-        for image in found:
-            client.delete(f"/images/{image}", params={"force": "1", "noprune": "1"})
-    return found
+    return _removed("images", label, socket, {"force": "1", "noprune": "1"})
 
 
 def free_claims(socket: str = SOCKET, *, daemon_gone: bool = False) -> list[int]:

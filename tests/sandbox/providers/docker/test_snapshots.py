@@ -21,6 +21,7 @@ from sandbox_middleware import (
     DockerProvider,
     Sandbox,
     SandboxArgumentError,
+    SandboxHandle,
     SandboxPathError,
     SandboxSnapshot,
     SandboxSnapshotError,
@@ -65,6 +66,17 @@ def _left(tag: str) -> tuple[list[dict[str, Any]], list[str]]:
     return on_daemon(tag), images(f"sandbox_middleware.docker.meta.{TAG}={tag}")
 
 
+async def _done(
+    provider: DockerProvider, tag: str, *handles: SandboxHandle, deleted: tuple[SandboxSnapshot, ...] = ()
+) -> None:
+    """Delete ``deleted``, close ``handles``: nothing of this test is left on the daemon."""
+    for snapshot in deleted:
+        await provider.delete_snapshot(snapshot)
+    for handle in handles:
+        await provider.close(handle)
+    assert _left(tag) == ([], [])
+
+
 async def _out(provider: DockerProvider, handle: object, command: str) -> str:
     result = await provider.exec(handle, command)  # type: ignore[arg-type]
     assert result.return_code == 0, result
@@ -99,9 +111,7 @@ async def test_forks_start_as_the_snapshot_and_are_isolated_both_ways(
     assert await _out(provider, parent, "ls src; cat src/a.txt") == "a.txt\ndeep\nlink\nparent-only\nchanged\n"
     await provider.delete_snapshot(snapshot)
     assert await _out(provider, forks[1], "cat src/a.txt") == "one\n", "forks run on once the snapshot is deleted"
-    for box in (parent, *forks):
-        await provider.close(box)
-    assert _left(tag) == ([], [])
+    await _done(provider, tag, parent, *forks)
 
 
 async def test_a_fork_has_its_own_spec_limits_env_files_and_ttl(make: Callable[..., DockerProvider], tag: str) -> None:
@@ -121,10 +131,7 @@ async def test_a_fork_has_its_own_spec_limits_env_files_and_ttl(make: Callable[.
     assert info["HostConfig"]["ReadonlyRootfs"] and info["HostConfig"]["CapDrop"] == ["ALL"]
     assert "sandbox_middleware.docker.expires_at" in info["Config"]["Labels"]
     assert not any("SECRET" in variable for variable in image["Config"]["Env"] or [])
-    await provider.delete_snapshot(snapshot)
-    await provider.close(parent)
-    await provider.close(fork)
-    assert _left(tag) == ([], [])
+    await _done(provider, tag, parent, fork, deleted=(snapshot,))
 
 
 async def test_paths_relative_absolute_and_in_tmp(make: Callable[..., DockerProvider], tag: str) -> None:
@@ -139,10 +146,7 @@ async def test_paths_relative_absolute_and_in_tmp(make: Callable[..., DockerProv
     assert await _out(provider, fork, "ls -R /workspace; ls /tmp") == (
         "/workspace:\nsrc\n\n/workspace/src:\ndeep\n\n/workspace/src/deep:\nb.txt\nt\n"
     )
-    await provider.delete_snapshot(snapshot)
-    await provider.close(parent)
-    await provider.close(fork)
-    assert _left(tag) == ([], [])
+    await _done(provider, tag, parent, fork, deleted=(snapshot,))
 
 
 @pytest.mark.parametrize(
@@ -163,8 +167,7 @@ async def test_hostile_snapshot_paths_are_refused_and_read_nothing(
         await provider.snapshot(parent, paths=[path], metadata=_meta(tag))
     assert await provider.status(parent) == SandboxStatus.RUNNING
     assert await _out(provider, parent, "cat d/file") == "f\n"
-    await provider.close(parent)
-    assert _left(tag) == ([], [])
+    await _done(provider, tag, parent)
 
 
 async def test_a_symlink_inside_is_kept_as_a_link_and_nothing_is_read_through_it(
@@ -177,10 +180,7 @@ async def test_a_symlink_inside_is_kept_as_a_link_and_nothing_is_read_through_it
     assert snapshot.size_bytes == 2, "only the regular file's bytes: no target was read"
     fork = await provider.create(tagged(tag), from_snapshot=snapshot)
     assert await _out(provider, fork, "readlink passwd; readlink root; cat x") == "/etc/passwd\n/\nx\n"
-    await provider.delete_snapshot(snapshot)
-    await provider.close(parent)
-    await provider.close(fork)
-    assert _left(tag) == ([], [])
+    await _done(provider, tag, parent, fork, deleted=(snapshot,))
 
 
 async def test_the_descriptor_round_trips_and_serves_a_second_provider(
@@ -208,9 +208,8 @@ async def test_the_descriptor_round_trips_and_serves_a_second_provider(
             await provider.create(tagged(tag), from_snapshot=snapshot)
         with pytest.raises(SandboxSnapshotNotFoundError):
             await provider.delete_snapshot(snapshot)
-    await first.close(parent)
     await second.close(fork)
-    assert _left(tag) == ([], [])
+    await _done(first, tag, parent)
 
 
 async def test_hostile_descriptors_are_not_found_and_nothing_is_removed(
@@ -251,11 +250,9 @@ async def test_hostile_descriptors_are_not_found_and_nothing_is_removed(
     assert [listed.snapshot_id for listed in await provider.list_snapshots(metadata={TAG: tag})] == [
         snapshot.snapshot_id
     ]
-    await provider.delete_snapshot(snapshot)
-    await provider.close(parent)
     with engine() as client:
         client.delete(f"/images/{REPOSITORY}:{forged}", params={"force": "1", "noprune": "1"})
-    assert _left(tag) == ([], [])
+    await _done(provider, tag, parent, deleted=(snapshot,))
 
 
 def _forge_other_daemon(client: httpx.Client, tag: str) -> str:
@@ -295,9 +292,7 @@ async def test_a_fork_must_run_the_snapshots_image_and_fit_its_own_disk(
     with pytest.raises(SandboxSnapshotError, match="more than the new sandbox's"):
         await small.create(tagged(tag), from_snapshot=snapshot)
     assert [container["Id"] for container in on_daemon(tag)] == [parent.sandbox_id]
-    await provider.delete_snapshot(snapshot)
-    await provider.close(parent)
-    assert _left(tag) == ([], [])
+    await _done(provider, tag, parent, deleted=(snapshot,))
 
 
 async def test_a_snapshot_is_taken_paused_and_leaves_a_paused_sandbox_paused(
@@ -336,11 +331,7 @@ async def test_a_snapshot_is_taken_paused_and_leaves_a_paused_sandbox_paused(
     again = await provider.snapshot(parent, metadata=_meta(tag))
     assert await provider.status(parent) == SandboxStatus.PAUSED
     await provider.resume(parent)
-    for made in (snapshot, again):
-        await provider.delete_snapshot(made)
-    await provider.close(parent)
-    await provider.close(fork)
-    assert _left(tag) == ([], [])
+    await _done(provider, tag, parent, fork, deleted=(snapshot, again))
 
 
 async def test_sandbox_fork_through_the_facade(make: Callable[..., DockerProvider], tag: str) -> None:
@@ -366,11 +357,8 @@ async def test_a_fork_may_take_a_spare_of_its_shape(make: Callable[..., DockerPr
     assert fork.sandbox_id == spare["Id"]
     contents, owner, uid = (await _out(provider, fork, "cat src/a.txt; stat -c %u src/a.txt; id -u")).split()
     assert contents == "one" and owner == uid
-    await provider.delete_snapshot(snapshot)
-    await provider.close(parent)
-    await provider.close(fork)
-    await provider.aclose()
-    assert _left(tag) == ([], [])
+    await provider.aclose()  # its next spare too
+    await _done(provider, tag, parent, fork, deleted=(snapshot,))
 
 
 # --- the archive rewriting, without a daemon -------------------------------------------------------
