@@ -67,13 +67,20 @@ def _left(tag: str) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 async def _done(
-    provider: DockerProvider, tag: str, *handles: SandboxHandle, deleted: tuple[SandboxSnapshot, ...] = ()
+    provider: DockerProvider,
+    tag: str,
+    *handles: SandboxHandle,
+    deleted: tuple[SandboxSnapshot, ...] = (),
+    aclose: bool = False,
 ) -> None:
-    """Delete ``deleted``, close ``handles``: nothing of this test is left on the daemon."""
+    """Delete ``deleted``, close ``handles`` (``aclose``: and the provider, its spare): nothing of this test
+    is left on the daemon."""
     for snapshot in deleted:
         await provider.delete_snapshot(snapshot)
     for handle in handles:
         await provider.close(handle)
+    if aclose:
+        await provider.aclose()
     assert _left(tag) == ([], [])
 
 
@@ -358,8 +365,7 @@ async def test_a_fork_may_take_a_spare_of_its_shape(make: Callable[..., DockerPr
     assert fork.sandbox_id == spare["Id"]
     contents, owner, uid = (await _out(provider, fork, "cat src/a.txt; stat -c %u src/a.txt; id -u")).split()
     assert contents == "one" and owner == uid
-    await provider.aclose()  # its next spare too
-    await _done(provider, tag, parent, fork, deleted=(snapshot,))
+    await _done(provider, tag, parent, fork, deleted=(snapshot,), aclose=True)
 
 
 # --- the archive rewriting, without a daemon -------------------------------------------------------
