@@ -340,6 +340,7 @@ async def test_capabilities_and_pickling(make: Callable[..., DockerProvider]) ->
         "ConnectableProvider",
         "SupportsSandboxPauseResume",
         "SupportsSandboxList",
+        "SupportsSandboxSnapshot",
     }
     assert isinstance(provider, SupportsSandboxList | SupportsSandboxPauseResume)
     copy = pickle.loads(pickle.dumps(provider))
