@@ -257,6 +257,7 @@ async def test_spans_carry_provider_id_and_names(telemetry: TelemetryCapture, tm
     provider = TracingMiddleware(FaultInjectingProvider(), tracer_provider=telemetry.tracer_provider)
     handle = await provider.create(SandboxSpec())
     await provider.exec(handle, "echo secret-token", env={"API_KEY": "hunter2"})
+    (tmp_path / "a").write_text("a")
     await provider.upload_file(handle, tmp_path / "a", "a")
     await provider.download_file(handle, "a", tmp_path / "b")
     await provider.status(handle)
