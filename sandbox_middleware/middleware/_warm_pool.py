@@ -399,6 +399,8 @@ class WarmPoolMiddleware(ProviderMiddleware):
         key = spec_key(pool.spec, pool.snapshot)
         if self._pools.get(key) is pool:  # not a pool made since for the same key
             del self._pools[key]
+        if self._refilled is not None:
+            self._refilled.set()  # wait_ready waits for this pool no more
 
     async def aclose(self) -> None:
         self._draining = True
