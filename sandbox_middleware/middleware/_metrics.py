@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import builtins
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 from opentelemetry.metrics import Counter, Histogram, MeterProvider
@@ -122,17 +121,11 @@ class MetricsMiddleware(ProviderMiddleware):
                 safely("gym.sandbox.snapshot.fork_total", instruments.forks.add, 1, self._attributes)
         return result
 
-    async def snapshot(
-        self,
-        handle: SandboxHandle,
-        *,
-        paths: builtins.list[str] | None = None,
-        metadata: Mapping[str, str] | None = None,
-    ) -> SandboxSnapshot:
+    async def snapshot(self, handle: SandboxHandle, **options: Any) -> SandboxSnapshot:
         inner = cast("SupportsSandboxSnapshot", self.inner)
         if self._gate.get() is None:
-            return await inner.snapshot(handle, paths=paths, metadata=metadata)
-        return await self._measured("snapshot", lambda: inner.snapshot(handle, paths=paths, metadata=metadata))
+            return await inner.snapshot(handle, **options)
+        return await self._measured("snapshot", lambda: inner.snapshot(handle, **options))
 
     async def delete_snapshot(self, snapshot: SandboxSnapshot) -> None:
         inner = cast("SupportsSandboxSnapshot", self.inner)

@@ -16,7 +16,6 @@ a reaper (``reapable``).
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import logging
 import time
@@ -97,14 +96,10 @@ class OwnershipMiddleware(ProviderMiddleware):
         return await self.inner.create(stamped, **extensions)
 
     async def snapshot(
-        self,
-        handle: SandboxHandle,
-        *,
-        paths: builtins.list[str] | None = None,
-        metadata: Mapping[str, str] | None = None,
+        self, handle: SandboxHandle, *, metadata: Mapping[str, str] | None = None, **options: Any
     ) -> SandboxSnapshot:
         stamp = dict(self._stamp)
         if self.ttl_s is not None:
             stamp[EXPIRES_KEY] = f"{time.time() + self.ttl_s:.3f}"
         inner = cast("SupportsSandboxSnapshot", self.inner)
-        return await inner.snapshot(handle, paths=paths, metadata={**(metadata or {}), **stamp})
+        return await inner.snapshot(handle, metadata={**(metadata or {}), **stamp}, **options)

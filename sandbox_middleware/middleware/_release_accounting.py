@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import logging
 import time
@@ -143,14 +142,8 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
         if self._ledger.pop(handle.sandbox_id, None) is not None:
             self._add(-1)
 
-    async def snapshot(
-        self,
-        handle: SandboxHandle,
-        *,
-        paths: builtins.list[str] | None = None,
-        metadata: Mapping[str, str] | None = None,
-    ) -> SandboxSnapshot:
-        taken = await cast("SupportsSandboxSnapshot", self.inner).snapshot(handle, paths=paths, metadata=metadata)
+    async def snapshot(self, handle: SandboxHandle, **options: Any) -> SandboxSnapshot:
+        taken = await cast("SupportsSandboxSnapshot", self.inner).snapshot(handle, **options)
         self._snapshots[taken.snapshot_id] = HeldSnapshot(taken.snapshot_id, self.inner.name, time.time(), False, taken)
         self._add(1, "snapshots")
         return taken

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import builtins
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine
 from contextvars import Token
 from typing import Any, ClassVar, TypeVar, cast
 
@@ -118,16 +117,10 @@ class TracingMiddleware(ProviderMiddleware):
             except Exception as exc:
                 report_once(f"span {span_name}", exc)
 
-    async def snapshot(
-        self,
-        handle: SandboxHandle,
-        *,
-        paths: builtins.list[str] | None = None,
-        metadata: Mapping[str, str] | None = None,
-    ) -> SandboxSnapshot:
+    async def snapshot(self, handle: SandboxHandle, **options: Any) -> SandboxSnapshot:
         inner = cast("SupportsSandboxSnapshot", self.inner)
         attrs = {SANDBOX_ID_ATTR: handle.sandbox_id} if isinstance(handle, SandboxHandle) else {}
-        return await self._traced("snapshot", attrs, lambda: inner.snapshot(handle, paths=paths, metadata=metadata))
+        return await self._traced("snapshot", attrs, lambda: inner.snapshot(handle, **options))
 
     async def delete_snapshot(self, snapshot: SandboxSnapshot) -> None:
         inner = cast("SupportsSandboxSnapshot", self.inner)

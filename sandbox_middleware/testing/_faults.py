@@ -190,15 +190,9 @@ class FaultInjectingProvider(ProviderMiddleware):
 
     # The snapshot capability's calls (gone, like every capability, where ``inner`` has none).
 
-    async def snapshot(
-        self,
-        handle: SandboxHandle,
-        *,
-        paths: builtins.list[str] | None = None,
-        metadata: Mapping[str, str] | None = None,
-    ) -> SandboxSnapshot:
+    async def snapshot(self, handle: SandboxHandle, **options: Any) -> SandboxSnapshot:
         await self._enter("snapshot", handle.sandbox_id)
-        taken = await cast("SupportsSandboxSnapshot", self.inner).snapshot(handle, paths=paths, metadata=metadata)
+        taken = await cast("SupportsSandboxSnapshot", self.inner).snapshot(handle, **options)
         self.snapshots.add(taken.snapshot_id)
         await self._leave("snapshot")
         return taken
