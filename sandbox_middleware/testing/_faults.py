@@ -10,7 +10,6 @@ from collections.abc import Collection, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, TypeVar, cast
 
 import anyio
@@ -209,7 +208,7 @@ class FaultInjectingProvider(ProviderMiddleware):
 
 
 _DEFAULT_WORKDIR = "/workspace"
-_NO_METADATA: Mapping[str, str] = MappingProxyType({})
+_NO_METADATA: Mapping[str, str] = {}  # shared by the sandboxes without metadata (never written to)
 
 
 def _inside(workdir: str, path: str, sandbox_id: str) -> str:
