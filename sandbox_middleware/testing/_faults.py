@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Collection, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -241,7 +241,7 @@ class _Box:
     workdir: str
     metadata: Mapping[str, str]
     created: float
-    files: dict[str, bytes] = field(default_factory=dict)
+    files: dict[str, bytes] | None = None  # None until the first file (no empty dict per sandbox)
 
 
 class _Sandboxes:
@@ -278,7 +278,7 @@ class _Sandboxes:
         self._ids += 1
         sandbox_id = f"{self.name}-{self._ids - 1}"
         metadata = dict(spec.metadata) if spec.metadata else _NO_METADATA
-        self._boxes[sandbox_id] = _Box(spec.workdir or _DEFAULT_WORKDIR, metadata, time.time(), dict(files))
+        self._boxes[sandbox_id] = _Box(spec.workdir or _DEFAULT_WORKDIR, metadata, time.time(), dict(files) or None)
         return SandboxHandle(sandbox_id, self.name, None)
 
     async def exec(self, handle: SandboxHandle, command: str, **options: Any) -> SandboxExecResult:
@@ -288,16 +288,20 @@ class _Sandboxes:
         box = self._box(handle)
         target = _inside(box.workdir, target_path, handle.sandbox_id)
         try:
-            box.files[target] = await anyio.to_thread.run_sync(Path(source_path).read_bytes)
+            data = await anyio.to_thread.run_sync(Path(source_path).read_bytes)
         except OSError as exc:
             raise SandboxError(f"{self.name}: source {source_path} is not a readable file: {exc}") from exc
+        if box.files is None:
+            box.files = {}
+        box.files[target] = data
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         box = self._box(handle)
         source = _inside(box.workdir, source_path, handle.sandbox_id)
-        if source not in box.files:
+        data = (box.files or {}).get(source)
+        if data is None:
             raise SandboxError(f"{self.name}: {source_path!r} is not a file in sandbox {handle.sandbox_id!r}")
-        await anyio.to_thread.run_sync(Path(target_path).write_bytes, box.files[source])
+        await anyio.to_thread.run_sync(Path(target_path).write_bytes, data)
 
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
         return SandboxStatus.RUNNING if handle.sandbox_id in self.alive else SandboxStatus.STOPPED
@@ -324,7 +328,7 @@ class _Sandboxes:
         files: dict[str, bytes] = {}
         for path in paths if paths is not None else [box.workdir]:
             inside = _inside(box.workdir, path, handle.sandbox_id)
-            found = _under(box.files, inside)
+            found = _under(box.files or {}, inside)
             if not found and paths is not None:
                 raise SandboxSnapshotError(f"{self.name}: {path!r} names no file in sandbox {handle.sandbox_id!r}")
             files.update(found)
