@@ -49,3 +49,23 @@ def test_combine_of_a_run_without_accounting_has_no_peak() -> None:
     result = _result(1, [(0.0, 1), (1.0, -1)], [5.0], peak=1)
     result.peak = None
     assert combine([result], sessions=1).peak is None
+
+
+def test_the_table_counts_snapshots_taken_and_names_a_leak() -> None:
+    """The snapshots row: taken (the snapshot histogram's samples), still held at the end (the ledger's
+    gauge), which are leaked, with what to do."""
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("sandbox_middleware")
+    taken = meter.create_histogram("gym.sandbox.snapshot.duration_ms", unit="ms")
+    held = meter.create_up_down_counter("gym.sandbox.snapshot.active")
+    for _ in range(3):
+        taken.record(12.0)
+        held.add(1)
+    held.add(-2)
+    run = RunState(1, ok=1, started=1, handed_out=1)
+    out = table("t", run, snapshot(reader), peak=1, held=[], orphans="0 / 0")
+    assert re.search(r"^snapshots taken / still held\s+3 / 1 \(leaked: delete them, or reap the run", out, re.M)
+    held.add(-1)
+    out = table("t", run, snapshot(reader), peak=1, held=[], orphans="0 / 0")
+    assert re.search(r"^snapshots taken / still held\s+3 / 0$", out, re.M)
+    assert re.search(r"^snapshots taken / still held\s+0 / 0$", table("t", run, {}, peak=1, held=[], orphans=""), re.M)

@@ -12,8 +12,19 @@ from pathlib import Path
 import anyio
 import pytest
 
-from sandbox_middleware import LocalProvider, Middleware, OwnershipMiddleware, SandboxHandle, SandboxSpec, stack
-from tests.providers import crashed_worker, in_own_pid_namespace, live_worker
+from sandbox_middleware import (
+    LocalProvider,
+    Middleware,
+    OwnershipMiddleware,
+    SandboxHandle,
+    SandboxSpec,
+    register_provider,
+    stack,
+)
+from sandbox_middleware._registry import provider_registry
+from sandbox_middleware.cli._main import main
+from sandbox_middleware.testing import FaultInjectingProvider
+from tests.providers import crashed_worker, dead_owner_stamp, in_own_pid_namespace, live_worker
 from tests.sandbox.test_reaper import _WORKER
 from tests.vllm.server import free_port
 
@@ -150,3 +161,58 @@ def test_ray_option_without_a_cluster_is_one_clear_error() -> None:
     else:
         assert "argument --ray: cannot connect to a Ray cluster at 127.0.0.1:" in done.stderr
         assert "ray start --head" in done.stderr
+
+
+def test_reap_command_shows_the_snapshots_it_deletes_and_leaves(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over a provider that takes snapshots (the in-memory one, registered under a name): a crashed run's
+    snapshot is listed (--dry-run) and then deleted, each line saying it is a snapshot; one of unknown
+    liveness is left alone and said so; the summary counts them apart from the sandboxes."""
+    memory = FaultInjectingProvider()
+    monkeypatch.setitem(provider_registry._registered, "memory-reap-test", None)  # undone after the test
+    register_provider("memory-reap-test", lambda: memory, replace=True)
+    crashed = {"sandbox_middleware.run_id": "crashed", **dead_owner_stamp()}
+
+    async def snapshots() -> tuple[str, str, str]:
+        parent = await memory.create(SandboxSpec())
+        dead = await memory.snapshot(parent, metadata=crashed)
+        elsewhere = {**crashed, "sandbox_middleware.owner.host": "another-host"}
+        unsure = await memory.snapshot(parent, metadata=elsewhere)
+        sandbox = await memory.create(SandboxSpec(metadata=crashed))
+        return dead.snapshot_id, unsure.snapshot_id, sandbox.sandbox_id
+
+    dead, unsure, sandbox = anyio.run(snapshots)
+    assert main(["reap", "--provider", "memory-reap-test", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert set(lines) == {dead, unsure, sandbox}
+    assert f"{dead}  snapshot  would delete  run crashed  owner " in lines[dead]
+    assert f"{sandbox}  would close  run crashed" in lines[sandbox]
+    assert f"{unsure}  snapshot  left alone  run crashed" in lines[unsure] and "another host" in lines[unsure]
+    assert "1 sandbox(es) found; 1 snapshot(s) found, 1 left alone (owner liveness unknown here" in err
+    assert len(anyio.run(memory.list_snapshots)) == 2
+
+    assert main(["reap", "--provider", "memory-reap-test"]) == 0
+    out, err = capsys.readouterr()
+    assert f"{dead}  snapshot  deleted  run crashed" in out and f"{sandbox}  closed  run crashed" in out
+    assert "1 sandbox(es) closed; 1 snapshot(s) deleted, 1 left alone" in err
+    assert [snapshot.snapshot_id for snapshot in anyio.run(memory.list_snapshots)] == [unsure]
+
+
+def test_reap_command_exits_1_when_a_snapshot_cannot_be_deleted(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    memory = FaultInjectingProvider(failure_rates={"delete_snapshot": 1.0})
+    monkeypatch.setitem(provider_registry._registered, "memory-reap-test", None)
+    register_provider("memory-reap-test", lambda: memory, replace=True)
+    crashed = {"sandbox_middleware.run_id": "crashed", **dead_owner_stamp()}
+
+    async def snapshot() -> str:
+        return (await memory.snapshot(await memory.create(SandboxSpec()), metadata=crashed)).snapshot_id
+
+    stuck = anyio.run(snapshot)
+    assert main(["reap", "--provider", "memory-reap-test", "--run", "crashed"]) == 1
+    out, err = capsys.readouterr()
+    assert f"{stuck}  snapshot  NOT deleted (InjectedFault: injected delete_snapshot failure)" in out
+    assert "0 sandbox(es) closed; 0 snapshot(s) deleted, 1 could not be deleted" in err

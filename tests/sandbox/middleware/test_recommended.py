@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from sandbox_middleware import (
     AdmissionMiddleware,
     MetricsMiddleware,
+    Middleware,
     OwnershipMiddleware,
     ReleaseAccountingMiddleware,
     RetryBudget,
     RetryMiddleware,
+    Sandbox,
     SandboxCreateError,
     SandboxHandle,
     SandboxSpec,
+    SupportsSandboxSnapshot,
     TracingMiddleware,
     WarmPoolMiddleware,
     recommended_middleware,
@@ -24,10 +28,12 @@ from sandbox_middleware import (
 )
 from sandbox_middleware.cli._main import DEFAULT_CONFIG
 from sandbox_middleware.middleware._recommended import recommended_middleware_config
+from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests.providers import PlainProvider
 
 pytestmark = pytest.mark.anyio
+T = TypeVar("T")
 
 ORDER = [TracingMiddleware, MetricsMiddleware, ReleaseAccountingMiddleware, RetryMiddleware]
 
@@ -47,7 +53,9 @@ def test_the_order_is_tracing_metrics_accounting_retry() -> None:
     assert [repr(entry) for entry in middleware] == [f"Middleware({cls.__name__})" for cls in ORDER]
     inner = PlainProvider()
     built = layers(stack(inner, middleware))
-    assert [type(layer) for layer in built] == ORDER and built[-1].inner is inner
+    # (a layer overriding a capability method the provider lacks is a subclass hiding it, named the same)
+    assert [type(layer).__qualname__ for layer in built] == [cls.__qualname__ for cls in ORDER]
+    assert all(isinstance(layer, cls) for layer, cls in zip(built, ORDER, strict=True)) and built[-1].inner is inner
 
 
 def test_options_reach_their_layers(telemetry: TelemetryCapture) -> None:
@@ -169,3 +177,78 @@ async def test_a_retried_create_is_admitted_again(telemetry: TelemetryCapture) -
     assert telemetry.histogram_count("gym.sandbox.admission.wait_duration_ms") == 2
     assert telemetry.value("gym.sandbox.admission.throttled_total", reason="max_create_rate") == 1
     assert telemetry.value("gym.sandbox.create_retry_total") == 1
+
+
+# -- snapshots through the recommended stack ---------------------------------------------------------
+
+ALL_LAYERS = [
+    Middleware(TracingMiddleware),
+    Middleware(WarmPoolMiddleware, size=1),
+    Middleware(MetricsMiddleware),
+    Middleware(ReleaseAccountingMiddleware),
+    Middleware(RetryMiddleware),
+    Middleware(AdmissionMiddleware),
+    Middleware(OwnershipMiddleware),
+    Middleware(FaultInjectingProvider),
+]
+
+
+async def test_every_layer_forwards_snapshots_exactly_when_the_provider_takes_them() -> None:
+    """Each layer, those overriding snapshot calls included, has the capability through the stack over the
+    in-memory provider, and none of it (its overrides gone) over a provider without snapshots."""
+    with_snapshots = stack(FaultInjectingProvider(), ALL_LAYERS)
+    without = stack(PlainProvider(), ALL_LAYERS)
+    for found, has in ((layers(with_snapshots), True), (layers(without), False)):
+        for layer in found[: len(ALL_LAYERS)]:
+            assert isinstance(layer, SupportsSandboxSnapshot) is has, type(layer)
+            for method in ("snapshot", "delete_snapshot", "list_snapshots"):
+                assert (getattr(layer, method, None) is not None) is has, (type(layer), method)
+    await with_snapshots.aclose()
+    await without.aclose()
+
+
+async def test_fork_through_the_full_recommended_stack(telemetry: TelemetryCapture, tmp_path: Path) -> None:
+    """Sandbox.fork through tracing, a warm pool, metrics, accounting, retry, admission and ownership over
+    the in-memory provider: the forks are admitted, counted held, timed as starts, stamped, hold the
+    parent's files, and nothing is left once they are closed."""
+    inner = FaultInjectingProvider()
+    middleware = recommended_middleware(
+        meter_provider=telemetry.meter_provider,
+        tracer_provider=telemetry.tracer_provider,
+        warm_pool={"size": 2},
+        admission={"max_held": 16},
+    )
+    provider = stack(inner, [*middleware, Middleware(OwnershipMiddleware, run_id="group")])
+    assert isinstance(provider, SupportsSandboxSnapshot)
+    accounting, admission = layer_of(provider, ReleaseAccountingMiddleware), layer_of(provider, AdmissionMiddleware)
+    (tmp_path / "repo").write_text("prepared")
+    async with Sandbox(
+        provider, SandboxSpec(env={"ROLE": "parent"}), local_files={"repo.txt": tmp_path / "repo"}
+    ) as parent:
+        admitted = telemetry.histogram_count("gym.sandbox.admission.wait_duration_ms")
+        starts = telemetry.histogram_count("gym.sandbox.startup_duration_ms")
+        async with parent.fork(4, SandboxSpec(env={"ROLE": "fork"})) as forks:
+            ids = {fork.handle.sandbox_id for fork in forks}
+            assert telemetry.value("gym.sandbox.snapshot.fork_total") >= 4
+            assert telemetry.histogram_count("gym.sandbox.startup_duration_ms") - starts >= 4
+            assert telemetry.histogram_count("gym.sandbox.admission.wait_duration_ms") - admitted >= 4
+            assert ids <= {entry.sandbox_id for entry in accounting.held()}
+            assert admission.held_slots() == len(accounting.held()) <= 16
+            stamped = {
+                listing.handle.sandbox_id
+                for listing in await inner.list(metadata={"sandbox_middleware.run_id": "group"})
+            }
+            assert ids <= stamped
+            for fork in forks:
+                await fork.download("repo.txt", tmp_path / "got")
+                assert (tmp_path / "got").read_text() == "prepared"
+        assert accounting.held_snapshots() == [] and inner.snapshots == set()  # fork deleted its snapshot
+        assert telemetry.value("gym.sandbox.snapshot.active") == 0
+    await provider.aclose()
+    assert inner.alive == set() and telemetry.value("gym.sandbox.active") == 0 and admission.held_slots() == 0
+
+
+def layer_of(provider: Any, cls: type[T]) -> T:
+    while not isinstance(provider, cls):
+        provider = provider.inner
+    return provider
