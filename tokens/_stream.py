@@ -6,6 +6,7 @@ its lists (constant work per event, whatever the stream's length). At the end th
 assembled into the shape of a whole response and run through the same extraction chain, so a
 partial, conflicting or truncated stream raises the same typed error a whole response would; the
 bundles ride on the final chunk (the usage chunk, which capture requests) as ``token_bundles``.
+Each chunk is decoded once: ``CapturedStream.events()`` hands it on decoded with the event's bytes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeAlias
 
 import httpx
 import msgspec
@@ -24,10 +25,14 @@ from ._errors import MalformedResponseError, PartialTokenMetadataError, Response
 from ._exchange import TokenizeFn
 from ._http import read_body
 
-__all__ = ["CapturedStream", "StreamAccumulator", "TokenStream", "bundle_fields", "capture_stream"]
+__all__ = ["CapturedStream", "Event", "StreamAccumulator", "TokenStream", "bundle_fields", "capture_stream"]
 
 _chunk = msgspec.json.Decoder(dict[str, Any])
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # before the stream's own is known
+
+Event: TypeAlias = tuple[bytes, dict[str, Any] | None]
+"""One server-sent event of a captured stream, byte for byte as sent on, and its chat completion
+chunk decoded (None for ``[DONE]`` and an event without data)."""
 
 
 @dataclass
@@ -71,20 +76,25 @@ class StreamAccumulator:
 
     def _events(self, data: bytes) -> list[bytes]:
         held = self._held
-        ends = (self.separator,) if self.separator else _EVENT_ENDS
-        edge = self._tail + data[:3]  # an ending split between pieces
-        if not any(end in data or end in edge for end in ends):
-            return self._hold(data)  # no event ends in this piece
+        separator = self.separator
+        if separator:  # the common case: vLLM's LF LF known, each piece usually one whole event
+            edge = self._tail + data[: len(separator) - 1] if held else b""
+            if separator not in data and separator not in edge:
+                return self._hold(data)  # no event ends in this piece
+        else:
+            edge = self._tail + data[:3]  # an ending split between pieces
+            if not any(end in data or end in edge for end in _EVENT_ENDS):
+                return self._hold(data)
         buffer = b"".join([*held, data]) if held else data
         held.clear()
         self._tail = b""
-        if not self.separator:  # vLLM ends events with LF LF; the SSE format allows CR LF CR LF too
-            self.separator = b"\r\n\r\n" if b"\r\n\r\n" in buffer else b"\n\n"
-        events = buffer.split(self.separator)
+        if not separator:  # vLLM ends events with LF LF; the SSE format allows CR LF CR LF too
+            separator = self.separator = b"\r\n\r\n" if b"\r\n\r\n" in buffer else b"\n\n"
+        events = buffer.split(separator)
         rest = events.pop()
         if rest:
             self._hold(rest)
-        return [event + self.separator for event in events]
+        return [event + separator for event in events]
 
     def _hold(self, piece: bytes) -> list[bytes]:
         self._held.append(piece)
@@ -92,7 +102,7 @@ class StreamAccumulator:
         return []
 
     def record(self, event: bytes) -> dict[str, Any] | None:
-        """Record one event; its decoded chunk when it is the final (usage) chunk, else None."""
+        """Record one event; its chunk, decoded (None for ``[DONE]`` and an event without data)."""
         for line in event.splitlines():
             if not line.startswith(b"data:"):
                 continue
@@ -104,10 +114,11 @@ class StreamAccumulator:
                 chunk = _chunk.decode(payload)
             except (msgspec.MsgspecError, RecursionError) as exc:
                 raise MalformedResponseError(f"stream: a chunk is not a JSON object ({exc})") from exc
-            return self._record(chunk)
+            self._record(chunk)
+            return chunk
         return None
 
-    def _record(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+    def _record(self, chunk: dict[str, Any]) -> None:
         if not self.head:
             self.head = {key: chunk.get(key) for key in ("id", "created", "model")}
         if chunk.get("prompt_token_ids") is not None:
@@ -133,9 +144,6 @@ class StreamAccumulator:
                 state.finish_reason = choice["finish_reason"]
         if chunk.get("usage") is not None:
             self.usage = chunk["usage"]
-            if not choices:
-                return chunk
-        return None
 
     def whole(self) -> bytes:
         """The stream as one chat completion body, for the extraction chain."""
@@ -188,43 +196,47 @@ def bundle_fields(completion: TokenCompletion) -> list[dict[str, Any]]:
     ]
 
 
-async def captured_events(
-    raw: AsyncIterator[bytes], accumulator: StreamAccumulator, finish: Callable[[bytes], Awaitable[TokenCompletion]]
-) -> AsyncIterator[bytes | tuple[bytes, TokenCompletion]]:
-    """Each complete event of ``raw`` as it arrives; the final usage chunk is re-encoded with
-    ``token_bundles`` once ``finish`` (the extraction chain) has run on the whole stream."""
-    final: dict[str, Any] | None = None
-    async for data in raw:
-        for event in accumulator.feed(data):
-            chunk = accumulator.record(event)
-            if chunk is not None:
-                final = chunk  # held: it gets the bundles, which need the [DONE] that follows
-                continue
-            if accumulator.done:
-                completion = await finish(accumulator.whole())
-                if final is None:  # the server sent no usage chunk: the bundles get one of their own
-                    final = {**accumulator.head, "object": "chat.completion.chunk", "choices": []}
-                final["token_bundles"] = bundle_fields(completion)
-                yield b"data: " + msgspec.json.encode(final) + accumulator.separator
-                yield event, completion
-                return
-            yield event
-    accumulator.whole()  # the stream ended without [DONE]: raises
-
-
 class CapturedStream(httpx.AsyncByteStream):
     """The events of a streamed completion, passed on as they arrive, with the bundles on the final
-    chunk; ``completion`` holds them once the stream has ended."""
+    chunk; ``completion`` holds them once the stream has ended. Iterated, it gives each event's bytes
+    (what an httpx client reads); ``events()`` gives each event with its chunk, decoded once (what
+    the capture proxy reads)."""
 
-    def __init__(self, response: httpx.Response, events: AsyncIterator[bytes | tuple[bytes, TokenCompletion]]) -> None:
+    def __init__(
+        self,
+        response: httpx.Response,
+        accumulator: StreamAccumulator,
+        finish: Callable[[bytes], Awaitable[TokenCompletion]],
+    ) -> None:
         self._response = response
-        self._events = events
+        self._accumulator = accumulator
+        self._finish = finish
         self.completion: TokenCompletion | None = None
 
+    async def events(self) -> AsyncIterator[Event]:
+        """Each complete event as it arrives, with its chunk; the final usage chunk is held and re-encoded
+        with ``token_bundles`` once ``finish`` (the extraction chain) has run on the whole stream."""
+        accumulator = self._accumulator
+        final: dict[str, Any] | None = None
+        async for data in self._response.aiter_raw():
+            for event in accumulator.feed(data):
+                chunk = accumulator.record(event)
+                if chunk is not None and chunk.get("usage") is not None and not chunk["choices"]:
+                    final = chunk  # held: it gets the bundles, which need the [DONE] that follows
+                    continue
+                if accumulator.done:
+                    completion = self.completion = await self._finish(accumulator.whole())
+                    if final is None:  # the server sent no usage chunk: the bundles get one of their own
+                        final = {**accumulator.head, "object": "chat.completion.chunk", "choices": []}
+                    final["token_bundles"] = bundle_fields(completion)
+                    yield b"data: " + msgspec.json.encode(final) + accumulator.separator, final
+                    yield event, None
+                    return
+                yield event, chunk
+        accumulator.whole()  # the stream ended without [DONE]: raises
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for event in self._events:
-            if isinstance(event, tuple):
-                event, self.completion = event
+        async for event, _ in self.events():
             yield event
 
     async def aclose(self) -> None:
@@ -246,8 +258,7 @@ async def capture_stream(
         assert completion is not None
         return completion
 
-    accumulator = StreamAccumulator(max_event_bytes)
-    return CapturedStream(response, captured_events(response.aiter_raw(), accumulator, finish))
+    return CapturedStream(response, StreamAccumulator(max_event_bytes), finish)
 
 
 async def _ready(data: bytes) -> bytes:
@@ -262,10 +273,9 @@ class TokenStream:
         self._stream = stream
 
     async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        async for event in self._stream:
-            for line in event.splitlines():
-                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
-                    yield _chunk.decode(line[5:])
+        async for _, chunk in self._stream.events():
+            if chunk is not None:
+                yield chunk
 
     @property
     def completion(self) -> TokenCompletion:

@@ -1,9 +1,8 @@
-"""Pieces the dialect conversions share: chat completion chunks as the proxy reads them, SSE framing,
-and the bundle fields carried on an answer."""
+"""Pieces the dialect conversions share: SSE framing, and the bundle fields carried on an answer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -14,7 +13,6 @@ from ._errors import RequestRejectedError
 
 __all__ = [
     "TOKEN_FIELDS",
-    "chunks_of",
     "function_tool",
     "reasoning_of",
     "required_string",
@@ -25,21 +23,12 @@ __all__ = [
 ]
 
 _encode = msgspec.json.Encoder().encode
-_chunk = msgspec.json.Decoder(dict[str, Any])
 
 
 def sse(data: Mapping[str, Any], event: str | None = None) -> bytes:
     """One server-sent event: ``event: <event>`` (when given) and one ``data:`` line of JSON."""
     head = b"event: " + event.encode() + b"\n" if event else b""
     return head + b"data: " + _encode(data) + b"\n\n"
-
-
-def chunks_of(event: bytes) -> Iterator[dict[str, Any] | None]:
-    """The chat completion chunks of one SSE event (None for ``[DONE]``); already checked by capture."""
-    for line in event.splitlines():
-        if line.startswith(b"data:"):
-            payload = line[5:].strip()
-            yield None if payload == b"[DONE]" else _chunk.decode(payload)
 
 
 def without_echoes(body: dict[str, Any]) -> dict[str, Any]:
