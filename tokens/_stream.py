@@ -36,7 +36,7 @@ Event: TypeAlias = tuple[bytes, dict[str, Any] | None]
 chunk decoded (None for ``[DONE]`` and an event without data)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Choice:
     token_ids: list[int] | None = None
     entries: list[Any] | None = None
@@ -66,14 +66,21 @@ class StreamAccumulator:
         than ``max_event_bytes`` (the capture's ``max_response_bytes``) arrived in total, as for a
         whole body, so an endless stream neither passes on nor grows the gathered ids for ever."""
         self._received += len(data)
-        events = self._events(data)
         if self._received > self.max_event_bytes:
             raise ResponseTooLargeError(
                 f"stream: over max_response_bytes={self.max_event_bytes:,} in total (events and all); raise "
                 "max_response_bytes if streams this long are expected",
                 limit=self.max_event_bytes,
             )
-        return events
+        separator = self.separator
+        if (
+            separator
+            and not self._held
+            and data.endswith(separator)
+            and data.find(separator) == len(data) - len(separator)
+        ):
+            return [data]  # the common case: the piece is one whole event (its only ending is its last bytes)
+        return self._events(data)
 
     def _events(self, data: bytes) -> list[bytes]:
         held = self._held
@@ -122,8 +129,9 @@ class StreamAccumulator:
     def _record(self, chunk: dict[str, Any]) -> None:
         if not self.head:
             self.head = {key: chunk.get(key) for key in ("id", "created", "model")}
-        if chunk.get("prompt_token_ids") is not None:
-            self.prompt_token_ids = chunk["prompt_token_ids"]
+        prompt = chunk.get("prompt_token_ids")
+        if prompt is not None:
+            self.prompt_token_ids = prompt
         choices = chunk.get("choices")
         if not isinstance(choices, list):
             raise MalformedResponseError("stream: a chunk has no 'choices' list")
@@ -131,20 +139,27 @@ class StreamAccumulator:
             if not isinstance(choice, dict):
                 raise MalformedResponseError(f"stream: choices[{position}] is not an object")
             index = choice.get("index", position)
-            state = self.choices.setdefault(index if isinstance(index, int) else position, _Choice())
+            key = index if isinstance(index, int) else position
+            state = self.choices.get(key)
+            if state is None:
+                state = self.choices[key] = _Choice()
             ids = choice.get("token_ids")
             if ids is not None:  # a wrong type is kept as it came, for the typed decoding to name
-                state.token_ids = [] if state.token_ids is None else state.token_ids
+                if state.token_ids is None:
+                    state.token_ids = []
                 state.token_ids.extend(ids if isinstance(ids, list) else [ids])
             logprobs = choice.get("logprobs")
             content = logprobs.get("content") if isinstance(logprobs, dict) else None
             if content is not None:
-                state.entries = [] if state.entries is None else state.entries
+                if state.entries is None:
+                    state.entries = []
                 state.entries.extend(content if isinstance(content, list) else [content])
-            if choice.get("finish_reason") is not None:
-                state.finish_reason = choice["finish_reason"]
-        if chunk.get("usage") is not None:
-            self.usage = chunk["usage"]
+            finish = choice.get("finish_reason")
+            if finish is not None:
+                state.finish_reason = finish
+        usage = chunk.get("usage")
+        if usage is not None:
+            self.usage = usage
 
     def whole(self) -> bytes:
         """The stream as one chat completion body, for the extraction chain."""
