@@ -12,7 +12,9 @@ from .._vllm_responses import without_token_fields as strip_token_fields
 from ._errors import RequestRejectedError
 
 __all__ = [
+    "HOLE",
     "TOKEN_FIELDS",
+    "SSETemplate",
     "function_tool",
     "reasoning_of",
     "required_string",
@@ -29,6 +31,28 @@ def sse(data: Mapping[str, Any], event: str | None = None) -> bytes:
     """One server-sent event: ``event: <event>`` (when given) and one ``data:`` line of JSON."""
     head = b"event: " + event.encode() + b"\n" if event else b""
     return head + b"data: " + _encode(data) + b"\n\n"
+
+
+HOLE = "\x00"
+"""The value that marks an ``SSETemplate``'s holes (no event a stream makes carries it)."""
+_HOLE = _encode(HOLE)
+
+
+class SSETemplate:
+    """A kind of server-sent event whose data differs from one event to the next only in a few
+    values (a stream's deltas): encoded once by ``sse`` with those values ``HOLE``, each event is
+    then the template with its values encoded into the holes, in order: the same bytes as ``sse``
+    of the whole data, for a fraction of the work."""
+
+    def __init__(self, data: Mapping[str, Any], event: str | None = None) -> None:
+        self.parts = sse(data, event).split(_HOLE)
+
+    def __call__(self, *values: Any) -> bytes:
+        parts = self.parts
+        pieces = [parts[0]]
+        for value, part in zip(values, parts[1:], strict=True):
+            pieces += (_encode(value), part)
+        return b"".join(pieces)
 
 
 def without_echoes(body: dict[str, Any]) -> dict[str, Any]:
