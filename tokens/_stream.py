@@ -6,6 +6,7 @@ its lists (constant work per event, whatever the stream's length). At the end th
 assembled into the shape of a whole response and run through the same extraction chain, so a
 partial, conflicting or truncated stream raises the same typed error a whole response would; the
 bundles ride on the final chunk (the usage chunk, which capture requests) as ``token_bundles``.
+Each chunk is decoded once: ``CapturedStream.events()`` hands it on decoded with the event's bytes.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeAlias
 
+import anyio
 import httpx
 import msgspec
 
@@ -24,13 +26,17 @@ from ._errors import MalformedResponseError, PartialTokenMetadataError, Response
 from ._exchange import TokenizeFn
 from ._http import read_body
 
-__all__ = ["CapturedStream", "StreamAccumulator", "TokenStream", "bundle_fields", "capture_stream"]
+__all__ = ["CapturedStream", "Event", "StreamAccumulator", "TokenStream", "bundle_fields", "capture_stream"]
 
 _chunk = msgspec.json.Decoder(dict[str, Any])
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # before the stream's own is known
 
+Event: TypeAlias = tuple[bytes, dict[str, Any] | None]
+"""One server-sent event of a captured stream, byte for byte as sent on, and its chat completion
+chunk decoded (None for ``[DONE]`` and an event without data)."""
 
-@dataclass
+
+@dataclass(slots=True)
 class _Choice:
     token_ids: list[int] | None = None
     entries: list[Any] | None = None
@@ -60,31 +66,43 @@ class StreamAccumulator:
         than ``max_event_bytes`` (the capture's ``max_response_bytes``) arrived in total, as for a
         whole body, so an endless stream neither passes on nor grows the gathered ids for ever."""
         self._received += len(data)
-        events = self._events(data)
         if self._received > self.max_event_bytes:
             raise ResponseTooLargeError(
                 f"stream: over max_response_bytes={self.max_event_bytes:,} in total (events and all); raise "
                 "max_response_bytes if streams this long are expected",
                 limit=self.max_event_bytes,
             )
-        return events
+        separator = self.separator
+        if (
+            separator
+            and not self._held
+            and data.endswith(separator)
+            and data.find(separator) == len(data) - len(separator)
+        ):
+            return [data]  # the common case: the piece is one whole event (its only ending is its last bytes)
+        return self._events(data)
 
     def _events(self, data: bytes) -> list[bytes]:
         held = self._held
-        ends = (self.separator,) if self.separator else _EVENT_ENDS
-        edge = self._tail + data[:3]  # an ending split between pieces
-        if not any(end in data or end in edge for end in ends):
-            return self._hold(data)  # no event ends in this piece
+        separator = self.separator
+        if separator:  # the common case: vLLM's LF LF known, each piece usually one whole event
+            edge = self._tail + data[: len(separator) - 1] if held else b""
+            if separator not in data and separator not in edge:
+                return self._hold(data)  # no event ends in this piece
+        else:
+            edge = self._tail + data[:3]  # an ending split between pieces
+            if not any(end in data or end in edge for end in _EVENT_ENDS):
+                return self._hold(data)
         buffer = b"".join([*held, data]) if held else data
         held.clear()
         self._tail = b""
-        if not self.separator:  # vLLM ends events with LF LF; the SSE format allows CR LF CR LF too
-            self.separator = b"\r\n\r\n" if b"\r\n\r\n" in buffer else b"\n\n"
-        events = buffer.split(self.separator)
+        if not separator:  # vLLM ends events with LF LF; the SSE format allows CR LF CR LF too
+            separator = self.separator = b"\r\n\r\n" if b"\r\n\r\n" in buffer else b"\n\n"
+        events = buffer.split(separator)
         rest = events.pop()
         if rest:
             self._hold(rest)
-        return [event + self.separator for event in events]
+        return [event + separator for event in events]
 
     def _hold(self, piece: bytes) -> list[bytes]:
         self._held.append(piece)
@@ -92,7 +110,7 @@ class StreamAccumulator:
         return []
 
     def record(self, event: bytes) -> dict[str, Any] | None:
-        """Record one event; its decoded chunk when it is the final (usage) chunk, else None."""
+        """Record one event; its chunk, decoded (None for ``[DONE]`` and an event without data)."""
         for line in event.splitlines():
             if not line.startswith(b"data:"):
                 continue
@@ -104,14 +122,16 @@ class StreamAccumulator:
                 chunk = _chunk.decode(payload)
             except (msgspec.MsgspecError, RecursionError) as exc:
                 raise MalformedResponseError(f"stream: a chunk is not a JSON object ({exc})") from exc
-            return self._record(chunk)
+            self._record(chunk)
+            return chunk
         return None
 
-    def _record(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+    def _record(self, chunk: dict[str, Any]) -> None:
         if not self.head:
             self.head = {key: chunk.get(key) for key in ("id", "created", "model")}
-        if chunk.get("prompt_token_ids") is not None:
-            self.prompt_token_ids = chunk["prompt_token_ids"]
+        prompt = chunk.get("prompt_token_ids")
+        if prompt is not None:
+            self.prompt_token_ids = prompt
         choices = chunk.get("choices")
         if not isinstance(choices, list):
             raise MalformedResponseError("stream: a chunk has no 'choices' list")
@@ -119,23 +139,27 @@ class StreamAccumulator:
             if not isinstance(choice, dict):
                 raise MalformedResponseError(f"stream: choices[{position}] is not an object")
             index = choice.get("index", position)
-            state = self.choices.setdefault(index if isinstance(index, int) else position, _Choice())
+            key = index if isinstance(index, int) else position
+            state = self.choices.get(key)
+            if state is None:
+                state = self.choices[key] = _Choice()
             ids = choice.get("token_ids")
             if ids is not None:  # a wrong type is kept as it came, for the typed decoding to name
-                state.token_ids = [] if state.token_ids is None else state.token_ids
+                if state.token_ids is None:
+                    state.token_ids = []
                 state.token_ids.extend(ids if isinstance(ids, list) else [ids])
             logprobs = choice.get("logprobs")
             content = logprobs.get("content") if isinstance(logprobs, dict) else None
             if content is not None:
-                state.entries = [] if state.entries is None else state.entries
+                if state.entries is None:
+                    state.entries = []
                 state.entries.extend(content if isinstance(content, list) else [content])
-            if choice.get("finish_reason") is not None:
-                state.finish_reason = choice["finish_reason"]
-        if chunk.get("usage") is not None:
-            self.usage = chunk["usage"]
-            if not choices:
-                return chunk
-        return None
+            finish = choice.get("finish_reason")
+            if finish is not None:
+                state.finish_reason = finish
+        usage = chunk.get("usage")
+        if usage is not None:
+            self.usage = usage
 
     def whole(self) -> bytes:
         """The stream as one chat completion body, for the extraction chain."""
@@ -188,43 +212,49 @@ def bundle_fields(completion: TokenCompletion) -> list[dict[str, Any]]:
     ]
 
 
-async def captured_events(
-    raw: AsyncIterator[bytes], accumulator: StreamAccumulator, finish: Callable[[bytes], Awaitable[TokenCompletion]]
-) -> AsyncIterator[bytes | tuple[bytes, TokenCompletion]]:
-    """Each complete event of ``raw`` as it arrives; the final usage chunk is re-encoded with
-    ``token_bundles`` once ``finish`` (the extraction chain) has run on the whole stream."""
-    final: dict[str, Any] | None = None
-    async for data in raw:
-        for event in accumulator.feed(data):
-            chunk = accumulator.record(event)
-            if chunk is not None:
-                final = chunk  # held: it gets the bundles, which need the [DONE] that follows
-                continue
-            if accumulator.done:
-                completion = await finish(accumulator.whole())
-                if final is None:  # the server sent no usage chunk: the bundles get one of their own
-                    final = {**accumulator.head, "object": "chat.completion.chunk", "choices": []}
-                final["token_bundles"] = bundle_fields(completion)
-                yield b"data: " + msgspec.json.encode(final) + accumulator.separator
-                yield event, completion
-                return
-            yield event
-    accumulator.whole()  # the stream ended without [DONE]: raises
-
-
 class CapturedStream(httpx.AsyncByteStream):
     """The events of a streamed completion, passed on as they arrive, with the bundles on the final
-    chunk; ``completion`` holds them once the stream has ended."""
+    chunk; ``completion`` holds them once the stream has ended. Iterated, it gives each event's bytes
+    (what an httpx client reads); ``events()`` gives each event with its chunk, decoded once (what
+    the capture proxy reads)."""
 
-    def __init__(self, response: httpx.Response, events: AsyncIterator[bytes | tuple[bytes, TokenCompletion]]) -> None:
+    def __init__(
+        self,
+        response: httpx.Response,
+        accumulator: StreamAccumulator,
+        finish: Callable[[bytes], Awaitable[TokenCompletion]],
+    ) -> None:
         self._response = response
-        self._events = events
+        self._accumulator = accumulator
+        self._finish = finish
         self.completion: TokenCompletion | None = None
 
+    async def events(self) -> AsyncIterator[Event]:
+        """Each complete event as it arrives, with its chunk; the final usage chunk is held and re-encoded
+        with ``token_bundles`` once ``finish`` (the extraction chain) has run on the whole stream."""
+        accumulator = self._accumulator
+        final: dict[str, Any] | None = None
+        raw = self._response.aiter_raw()
+        async for data in raw:
+            for event in accumulator.feed(data):
+                chunk = accumulator.record(event)
+                if chunk is not None and chunk.get("usage") is not None and not chunk["choices"]:
+                    final = chunk  # held: it gets the bundles, which need the [DONE] that follows
+                    continue
+                if accumulator.done:
+                    completion = self.completion = await self._finish(accumulator.whole())
+                    if final is None:  # the server sent no usage chunk: the bundles get one of their own
+                        final = {**accumulator.head, "object": "chat.completion.chunk", "choices": []}
+                    final["token_bundles"] = bundle_fields(completion)
+                    yield b"data: " + msgspec.json.encode(final) + accumulator.separator, final
+                    yield event, None
+                    await _drained(raw)
+                    return
+                yield event, chunk
+        accumulator.whole()  # the stream ended without [DONE]: raises
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for event in self._events:
-            if isinstance(event, tuple):
-                event, self.completion = event
+        async for event, _ in self.events():
             yield event
 
     async def aclose(self) -> None:
@@ -246,8 +276,24 @@ async def capture_stream(
         assert completion is not None
         return completion
 
-    accumulator = StreamAccumulator(max_event_bytes)
-    return CapturedStream(response, captured_events(response.aiter_raw(), accumulator, finish))
+    return CapturedStream(response, StreamAccumulator(max_event_bytes), finish)
+
+
+async def _drained(raw: AsyncIterator[bytes]) -> None:
+    """The rest of a stream's body after its ``[DONE]`` read (its chunked ending, normally in the same
+    moment), so that its connection goes back to the pool instead of being closed and a new one
+    opened for the next call; what comes after ``[DONE]`` is not passed on. An upstream that sends
+    more than ``_DRAIN_BYTES`` or takes longer than ``_DRAIN_S`` has its connection closed, as before."""
+    received = 0
+    with anyio.move_on_after(_DRAIN_S):
+        async for data in raw:
+            received += len(data)
+            if received > _DRAIN_BYTES:
+                return
+
+
+_DRAIN_BYTES = 2**16
+_DRAIN_S = 0.25
 
 
 async def _ready(data: bytes) -> bytes:
@@ -262,10 +308,9 @@ class TokenStream:
         self._stream = stream
 
     async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        async for event in self._stream:
-            for line in event.splitlines():
-                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
-                    yield _chunk.decode(line[5:])
+        async for _, chunk in self._stream.events():
+            if chunk is not None:
+                yield chunk
 
     @property
     def completion(self) -> TokenCompletion:

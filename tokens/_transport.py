@@ -27,6 +27,10 @@ BODY_EXTENSION = "tokens.body"
 """A chat completion request built with ``extensions={BODY_EXTENSION: body}`` (a dict) is taken as
 ``body`` as it is, its content not decoded (the capture proxy's: it holds the decoded body already,
 and a large body decoded twice cost a second copy of its whole tree)."""
+STREAM_EXTENSION = "tokens.stream"
+"""A streamed chat completion's response carries its ``CapturedStream`` in ``extensions`` under this
+key: its ``events()`` give each event with its chunk decoded (the capture proxy's: it converts the
+chunks the capture decoded already, instead of decoding each event a second time)."""
 # Headers of the server's answer that describe bytes we replace (the body is re-encoded, uncompressed).
 _BODY_HEADERS = ("content-encoding", "content-length", "transfer-encoding")
 
@@ -175,7 +179,8 @@ class TokenCaptureTransport(httpx.AsyncBaseTransport):
             return response  # the client raises (and retries) HTTP errors as it always does
         stream = await capture_stream(response, sent, self.capture, tokenize, self.max_response_bytes)
         kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _BODY_HEADERS]
-        return httpx.Response(response.status_code, headers=kept, stream=stream, extensions=response.extensions)
+        extensions = {**response.extensions, STREAM_EXTENSION: stream}
+        return httpx.Response(response.status_code, headers=kept, stream=stream, extensions=extensions)
 
     async def _post(self, headers: Mapping[str, str], url: str, body: Mapping[str, Any], what: str) -> bytes:
         request = httpx.Request("POST", url, headers=headers, content=msgspec.json.encode(body))

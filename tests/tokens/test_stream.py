@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
+import anyio.abc
 import httpx
 import openai
 import pytest
@@ -209,3 +213,83 @@ def test_events_are_found_however_the_bytes_are_cut(ending: bytes, size: int) ->
     for start in range(0, len(data), size):
         out += accumulator.feed(data[start : start + size])
     assert out == events
+
+
+@contextlib.asynccontextmanager
+async def sse_server(
+    ending: Callable[[anyio.abc.SocketStream], Awaitable[None]],
+) -> AsyncIterator[tuple[str, list[anyio.abc.SocketStream]]]:
+    """A real HTTP/1.1 server on a loopback port: each request on a connection answered with the sample
+    stream, one chunk per event, then ``ending``; its base URL and the connections it accepted."""
+    accepted: list[anyio.abc.SocketStream] = []
+
+    async def handle(client: anyio.abc.SocketStream) -> None:
+        accepted.append(client)
+        buffer = b""
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+            while True:
+                while b"\r\n\r\n" not in buffer:
+                    buffer += await client.receive()
+                head, _, buffer = buffer.partition(b"\r\n\r\n")
+                found = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+                length = int(found.group(1)) if found else 0
+                while len(buffer) < length:
+                    buffer += await client.receive()
+                buffer = buffer[length:]
+                await client.send(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
+                for event in as_id_tokens(EVENTS):
+                    await client.send(b"%x\r\n%s\r\n" % (len(event), event))
+                await ending(client)
+
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener, anyio.create_task_group() as group:
+        group.start_soon(listener.serve, handle)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        yield f"http://127.0.0.1:{port}/v1", accepted
+        group.cancel_scope.cancel()
+
+
+async def streamed_calls(base: str, calls: int) -> list[bytes]:
+    """``calls`` streamed chat completions through the capture transport on one real HTTP transport."""
+    transport = TokenCaptureTransport(httpx.AsyncHTTPTransport(), request_prompt_and_generation_token_ids=True)
+    received = []
+    async with httpx.AsyncClient(transport=transport, timeout=10) as http:
+        for _ in range(calls):
+            body = {"model": "tiny", "messages": MESSAGES, "stream": True}
+            async with http.stream("POST", base + "/chat/completions", json=body) as response:
+                received.append(b"".join([part async for part in response.aiter_raw()]))
+    return received
+
+
+async def test_a_streamed_call_leaves_its_connection_to_the_next() -> None:
+    """The body's end after ``[DONE]`` is read, so the connection goes back to the pool: three streamed
+    calls, one connection (each call opened its own before)."""
+
+    async def end_body(client: anyio.abc.SocketStream) -> None:
+        await client.send(b"0\r\n\r\n")
+
+    async with sse_server(end_body) as (base, accepted):
+        received = await streamed_calls(base, 3)
+    assert len(accepted) == 1
+    for stream in received:
+        assert stream.startswith(b"".join(as_id_tokens(EVENTS)[:-2])) and stream.endswith(b"data: [DONE]\n\n")
+        assert b'"token_bundles"' in stream
+
+
+@pytest.mark.parametrize("after", ["silence", "endless bytes"])
+async def test_what_follows_done_is_not_waited_for_nor_passed_on(after: str) -> None:
+    """An upstream that goes silent after ``[DONE]`` without ending its body, or sends bytes without
+    end: the stream still ends at once (its connection closed, the next call opens another)."""
+
+    async def hostile(client: anyio.abc.SocketStream) -> None:
+        if after == "silence":
+            await anyio.sleep_forever()
+        while True:
+            await client.send(b"1000\r\n" + b"x" * 4096 + b"\r\n")
+
+    async with sse_server(hostile) as (base, accepted):
+        with anyio.fail_after(5):
+            received = await streamed_calls(base, 2)
+    assert len(accepted) == 2
+    assert all(stream.endswith(b"data: [DONE]\n\n") and b"xxxx" not in stream for stream in received)

@@ -1,19 +1,102 @@
-"""Whole answers: the upstream's reply recorded and answered whole, in the client's dialect.
+"""The answer: the upstream's reply recorded and answered in the client's dialect, whole or as a stream.
 
-A chat completion is converted by the dialect; vLLM's own answer (``/v1/responses``) gets its bundle
-from the dialect too. The call's record is put before the answer goes out, as the chat completion
-it was served as.
+A whole chat completion is converted by the dialect; vLLM's own answer (``/v1/responses``) gets its
+bundle from the dialect too. A streamed reply arrives opened, each event with the chunk its capture
+decoded (decoded once); each chunk is converted by the dialect (or its event passed on as it came)
+and gathered for the call's record (``StreamRecord``), which is written before the stream's end goes
+out; so is the answer a later request continues (a Responses ``previous_response_id``), so that a
+client may continue it at once, through any proxy over the same store. The events made of one
+upstream event go on as one piece. A failure once the stream has started is the dialect's error
+event, told in the turn's report; the upstream's stream is closed once, whether the events ran or
+not. Either way the record is the chat completion the call was served as (``completion_of``).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
 from starlette.responses import JSONResponse, Response
 
+from .._bundle import TokenBundle, TokenCompletion
+from .._errors import TokensError
+from .._stream import CapturedStream
+from .._transport import STREAM_EXTENSION
+from ._chat import TOKEN_FIELDS, reasoning_of
+from ._errors import ProxyError, RequestRejectedError, upstream_error
+from ._event_stream import EventStream
 from ._intake import Turn
-from ._records import completion_of
 from ._upstream import Reply
 
-__all__ = ["serve_whole"]
+__all__ = ["StreamRecord", "completion_of", "serve"]
+
+SOURCE = "proxy"
+"""The bundle's source as recorded (the capture chain cross-checked it; records do not keep sources)."""
+
+
+def completion_of(response: Mapping[str, Any], fields: Mapping[str, Any]) -> TokenCompletion:
+    """A chat completion (``response``, first choice) with the bundle ``fields`` as a ``TokenCompletion``."""
+    prompt, generation, log_probs = (fields[name] for name in TOKEN_FIELDS)
+    bundle = TokenBundle(prompt, generation, log_probs, SOURCE, fields.get("routed_experts"))
+    return TokenCompletion(dict(response), (bundle,))
+
+
+@dataclass
+class StreamRecord:
+    """A chat completion stream gathered into the whole answer a record needs (constant work per chunk)."""
+
+    head: dict[str, Any] = field(default_factory=dict)
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def feed(self, chunk: Mapping[str, Any]) -> TokenCompletion | None:
+        """Gather one chunk; the whole answer once a chunk carries the bundles (the last), else None."""
+        if not self.head:
+            self.head = {key: chunk.get(key) for key in ("id", "model", "created")}
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.text.append(delta["content"])
+            thought = reasoning_of(delta)
+            if thought:
+                self.reasoning.append(thought)
+            for call in delta.get("tool_calls") or ():
+                state = self.calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": []})
+                function = call.get("function") or {}
+                state["id"] = state["id"] or call.get("id") or ""
+                state["name"] = state["name"] or function.get("name") or ""
+                if function.get("arguments"):
+                    state["arguments"].append(function["arguments"])
+        bundles = chunk.get("token_bundles")
+        return self._completion(bundles[0]) if bundles else None
+
+    def _completion(self, bundle: Mapping[str, Any]) -> TokenCompletion:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}
+        if self.reasoning:
+            message["reasoning"] = "".join(self.reasoning)
+        if self.calls:
+            message["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": "".join(c["arguments"])},
+                }
+                for _, c in sorted(self.calls.items())
+            ]
+        return completion_of({**self.head, "choices": [{"index": 0, "message": message}]}, bundle)
+
+
+async def serve(turn: Turn, reply: Reply, client_timeout: float) -> Response:
+    """The reply answered in the client's dialect: streamed event by event, or whole."""
+    if reply.stream is None:
+        return await serve_whole(turn, reply)
+    return serve_stream(turn, reply, client_timeout)
 
 
 async def serve_whole(turn: Turn, reply: Reply) -> Response:
@@ -30,3 +113,55 @@ async def serve_whole(turn: Turn, reply: Reply) -> Response:
         answer = dialect.answer(completion, body, history, call.model_call_id)
     await dialect.remember(body, answer, history, call.model_call_id)
     return JSONResponse(answer, headers=call.headers)
+
+
+def serve_stream(turn: Turn, reply: Reply, client_timeout: float) -> Response:
+    """The reply's chat stream answered event by event in the client's dialect."""
+    dialect, body, custody, report = turn.dialect, turn.body, turn.custody, turn.report
+    response, chat = reply.stream, reply.chat
+    assert response is not None  # a streamed reply
+    captured: CapturedStream = response.extensions[STREAM_EXTENSION]
+    closed = False
+
+    async def close() -> None:
+        """Once, whether the events ran or not: the upstream's stream closed."""
+        nonlocal closed
+        if not closed:
+            closed = True
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await response.aclose()
+
+    async def gone() -> None:  # the client went away before the first event was produced
+        if not closed:
+            report.error = RequestRejectedError("the client went away before its stream started")
+        await close()
+
+    async def events() -> AsyncIterator[bytes]:
+        converter = dialect.events(body)
+        gathered = StreamRecord() if custody.recorded else None
+        try:
+            if converter is not None:
+                yield b"".join(converter.start())
+            async for event, chunk in captured.events():  # each chunk as the capture decoded it
+                if chunk is not None:
+                    if gathered is not None and (completion := gathered.feed(chunk)) is not None:
+                        await custody.write_chat(chat, completion)  # before the end goes out
+                    if converter is not None and (converted := converter.feed(chunk)):
+                        yield b"".join(converted)
+                if converter is None:
+                    yield event
+            if converter is not None:
+                closing = converter.finish()  # the answer kept before its end goes out: a client may continue
+                await dialect.ended(converter, body, turn.history, turn.call.model_call_id)  # it at once, anywhere
+                yield b"".join(closing)
+        except (TokensError, httpx.HTTPError, ProxyError) as exc:
+            report.error, report.cause = upstream_error(exc), exc
+            await custody.end(report.error)
+            yield dialect.error_event(report.error, converter)
+        except anyio.get_cancelled_exc_class() as exc:  # cancelled before its record: the rollout has a hole
+            await custody.end(exc)
+            raise
+        finally:
+            await close()
+
+    return EventStream(events(), client_timeout, turn.call.headers, closing=gone)

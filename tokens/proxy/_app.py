@@ -10,8 +10,8 @@ event inside one), and never names the upstream.
 This module is the composition: the routes and the app's lifetime, and one request's way through
 the stages, each a module the request enters once: ``_telemetry`` opens the call's ``Report``
 (told once, after the answer's last byte), ``_intake`` reads and checks it into a ``Turn``,
-``_upstream`` sends it and receives the ``Reply``, then one of ``_answers`` (whole) or
-``_streaming`` (event by event) records it and answers in the client's dialect.
+``_upstream`` sends it and receives the ``Reply``, then ``_answers`` records it and answers in the
+client's dialect, whole or event by event.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from _shared_telemetry import error_type
 from .._chain import ChainEntry
 from .._http import DEFAULT_MAX_RESPONSE_BYTES, check_limit, strip_credentials
 from ._affinity import Replicas
-from ._answers import serve_whole
+from ._answers import serve
 from ._credentials import RolloutKey
 from ._dialects import Dialect, dialects
 from ._errors import ProxyError
@@ -51,7 +51,6 @@ from ._limits import (
 from ._records import Recorder
 from ._side import Side
 from ._sink import TokenSink
-from ._streaming import serve_stream
 from ._telemetry import ProxyTelemetry
 from ._upstream import Upstream, Upstreams
 
@@ -113,10 +112,7 @@ class _App:
                     turn = await self.intake.turn_of(request, dialect, report, place)
                     async with turn.custody:  # begun before anything is sent; a stream's own end comes with its events
                         reply = await self.upstreams.send(turn)
-                        if reply.stream is not None:
-                            response = serve_stream(turn, reply, self.client_timeout)
-                        else:
-                            response = await serve_whole(turn, reply)
+                        response = await serve(turn, reply, self.client_timeout)
                 except Exception as exc:
                     failure = exc if isinstance(exc, ProxyError) else None
                     if failure is None:  # a defect of ours: logged, and still an answer the client's SDK parses

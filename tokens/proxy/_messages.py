@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._chat import TOKEN_FIELDS, function_tool, reasoning_of, required_string, sse, text_parts
+from ._chat import HOLE, TOKEN_FIELDS, SSETemplate, function_tool, reasoning_of, required_string, sse, text_parts
 from ._errors import ProxyError, RequestRejectedError, UpstreamError, anthropic_error_body
 
 __all__ = ["MessagesEvents", "chat_to_messages", "messages_to_chat"]
@@ -229,7 +229,16 @@ def chat_to_messages(completion: Mapping[str, Any]) -> dict[str, Any]:
 class _Block:
     index: int
     kind: str
-    pieces: list[str] = field(default_factory=list)
+    delta: SSETemplate
+    """The block's ``content_block_delta`` event, its text left open."""
+
+
+_DELTAS = {
+    "thinking": ("thinking_delta", "thinking"),
+    "text": ("text_delta", "text"),
+    "tool_use": ("input_json_delta", "partial_json"),
+}
+"""Each block type's delta: its type and the field that carries its text."""
 
 
 @dataclass
@@ -280,11 +289,11 @@ class MessagesEvents:
             if reasoning:
                 if self._open is None or self._open.kind != "thinking":
                     out += self._start({"type": "thinking", "thinking": "", "signature": ""})
-                out.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
+                out.append(self._delta(reasoning))
             if delta.get("content"):
                 if self._open is None or self._open.kind != "text":
                     out += self._start({"type": "text", "text": ""})
-                out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+                out.append(self._delta(delta["content"]))
             for call in delta.get("tool_calls") or ():
                 out += self._call(call)
             if choice.get("finish_reason") is not None:
@@ -293,7 +302,9 @@ class MessagesEvents:
 
     def _start(self, block: dict[str, Any]) -> list[bytes]:
         out = self._stop()
-        self._open = _Block(self._blocks, block["type"])
+        kind, name = _DELTAS[block["type"]]
+        delta = {"type": "content_block_delta", "index": self._blocks, "delta": {"type": kind, name: HOLE}}
+        self._open = _Block(self._blocks, block["type"], SSETemplate(delta, "content_block_delta"))
         self._blocks += 1
         out.append(
             sse(
@@ -303,9 +314,9 @@ class MessagesEvents:
         )
         return out
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
+    def _delta(self, text: str) -> bytes:
         assert self._open is not None
-        return sse({"type": "content_block_delta", "index": self._open.index, "delta": delta}, "content_block_delta")
+        return self._open.delta(text)
 
     def _stop(self) -> list[bytes]:
         if self._open is None:
@@ -333,7 +344,7 @@ class MessagesEvents:
                     "the upstream's stream interleaves the arguments of two tool calls, which the "
                     "Messages stream cannot carry"
                 )
-            out.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
+            out.append(self._delta(function["arguments"]))
         return out
 
     def finish(self) -> list[bytes]:

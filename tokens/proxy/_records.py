@@ -1,21 +1,19 @@
 """The proxy's records: one per captured call with a rollout id, through ``tokens.records.RecordWriter``.
 
 Every dialect is recorded as the chat completion it was served as (the converted messages are
-the lineage's items, so a continuation in any dialect finds its parent); a stream's answer is
-gathered chunk by chunk (``StreamRecord``) and its record put before the stream's last events go
-out. The call is in a ``tokens.records`` custody: ``begin_call`` runs before anything is sent
-upstream; a capture failure (or a cancellation before the record) marks the rollout incomplete, so a
-trainer masks it instead of training on a chain with a hole.
+the lineage's items, so a continuation in any dialect finds its parent; ``_answers`` makes it, whole
+or gathered from a stream). The call is in a ``tokens.records`` custody: ``begin_call`` runs before
+anything is sent upstream; a capture failure (or a cancellation before the record) marks the rollout
+incomplete, so a trainer masks it instead of training on a chain with a hole.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from .._bundle import TokenBundle, TokenCompletion
+from .._bundle import TokenCompletion
 from ..records import (
     Coordinates,
     Custody,
@@ -26,74 +24,11 @@ from ..records import (
     RolloutRetiredError,
 )
 from ..records._writer import UNRECORDED
-from ._chat import TOKEN_FIELDS, reasoning_of
 from ._errors import CaptureFailedError, ProxyError
 
-__all__ = ["Recorder", "StreamRecord"]
+__all__ = ["Recorder"]
 
 logger = logging.getLogger("tokens.proxy")
-
-SOURCE = "proxy"
-"""The bundle's source as recorded (the capture chain cross-checked it; records do not keep sources)."""
-
-
-def completion_of(response: Mapping[str, Any], fields: Mapping[str, Any]) -> TokenCompletion:
-    """A chat completion (``response``, first choice) with the bundle ``fields`` as a ``TokenCompletion``."""
-    prompt, generation, log_probs = (fields[name] for name in TOKEN_FIELDS)
-    bundle = TokenBundle(prompt, generation, log_probs, SOURCE, fields.get("routed_experts"))
-    return TokenCompletion(dict(response), (bundle,))
-
-
-@dataclass
-class StreamRecord:
-    """A chat completion stream gathered into the whole answer a record needs (constant work per chunk)."""
-
-    head: dict[str, Any] = field(default_factory=dict)
-    text: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
-    bundle: dict[str, Any] | None = None
-
-    def feed(self, chunk: Mapping[str, Any]) -> bool:
-        """Gather one chunk; True when it carries the bundles (the stream's answer is then whole)."""
-        if not self.head:
-            self.head = {key: chunk.get(key) for key in ("id", "model", "created")}
-        for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                self.text.append(delta["content"])
-            thought = reasoning_of(delta)
-            if thought:
-                self.reasoning.append(thought)
-            for call in delta.get("tool_calls") or ():
-                state = self.calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": []})
-                function = call.get("function") or {}
-                state["id"] = state["id"] or call.get("id") or ""
-                state["name"] = state["name"] or function.get("name") or ""
-                if function.get("arguments"):
-                    state["arguments"].append(function["arguments"])
-        bundles = chunk.get("token_bundles")
-        if bundles:
-            self.bundle = bundles[0]
-        return bool(bundles)
-
-    def completion(self) -> TokenCompletion:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}
-        if self.reasoning:
-            message["reasoning"] = "".join(self.reasoning)
-        if self.calls:
-            message["tool_calls"] = [
-                {
-                    "id": c["id"],
-                    "type": "function",
-                    "function": {"name": c["name"], "arguments": "".join(c["arguments"])},
-                }
-                for _, c in sorted(self.calls.items())
-            ]
-        assert self.bundle is not None
-        return completion_of({**self.head, "choices": [{"index": 0, "message": message}]}, self.bundle)
 
 
 def _capture_failed(exc: BaseException) -> bool:

@@ -18,7 +18,17 @@ from typing import Any
 
 from .._bundle import TokenBundle
 from .._vllm_responses import prepare_responses_request
-from ._chat import TOKEN_FIELDS, function_tool, reasoning_of, required_string, sse, strip_token_fields, text_parts
+from ._chat import (
+    HOLE,
+    TOKEN_FIELDS,
+    SSETemplate,
+    function_tool,
+    reasoning_of,
+    required_string,
+    sse,
+    strip_token_fields,
+    text_parts,
+)
 from ._errors import ProxyError, RequestRejectedError
 
 __all__ = ["ResponsesEvents", "chat_to_responses", "input_items", "responses_to_chat"]
@@ -441,6 +451,8 @@ def native_answer(
 class _Item:
     index: int
     item: dict[str, Any]
+    delta: SSETemplate
+    """The item's delta event, its sequence number and its delta left open."""
     pieces: list[str] = field(default_factory=list)
 
 
@@ -509,11 +521,21 @@ class ResponsesEvents:
             self._event("response.in_progress", response=snapshot),
         ]
 
-    def _open(self, item: dict[str, Any]) -> tuple[_Item, bytes]:
-        opened = _Item(len(self._items), item)
+    def _open(self, item: dict[str, Any], kind: str, /, **fields: Any) -> tuple[_Item, bytes]:
+        """An output item opened, with its delta event (of ``kind``, with ``fields``) as a template."""
+        index = len(self._items)
+        data = {"type": kind, "sequence_number": HOLE, "item_id": item["id"], "output_index": index, **fields}
+        opened = _Item(index, item, SSETemplate(data, kind))
         self._items.append(opened)
         added = {**item, "status": "in_progress"}
         return opened, self._event("response.output_item.added", output_index=opened.index, item=added)
+
+    def _delta(self, state: _Item, text: str) -> bytes:
+        """The item's delta event carrying ``text`` (kept for its done events)."""
+        state.pieces.append(text)
+        event = state.delta(self._sequence, text)
+        self._sequence += 1
+        return event
 
     def feed(self, chunk: Mapping[str, Any]) -> list[bytes]:
         if chunk.get("model"):
@@ -540,7 +562,11 @@ class ResponsesEvents:
 
     def _open_text(self) -> list[bytes]:
         self._text, added = self._open(
-            {"id": f"msg_{self.response_id[5:]}", "type": "message", "role": "assistant", "content": []}
+            {"id": f"msg_{self.response_id[5:]}", "type": "message", "role": "assistant", "content": []},
+            "response.output_text.delta",
+            content_index=0,
+            delta=HOLE,
+            logprobs=[],
         )
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
@@ -552,18 +578,16 @@ class ResponsesEvents:
         out: list[bytes] = []
         if self._reasoning is None:
             item = {**_reasoning_item(f"rs_{self.response_id[5:]}", ""), "content": []}
-            self._reasoning, added = self._open(item)
+            self._reasoning, added = self._open(item, "response.reasoning_text.delta", content_index=0, delta=HOLE)
             part = {"type": "reasoning_text", "text": ""}
             out += [added, self._item_event("response.content_part.added", self._reasoning, content_index=0, part=part)]
-        self._reasoning.pieces.append(text)
-        out.append(self._item_event("response.reasoning_text.delta", self._reasoning, content_index=0, delta=text))
+        out.append(self._delta(self._reasoning, text))
         return out
 
     def _text_delta(self, text: str) -> list[bytes]:
         out = self._open_text() if self._text is None else []
         assert self._text is not None
-        self._text.pieces.append(text)
-        out.append(self._item_event("response.output_text.delta", self._text, content_index=0, delta=text, logprobs=[]))
+        out.append(self._delta(self._text, text))
         return out
 
     def _call_delta(self, call: Mapping[str, Any]) -> list[bytes]:
@@ -579,13 +603,12 @@ class ResponsesEvents:
                 "",
                 names=self._names,
             )
-            state, added = self._open(item)
+            state, added = self._open(item, "response.function_call_arguments.delta", delta=HOLE)
             self._calls[position] = state
             out.append(added)
         arguments = function.get("arguments")
         if arguments:
-            state.pieces.append(arguments)
-            out.append(self._item_event("response.function_call_arguments.delta", state, delta=arguments))
+            out.append(self._delta(state, arguments))
         return out
 
     def finish(self) -> list[bytes]:
