@@ -14,7 +14,7 @@ import anyio
 
 from .._config import ResolvedStack, resolve_config
 from .._errors import SandboxImageNotFoundError, UsageError
-from .._protocol import SandboxProvider, SupportsSandboxList
+from .._protocol import SandboxProvider, SupportsSandboxList, SupportsSandboxSnapshot
 from .._reaper import ReapedSandbox, close_listed
 from .._registry import middleware_registry
 from ..middleware._ownership import OwnershipMiddleware
@@ -52,6 +52,8 @@ class RunOptions:
     """Record when each sandbox started and stopped (for the peak across a cluster's workers)."""
     image: str | None = None
     """``spec.image`` of every session's sandbox."""
+    fork: int | None = None
+    """Run each session's commands after its first in this many forks of its sandbox (``--fork``)."""
 
 
 @dataclass
@@ -165,6 +167,7 @@ def run_process(
     async def checked_workload() -> None:
         try:
             await _check_image(provider, options.image)
+            _check_fork(provider, resolved, options.fork)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await provider.aclose()
@@ -176,6 +179,7 @@ def run_process(
             commands=options.commands,
             think_s=options.think_s,
             image=options.image,
+            fork=options.fork,
             background=progress(accounting) if show_progress else None,
             finish=close_orphans if can_look else None,
             handle_signals=handle_signals,
@@ -207,6 +211,18 @@ async def _check_image(provider: SandboxProvider, image: str | None) -> None:
         raise UsageError(f"argument --image: {exc}") from None
 
 
+def _check_fork(provider: SandboxProvider, resolved: ResolvedStack, fork: int | None) -> None:
+    """A stack that cannot fork is one usage error before any session, not every session's."""
+    if fork is None or isinstance(provider, SupportsSandboxSnapshot):
+        return
+    named = resolved.provider
+    raise UsageError(
+        f"argument --fork: provider {named.name!r} ({named.cls.__name__}) takes no snapshots (it has no "
+        "SupportsSandboxSnapshot), so its sandboxes cannot be forked; run without --fork, or on a provider "
+        "that has the capability"
+    )
+
+
 def combine(results: Sequence[ProcessResult], sessions: int) -> ProcessResult:
     """One result for a run over several processes: counts summed, metrics merged, and the peak of
     sandboxes held at once across all of them (from every process's start / stop times)."""
@@ -216,6 +232,7 @@ def combine(results: Sequence[ProcessResult], sessions: int) -> ProcessResult:
         run.failed += part.run.failed
         run.cancelled += part.run.cancelled
         run.started += part.run.started
+        run.forks += part.run.forks
         run.handed_out += part.run.handed_out
         run.interrupted_by = run.interrupted_by or part.run.interrupted_by
         for error, count in part.run.session_errors.items():
