@@ -94,10 +94,12 @@ async def workload(
     orphans) runs after the cleanup pass, before the provider is closed. ``handle_signals=False``
     leaves SIGINT and SIGTERM to the host process (a Ray worker).
     """
-    with anyio.open_signal_receiver(*((signal.SIGINT, signal.SIGTERM) if handle_signals else ())) as signals:
+    with contextlib.ExitStack() as receiving:  # none without handle_signals (trio refuses a receiver of none)
         async with anyio.create_task_group() as watchers:
             work = anyio.CancelScope()
-            watchers.start_soon(_stop_on_signal, signals, run, work)
+            if handle_signals:
+                signals = receiving.enter_context(anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))
+                watchers.start_soon(_stop_on_signal, signals, run, work)
             if background is not None:
                 watchers.start_soon(background, run)
             try:
