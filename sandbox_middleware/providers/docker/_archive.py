@@ -26,7 +26,18 @@ import anyio
 from ..._errors import SandboxError, SandboxPathError, SandboxTransferLimitError
 from .._common._arguments import check_text, sandbox_parts
 
-__all__ = ["END", "TarReader", "check_directory", "check_stat", "located", "padding", "tar_records", "tar_stream"]
+__all__ = [
+    "END",
+    "TarEntries",
+    "TarReader",
+    "check_directory",
+    "check_named",
+    "check_stat",
+    "located",
+    "padding",
+    "tar_records",
+    "tar_stream",
+]
 
 _BLOCK = 512
 _CHUNK = 1 << 20
@@ -47,22 +58,23 @@ def located(
             return mount, sandbox_parts(str(full), (mount,), what)
     raise SandboxPathError(
         f"{what} {path!r} is outside the sandbox's writable directories ({', '.join(map(str, mounts))}); "
-        "transfers reach only those: use a relative path or one under them"
+        "transfers and snapshots reach only those: use a relative path or one under them"
     )
+
+
+def _stat(header: str | None, what: str) -> tuple[int, int]:
+    """The Go file mode and the size the daemon's stat header says ``what`` has."""
+    try:
+        info: dict[str, Any] = json.loads(base64.b64decode(header or ""))
+        return int(info["mode"]), int(info["size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SandboxError(f"the daemon did not say what {what} is ({exc!r:.100})") from exc
 
 
 def check_stat(header: str | None, path: str, limit: int) -> None:
     """Refuse anything but a regular file of at most ``limit`` bytes, from the daemon's stat header."""
-    try:
-        info: dict[str, Any] = json.loads(base64.b64decode(header or ""))
-        mode, size = int(info["mode"]), int(info["size"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SandboxError(f"the daemon did not say what {path!r} is ({exc!r:.100})") from exc
-    if mode & _GO_SYMLINK:
-        raise SandboxPathError(
-            f"path {path!r} is a symlink; a symlink could lead outside the sandbox, so transfers never follow one: "
-            "name the real file"
-        )
+    mode, size = _stat(header, repr(path))
+    check_named(header, path)
     if mode & (_GO_DIR | _GO_DEVICE | _GO_PIPE | _GO_SOCKET | _GO_CHAR | _GO_IRREGULAR):
         raise SandboxError(f"{path!r} is not a file in the sandbox (a directory, FIFO, socket or device)")
     if size > limit:
@@ -72,16 +84,22 @@ def check_stat(header: str | None, path: str, limit: int) -> None:
         )
 
 
+def check_named(header: str | None, path: str) -> None:
+    """Refuse a ``path`` that is a symlink, from the daemon's stat header."""
+    if _stat(header, repr(path))[0] & _GO_SYMLINK:
+        raise SandboxPathError(
+            f"path {path!r} is a symlink; a symlink could lead outside the sandbox, so transfers and snapshots "
+            "never follow one: name the real file or directory"
+        )
+
+
 def check_directory(header: str | None, path: str, component: str) -> None:
     """Refuse a parent ``component`` of ``path`` that is a symlink or not a directory (the stat header)."""
-    try:
-        mode = int(json.loads(base64.b64decode(header or ""))["mode"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SandboxError(f"the daemon did not say what {component!r} of {path!r} is ({exc!r:.100})") from exc
+    mode = _stat(header, f"{component!r} of {path!r}")[0]
     if mode & _GO_SYMLINK or not mode & _GO_DIR:
         raise SandboxPathError(
-            f"a component of {path!r}, {component!r}, is not a directory (a symlink?); transfers never follow "
-            "one: name a path through real directories"
+            f"a component of {path!r}, {component!r}, is not a directory (a symlink?); transfers and snapshots "
+            "never follow one: name a path through real directories"
         )
 
 
@@ -130,6 +148,104 @@ async def tar_stream(source_fd: int, size: int, parts: Sequence[str], owner: tup
     yield padding(size) + END
 
 
+class TarEntries:
+    """The entries of a tar stream, read as its chunks arrive: each entry's header (``next``, with PAX
+    and GNU long names and sizes applied), then its data (``data``). ``what`` names the stream in errors."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], what: str) -> None:
+        self._chunks = chunks.__aiter__()
+        self._what = what
+        self._buffer = bytearray()
+        self._data_left = 0  # of the current entry's data, unread
+        self._padding_left = 0
+
+    async def _more(self) -> bool:
+        try:
+            self._buffer += await self._chunks.__anext__()
+        except StopAsyncIteration:
+            return False
+        return True
+
+    async def _take(self, count: int) -> bytes:
+        while len(self._buffer) < count:
+            if not await self._more():
+                raise SandboxError(
+                    f"{self._what} ended early (the container went away?); nothing was copied: try again"
+                )
+        taken = bytes(self._buffer[:count])
+        del self._buffer[:count]
+        return taken
+
+    async def next(self) -> tarfile.TarInfo | None:
+        """The next entry's header, its data left to ``data`` (skipped if unread); None at the end."""
+        async for _ in self.data():
+            pass
+        await self._take(self._padding_left)
+        self._padding_left = 0
+        extended: dict[str, str] = {}
+        while True:
+            if not self._buffer and not await self._more():
+                return None  # no end-of-archive blocks: the stream's end is the archive's
+            block = await self._take(_BLOCK)
+            if block.count(0) == _BLOCK:
+                return None
+            try:
+                info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+            except tarfile.HeaderError as exc:
+                raise SandboxError(f"{self._what} is not a tar: {exc}") from exc
+            if info.type not in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
+                break
+            if info.size > 1 << 20:
+                raise SandboxError(f"{self._what} has an oversized extended header")
+            data = (await self._take(info.size + (-info.size) % _BLOCK))[: info.size]
+            if info.type == tarfile.XHDTYPE:
+                extended.update(_pax_records(data, self._what))
+            elif info.type != tarfile.XGLTYPE:
+                key = "path" if info.type == tarfile.GNUTYPE_LONGNAME else "linkpath"
+                extended[key] = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
+        try:
+            info.name = extended.get("path", info.name).rstrip("/") or info.name
+            info.linkname = extended.get("linkpath", info.linkname)
+            info.size = int(extended.get("size", info.size))
+        except ValueError as exc:
+            raise SandboxError(f"{self._what} has a PAX size that is not a number") from exc
+        # As tarfile reads it: only regular files (and types it does not know) are followed by data.
+        carries = info.isreg() or info.type not in tarfile.SUPPORTED_TYPES
+        self._data_left = info.size if carries else 0
+        self._padding_left = (-self._data_left) % _BLOCK
+        return info
+
+    async def data(self) -> AsyncIterator[bytes]:
+        """The current entry's data, in the pieces it arrives in."""
+        while self._data_left:
+            if not self._buffer and not await self._more():
+                raise SandboxError(
+                    f"{self._what} ended early (the container went away?); nothing was copied: try again"
+                )
+            piece = bytes(self._buffer[: self._data_left])
+            del self._buffer[: len(piece)]
+            self._data_left -= len(piece)
+            yield piece
+
+
+def _pax_records(data: bytes, what: str) -> dict[str, str]:
+    """The ``key=value`` records of a PAX extended header (``LENGTH key=value`` and a newline each)."""
+    records: dict[str, str] = {}
+    position = 0
+    try:
+        while position < len(data):
+            space = data.index(b" ", position)
+            length = int(data[position:space])
+            if length <= space - position:
+                raise ValueError(length)
+            key, _, value = data[space + 1 : position + length - 1].partition(b"=")
+            records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+            position += length
+    except ValueError as exc:
+        raise SandboxError(f"{what} has a malformed PAX header") from exc
+    return records
+
+
 class TarReader:
     """Reads the one regular file of a download's tar stream into ``target``, at most ``limit`` bytes."""
 
@@ -137,35 +253,13 @@ class TarReader:
         self._path, self._target, self._limit = path, target, limit
 
     async def read(self, chunks: AsyncIterator[bytes]) -> None:
-        buffer = bytearray()
-        iterator = chunks.__aiter__()
-
-        async def more() -> None:
-            try:
-                buffer.extend(await iterator.__anext__())
-            except StopAsyncIteration:
-                raise SandboxError(
-                    f"the daemon's archive of {self._path!r} ended early (the container went away?); nothing was "
-                    "copied: try again"
-                ) from None
-
-        async def need(count: int) -> bytes:
-            while len(buffer) < count:
-                await more()
-            taken = bytes(buffer[:count])
-            del buffer[:count]
-            return taken
-
-        while True:  # PAX and GNU long-name records come before the entry itself
-            try:
-                info = tarfile.TarInfo.frombuf(await need(_BLOCK), "utf-8", "surrogateescape")
-            except tarfile.HeaderError as exc:
-                raise SandboxError(f"the daemon's archive of {self._path!r} is not a tar: {exc}") from exc
-            if info.type not in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
-                break
-            if info.size > 1 << 20:
-                raise SandboxError(f"the daemon's archive of {self._path!r} has an oversized extended header")
-            await need(info.size + (-info.size) % _BLOCK)
+        entries = TarEntries(chunks, f"the daemon's archive of {self._path!r}")
+        info = await entries.next()
+        if info is None:
+            raise SandboxError(
+                f"the daemon's archive of {self._path!r} ended early (the container went away?); nothing was "
+                "copied: try again"
+            )
         if info.type == tarfile.SYMTYPE or info.type == tarfile.LNKTYPE:
             raise SandboxPathError(f"path {self._path!r} is a symlink (it was swapped for one); nothing was copied")
         if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
@@ -176,13 +270,7 @@ class TarReader:
             )
         fd = await anyio.to_thread.run_sync(self._open_target)
         try:
-            left = info.size
-            while left:
-                if not buffer:
-                    await more()
-                part = bytes(buffer[:left])
-                del buffer[: len(part)]
-                left -= len(part)
+            async for part in entries.data():
                 await anyio.to_thread.run_sync(_write_all, fd, part)
         except BaseException as exc:
             os.close(fd)

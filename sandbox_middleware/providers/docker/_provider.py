@@ -36,7 +36,15 @@ from ..._errors import (
     SandboxPathError,
     SandboxTransferLimitError,
 )
-from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
+from ..._protocol import (
+    SandboxEndpoint,
+    SandboxExecResult,
+    SandboxHandle,
+    SandboxListing,
+    SandboxSnapshot,
+    SandboxSpec,
+    SandboxStatus,
+)
 from .._common._arguments import check_text, checked_env, checked_exec, fspath, sandbox_id_of
 from .._common._deadlines import checked_ttl, exec_deadline
 from .._common._limits import LIMIT_BOUNDS, Limits, file_max
@@ -46,6 +54,7 @@ from ._archive import END, TarReader, check_directory, check_stat, located, padd
 from ._commands import KILL_TIMEOUT_S, Commands
 from ._container import (
     LABEL,
+    TMP,
     BodyOf,
     Box,
     Made,
@@ -60,6 +69,7 @@ from ._container import (
 )
 from ._daemons import daemon_of, socket_of
 from ._descriptors import signed, verified
+from ._snapshots import Snapshots
 from ._spares import SUFFIX, DockerSpares, Shape, Spare, remove, shape_of, spare_body, sweep
 from ._ttl import WatchdogLauncher, is_spare, taken_name
 
@@ -237,6 +247,7 @@ class DockerProvider:
         self._request_timeout = request_timeout_s
         self._spare_ttl = spare_ttl_s
         self._spares: DockerSpares | None = None
+        self._snapshots = Snapshots(self._api, self.name, str(info.get("ID") or self._socket), self._watchdog.ensure)
         if prestart:  # removed with this provider, if not at aclose (or at exit)
             self._spares = DockerSpares(weakref.WeakMethod(self._make_spare), partial(remove, self._socket, version))
             weakref.finalize(self, self._spares.close)
@@ -303,8 +314,16 @@ class DockerProvider:
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    async def create(self, spec: SandboxSpec) -> SandboxHandle:
+    async def create(self, spec: SandboxSpec, *, from_snapshot: SandboxSnapshot | None = None) -> SandboxHandle:
+        """A sandbox of ``spec``; ``from_snapshot``: its writable directories start as that snapshot's
+        (``_snapshots.py``), written before it is handed out."""
+        record = None if from_snapshot is None else await self._snapshots.find(from_snapshot)
         plan = await self._plan(spec)
+        if record is not None:
+            image = await self._inspect_image(plan.image)
+            image_id = str(image.json().get("Id")) if image.status_code == 200 else ""
+            sizes = {"work": plan.limits.disk_bytes, "tmp": plan.tmp_bytes}
+            self._snapshots.check_fits(record, image_id, plan.image, sizes)
         if plan.deadline is not None:  # before the container exists: a worker killed from here leaves none unwatched
             self._watchdog.ensure()
         shape = shape_of(plan, self._fixed_user, self._daemon.adapt) if self._spares is not None else None
@@ -315,6 +334,8 @@ class DockerProvider:
         container, owner, uid = made.container, made.owner, made.uid
         async with self._removed_on_failure(self._api, made, plan.image):
             # After start: a tmpfs volume written to before would be unmounted again, and its files lost.
+            if record is not None:
+                await self._snapshots.restore(record, container, {"work": plan.mount, "tmp": TMP}, owner)
             files = [(PurePosixPath(target), text.encode()) for target, text in spec.files.items()]
             await self._seed(container, plan, owner, files)
         box = Box(
@@ -795,6 +816,31 @@ class DockerProvider:
         box = self._box(handle)
         await self._api.call("POST", f"/containers/{box.container}/unpause", f"resume {handle.sandbox_id[:12]}")
         box.paused = False
+
+    async def snapshot(
+        self,
+        handle: SandboxHandle,
+        *,
+        paths: builtins.list[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> SandboxSnapshot:
+        """The sandbox's work directory (or ``paths`` in its writable directories) as an image: consistent as
+        of one moment (the sandbox is paused while it is read), symlinks kept as links (``_snapshots.py``)."""
+        box = self._box(handle)
+        info = await self._api.inspect(box.container, f"inspect sandbox {handle.sandbox_id[:12]} for a snapshot")
+        if info is None:
+            raise SandboxNotFoundError(
+                f"DockerProvider: sandbox {handle.sandbox_id!r} was removed; nothing to snapshot"
+            )
+        return await self._snapshots.take(box, str(info.get("Image")), paths, metadata)
+
+    async def delete_snapshot(self, snapshot: SandboxSnapshot) -> None:
+        """Remove the snapshot's image (only an image this provider labelled as that snapshot); its forks run on."""
+        await self._snapshots.delete(snapshot)
+
+    async def list_snapshots(self, *, metadata: Mapping[str, str] | None = None) -> builtins.list[SandboxSnapshot]:
+        """This provider's snapshots on its daemon, taken by any process, whose metadata has all of ``metadata``."""
+        return await self._snapshots.listed(metadata)
 
     async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]:
         box = self._box(handle)
