@@ -11,8 +11,9 @@ holding it, each through the recommended stack, one after the other:
   one snapshot and the creates from it at once; the parent is closed once they are made (the state
   lives on in the forks);
 - prepare every time: as many sandboxes at once, each running the preparation;
-- upload every time: as many sandboxes at once, each getting the files one ``upload_file`` at a time
-  from a copy on this machine.
+- upload every time: as many sandboxes at once, each getting the files from a copy on this machine as
+  one tar archive (one ``upload_file``, then unpacked in the sandbox: one ``upload_file`` per file
+  cost 56 ms each on the shared machine's Docker, 1,000 files x 8 sandboxes in 450 s).
 
 Each is timed from its first call to the last sandbox ready, and every sandbox is checked to hold the
 whole state (untimed). Its storage is what the machine holds while the sandboxes are held, less what
@@ -35,6 +36,7 @@ import re
 import shlex
 import statistics
 import subprocess
+import tarfile
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -55,6 +57,7 @@ from sandbox_middleware import (
 
 IMAGE = "sandbox-middleware/python:test"
 PER_DIRECTORY = 100
+UNPACK = "import os, tarfile; tarfile.open('state.tar').extractall(); os.remove('state.tar')"
 PREPARE = """\
 import os, sys
 files, size = int(sys.argv[1]), int(sys.argv[2])
@@ -96,8 +99,7 @@ class Bench:
             self.where = scratch / "boxes"
             self.where.mkdir()
         (scratch / "prepare.py").write_text(PREPARE)
-        self.local = scratch / "local"  # the copy the upload contender uploads, written before it runs
-        self.files: list[Path] = []
+        self.archive = scratch / "state.tar"  # what the upload contender uploads, written before it runs
 
     def provider(self, **options: Any) -> SandboxProvider:
         if self.args.provider == "docker":
@@ -116,18 +118,19 @@ class Bench:
         assert done.return_code == 0, done.stderr
 
     async def upload(self, sandbox: Sandbox) -> None:
-        directories = sorted({path.parent.relative_to(self.local) for path in self.files})
-        done = await sandbox.exec("mkdir -p " + " ".join(shlex.quote(str(d)) for d in directories))
+        await sandbox.upload(self.archive, "state.tar")
+        done = await sandbox.exec(f"python3 -c {shlex.quote(UNPACK)}", timeout_s=900)
         assert done.return_code == 0, done.stderr
-        for path in self.files:
-            await sandbox.upload(path, str(path.relative_to(self.local)))
 
-    def write_local_copy(self) -> None:
+    def write_archive(self) -> None:
+        """The state as a tar archive on this machine, its files written one by one first."""
+        local = self.scratch / "local"
         for number in range(self.args.files):
-            path = self.local / "state" / f"{number // PER_DIRECTORY:04d}" / f"{number % PER_DIRECTORY:02d}.bin"
+            path = local / "state" / f"{number // PER_DIRECTORY:04d}" / f"{number % PER_DIRECTORY:02d}.bin"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(os.urandom(self.size))
-            self.files.append(path)
+        with tarfile.open(self.archive, "w") as archive:
+            archive.add(local / "state", "state")
 
     async def empty_creates(self) -> tuple[float, float]:
         """The median of 3 empty creates without a spare, and of 3 taking the default provider's spare."""
@@ -205,7 +208,7 @@ class Bench:
         try:
             prepared, forked, one_copy, forks_held = await self.fork(provider)
             prepare_time, prepare_held = await self.every_time(provider, self.prepare)
-            self.write_local_copy()
+            self.write_archive()
             upload_time, upload_held = await self.every_time(provider, self.upload)
         finally:
             await provider.aclose()
