@@ -26,6 +26,7 @@ from sandbox_middleware import (
 from sandbox_middleware.cli._process import ProcessResult, combine
 from sandbox_middleware.cli._workload import RunState, workload
 from tests.leftovers import left_behind
+from tests.sandbox.providers.docker._support import BUSYBOX, containers, require_docker
 
 from .test_cli import CLI, default_stack, row, run
 
@@ -73,6 +74,20 @@ def test_a_fork_run_under_faults_leaks_nothing_and_counts_what_it_made() -> None
     assert forks % 3 == 0 and forks // 3 <= started - forks <= 30
     assert int(row(out, "retries create / close / other").split(" / ")[0]) > 0
     assert "Traceback" not in done.stderr
+
+
+def test_a_fork_run_over_docker_closes_every_fork() -> None:
+    """The same over the Docker daemon: each fork a container made from the snapshot's image, all removed."""
+    require_docker()
+    done = run(
+        "run", "--provider", "docker", "--image", BUSYBOX, "--sessions", "2", "--concurrency", "2",
+        "--commands", "2", "--fork", "2", "--run-id", "cli-docker-fork", timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert row(done.stdout, "sessions ok / failed") == "2 / 0"
+    assert row(done.stdout, "sandboxes started") == "6" and forks_made(done.stdout) == 4
+    assert row(done.stdout, "sandboxes still held") == "0"
+    assert containers("sandbox_middleware.docker.meta.sandbox_middleware.run_id=cli-docker-fork") == []
 
 
 def test_a_bad_fork_count_is_one_line() -> None:
