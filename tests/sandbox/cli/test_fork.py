@@ -3,12 +3,8 @@ own sandbox) and runs the rest of its commands in N forks of it, all closed at t
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +21,9 @@ from sandbox_middleware import (
 )
 from sandbox_middleware.cli._process import ProcessResult, combine
 from sandbox_middleware.cli._workload import RunState, workload
-from tests.leftovers import left_behind
 from tests.sandbox.providers.docker._support import BUSYBOX, containers, require_docker
 
-from .test_cli import CLI, default_stack, row, run
-
-
-def forks_made(output: str) -> int:
-    match = re.search(r"^forks made: (\d+) \(", output, re.MULTILINE)
-    assert match, f"no forks line in:\n{output}"
-    return int(match.group(1))
+from .test_cli import default_stack, forks_made, row, run
 
 
 @default_stack
@@ -131,52 +120,6 @@ def test_a_provider_without_snapshots_is_refused_before_any_session(tmp_path: Pa
     assert "sessions ok" not in done.stdout and "Traceback" not in done.stderr
     plain = main()  # the same stack without --fork runs: the refusal is the fork's
     assert plain.returncode == 0 and row(plain.stdout, "sessions ok / failed") == "3 / 0", plain.stderr
-
-
-@pytest.fixture
-def private_tmpdir(tmp_path: Path) -> Path:
-    directory = tmp_path / "tmp"
-    directory.mkdir()
-    return directory
-
-
-@default_stack
-def test_sigterm_mid_fork_run_closes_every_fork(private_tmpdir: Path, tmp_path: Path) -> None:
-    """SIGTERM while sessions fork: the forks in flight are made and closed, their snapshots deleted; nothing
-    of the run is left in the provider's base directory or the temp directory; exit code 143."""
-    base = tmp_path / "boxes"
-    config = tmp_path / "stack.yaml"
-    config.write_text(
-        f'provider: {{local: {{isolation: none, base_dir: "{base}"}}}}\n'
-        "middleware: [tracing, metrics, release_accounting, retry, ownership]\n"
-    )
-    env = {**os.environ, "TMPDIR": str(private_tmpdir)}
-    process = subprocess.Popen(
-        [*CLI, "run", str(config), "--sessions", "100000000", "--concurrency", "4", "--fork", "4", "--no-progress"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not (base.exists() and any(entry.name.startswith("local-") for entry in base.iterdir())):
-            assert process.poll() is None and time.monotonic() < deadline, "no sandbox was created"
-            time.sleep(0.05)
-        time.sleep(1.0)  # into the run, with forks being made and run
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=90)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    assert process.returncode == 128 + signal.SIGTERM, out + err
-    assert "INTERRUPTED by SIGTERM" in out.splitlines()[0]
-    assert row(out, "sandboxes still held") == "0"
-    assert forks_made(out) > 0
-    assert "Traceback" not in err, err
-    assert left_behind(private_tmpdir) == []
-    assert sorted(entry.name for entry in base.iterdir()) == [], "the run left sandboxes or snapshots in base_dir"
 
 
 class SharedResult(ProviderMiddleware):
