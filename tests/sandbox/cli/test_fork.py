@@ -94,17 +94,21 @@ def test_a_bad_fork_count_is_one_line() -> None:
 
 WITHOUT_SNAPSHOTS = """
 import sys
-from sandbox_middleware import register_provider
+from sandbox_middleware import LocalProvider, register_provider
 from sandbox_middleware.cli._main import main
-from sandbox_middleware.testing import FaultInjectingProvider
-register_provider("in_memory", FaultInjectingProvider)  # its sandboxes are ids in a set: no snapshots
+
+class WithoutSnapshots(LocalProvider):
+    # None on the class: what isinstance reads as not implemented (how a layer hides a capability)
+    snapshot = delete_snapshot = list_snapshots = None
+
+register_provider("without_snapshots", WithoutSnapshots)
 sys.exit(main())
 """
 
 
 def test_a_provider_without_snapshots_is_refused_before_any_session(tmp_path: Path) -> None:
     config = tmp_path / "stack.yaml"
-    config.write_text("provider: in_memory\nmiddleware: [metrics, release_accounting]\n")
+    config.write_text("provider: {without_snapshots: {isolation: none}}\nmiddleware: [metrics, release_accounting]\n")
 
     def main(*arguments: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-c", WITHOUT_SNAPSHOTS, "run", str(config), "--sessions", "3", *arguments]
@@ -113,7 +117,7 @@ def test_a_provider_without_snapshots_is_refused_before_any_session(tmp_path: Pa
     done = main("--fork", "2")
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.splitlines()[-1] == (
-        "sandbox-middleware run: error: argument --fork: provider 'in_memory' (FaultInjectingProvider) takes no "
+        "sandbox-middleware run: error: argument --fork: provider 'without_snapshots' (WithoutSnapshots) takes no "
         "snapshots (it has no SupportsSandboxSnapshot), so its sandboxes cannot be forked; run without --fork, or "
         "on a provider that has the capability"
     )
