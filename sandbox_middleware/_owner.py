@@ -20,13 +20,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["RUN_KEY", "Liveness", "Owner", "boot_id"]
+__all__ = ["EXPIRES_KEY", "RUN_KEY", "Liveness", "Owner", "boot_id", "expired"]
 
 RUN_KEY = "sandbox_middleware.run_id"
+EXPIRES_KEY = "sandbox_middleware.expires"
+"""A snapshot's expiry, seconds since the epoch: ``reap`` removes it once past, whoever owns it (no
+provider ends a snapshot at a TTL, as it ends a sandbox)."""
 _HOST_KEY = "sandbox_middleware.owner.host"
 _PID_KEY = "sandbox_middleware.owner.pid"
 _STARTED_KEY = "sandbox_middleware.owner.started"
 _PIDNS_KEY = "sandbox_middleware.owner.pidns"
+
+
+def expired(metadata: Mapping[str, str], now: float) -> bool:
+    """Whether ``metadata`` carries an expiry (``EXPIRES_KEY``) that ``now`` is past; one that is no
+    number is no expiry."""
+    try:
+        return float(metadata[EXPIRES_KEY]) < now
+    except (KeyError, ValueError, TypeError):
+        return False
 
 
 def boot_id() -> str:

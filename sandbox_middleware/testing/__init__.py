@@ -5,12 +5,20 @@ Fixtures for an in-memory OpenTelemetry SDK live in ``sandbox_middleware.testing
 """
 
 from .._errors import InjectedCreateError, InjectedFault
-from ._faults import FAULT_STREAM, LOST_CREATE, OPERATIONS, FaultInjectingProvider, parse_faults
+from ._faults import (
+    FAULT_STREAM,
+    LOST_CREATE,
+    OPERATIONS,
+    SNAPSHOT_OPERATIONS,
+    FaultInjectingProvider,
+    parse_faults,
+)
 
 __all__ = [
     "FAULT_STREAM",
     "LOST_CREATE",
     "OPERATIONS",
+    "SNAPSHOT_OPERATIONS",
     "FaultInjectingProvider",
     "InjectedCreateError",
     "InjectedFault",

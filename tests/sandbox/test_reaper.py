@@ -21,7 +21,7 @@ from sandbox_middleware import (
     stack,
 )
 from sandbox_middleware.testing import FaultInjectingProvider
-from tests.providers import crashed_worker, in_own_pid_namespace, live_worker
+from tests.providers import PlainProvider, crashed_worker, in_own_pid_namespace, live_worker
 
 pytestmark = pytest.mark.anyio
 
@@ -152,7 +152,7 @@ async def test_lost_create_responses_are_reaped_with_the_run(local: LocalProvide
 async def test_reap_needs_a_listing_provider() -> None:
     """A provider that cannot list is a clear error, not a silent no-op."""
     with pytest.raises(SandboxError, match="cannot list its sandboxes"):
-        await reap(FaultInjectingProvider())
+        await reap(PlainProvider())
 
 
 async def test_release_accounting_reports_lost_create_responses_as_orphans(local: LocalProvider) -> None:
@@ -174,4 +174,4 @@ async def test_release_accounting_reports_lost_create_responses_as_orphans(local
 
 async def test_orphans_need_a_listing_provider() -> None:
     with pytest.raises(SandboxError, match="cannot list its sandboxes"):
-        await ReleaseAccountingMiddleware(FaultInjectingProvider()).orphans({})
+        await ReleaseAccountingMiddleware(PlainProvider()).orphans({})

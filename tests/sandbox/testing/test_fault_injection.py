@@ -62,7 +62,7 @@ async def test_cancellation_at_every_await_point(point: str, telemetry: Telemetr
         with anyio.move_on_after(0.1) as scope:
             async with sandbox:
                 await sandbox.exec("true")
-                await sandbox.download("out", tmp_path / "out")
+                await sandbox.download("in.txt", tmp_path / "out")
         assert scope.cancelled_caught
     held = {entry.sandbox_id for entry in accounting.held()}
     assert telemetry.value("gym.sandbox.active") == len(held) == 0
