@@ -21,6 +21,7 @@ from sandbox_middleware import (
 )
 from sandbox_middleware.cli._process import ProcessResult, combine
 from sandbox_middleware.cli._workload import RunState, workload
+from tests import ROOT
 from tests.sandbox.providers.docker._support import BUSYBOX, containers, require_docker
 
 from .test_cli import default_stack, forks_made, row, run
@@ -94,30 +95,26 @@ def test_a_bad_fork_count_is_one_line() -> None:
 
 WITHOUT_SNAPSHOTS = """
 import sys
-from sandbox_middleware import LocalProvider, register_provider
+from sandbox_middleware import register_provider
 from sandbox_middleware.cli._main import main
-
-class WithoutSnapshots(LocalProvider):
-    # None on the class: what isinstance reads as not implemented (how a layer hides a capability)
-    snapshot = delete_snapshot = list_snapshots = None
-
-register_provider("without_snapshots", WithoutSnapshots)
+from tests.providers import PlainProvider
+register_provider("plain", PlainProvider)  # it knows the protocol only: no capability
 sys.exit(main())
 """
 
 
 def test_a_provider_without_snapshots_is_refused_before_any_session(tmp_path: Path) -> None:
     config = tmp_path / "stack.yaml"
-    config.write_text("provider: {without_snapshots: {isolation: none}}\nmiddleware: [metrics, release_accounting]\n")
+    config.write_text("provider: plain\nmiddleware: [metrics, release_accounting]\n")
 
     def main(*arguments: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-c", WITHOUT_SNAPSHOTS, "run", str(config), "--sessions", "3", *arguments]
-        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
 
     done = main("--fork", "2")
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.splitlines()[-1] == (
-        "sandbox-middleware run: error: argument --fork: provider 'without_snapshots' (WithoutSnapshots) takes no "
+        "sandbox-middleware run: error: argument --fork: provider 'plain' (PlainProvider) takes no "
         "snapshots (it has no SupportsSandboxSnapshot), so its sandboxes cannot be forked; run without --fork, or "
         "on a provider that has the capability"
     )
