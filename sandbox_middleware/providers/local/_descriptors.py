@@ -29,6 +29,7 @@ DESCRIPTOR_KEYS = (
     "metadata",
     "created",
     "uid",
+    "snapshot",
 )
 
 

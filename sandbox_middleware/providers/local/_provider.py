@@ -33,9 +33,18 @@ from ..._errors import (
     SandboxExpiredError,
     SandboxLimitError,
     SandboxNotFoundError,
+    SandboxSnapshotError,
 )
 from ..._owner import Owner
-from ..._protocol import SandboxEndpoint, SandboxExecResult, SandboxHandle, SandboxListing, SandboxSpec, SandboxStatus
+from ..._protocol import (
+    SandboxEndpoint,
+    SandboxExecResult,
+    SandboxHandle,
+    SandboxListing,
+    SandboxSnapshot,
+    SandboxSpec,
+    SandboxStatus,
+)
 from ..._reaper import ReapedSandbox, UnreapedSandbox
 from .._common._arguments import (
     DEFAULT_VIEW_ROOT,
@@ -80,6 +89,8 @@ from ._records import (
     write_maker,
     write_private,
 )
+from ._snapshots import SNAPSHOT_ID, fill, held, listed, release, retired, take
+from ._snapshots import delete as delete_tree
 from ._spares import Spares
 from ._supervisor import CommandStarter, find_python
 from ._transfers import check_directory, download, open_directory, upload
@@ -292,7 +303,9 @@ class LocalProvider:
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    async def create(self, spec: SandboxSpec) -> SandboxHandle:
+    async def create(self, spec: SandboxSpec, *, from_snapshot: SandboxSnapshot | None = None) -> SandboxHandle:
+        """A new sandbox of ``spec``; ``from_snapshot``: its files start as that snapshot's (a fork: see
+        ``_snapshots.py``), made fresh (never from the spare, which was made without them)."""
         if spec.entrypoint:
             raise SandboxArgumentError("LocalProvider does not run spec.entrypoint; start the process with exec()")
         env = checked_env(spec.env, "spec.env")
@@ -316,7 +329,11 @@ class LocalProvider:
             check_text(k, "spec.metadata key"): check_text(v, f"spec.metadata[{k!r}]") for k, v in spec.metadata.items()
         }
         shape = (dataclasses.replace(limits, explicit=frozenset()), view_root)
-        box = await anyio.to_thread.run_sync(self._make_box, shape, env, cwd, spec.ports, ttl, metadata)
+        make = partial(self._make_box, shape, env, cwd, spec.ports, ttl, metadata)
+        if from_snapshot is None:
+            box = await anyio.to_thread.run_sync(make)
+        else:
+            box = await anyio.to_thread.run_sync(self._make_fork, make, from_snapshot, limits)
         sandbox_id = box.sandbox_id
         self._boxes[sandbox_id] = box
         if box.deadline is not None:
@@ -331,12 +348,14 @@ class LocalProvider:
         ports: Iterable[int],
         ttl: float | None,
         metadata: dict[str, str],
+        fork: tuple[str, Path] | None = None,
     ) -> Box:
         """A sandbox of ``shape`` for a create: the spare when it has that shape, else a new one; then the
-        next spare of that shape is made in the background."""
-        box = self._spares.take(shape) if self._spares is not None else None
+        next spare of that shape is made in the background. A ``fork`` (its snapshot's id and tree) is
+        always a new one, its files the tree's, and makes no spare."""
+        box = self._spares.take(shape) if self._spares is not None and fork is None else None
         if box is None:
-            box = self._prepare(shape)
+            box = self._prepare(shape, fork)
         try:
             box.env, box.cwd, box.ports, box.metadata = env, cwd, tuple(ports), metadata
             box.created = time.time()
@@ -348,17 +367,29 @@ class LocalProvider:
             with open_directory(box.root, cwd, "spec.workdir", create=True, owner=box.uid):
                 pass
         except BaseException as exc:
-            leftovers = teardown(box, self._base)
+            leftovers = self._teardown(box)
             if isinstance(exc, OSError):
                 suffix = f"; could not remove {leftovers}" if leftovers else ""
                 raise SandboxCreateError(f"LocalProvider: cannot create a sandbox: {exc}{suffix}") from exc
             raise
-        if self._spares is not None:
+        if self._spares is not None and fork is None:
             self._spares.refill(shape)
         return box
 
-    def _prepare(self, shape: Shape) -> Box:
-        """A new sandbox of ``shape``: its directory, cgroups, mount, uid and starter (blocking)."""
+    def _make_fork(self, make: Callable[..., Box], snapshot: SandboxSnapshot, limits: Limits) -> Box:
+        """``make`` a sandbox whose files start as ``snapshot``'s (blocking), the snapshot kept from
+        deletion until the fork has its record, which names it."""
+        with held(self._base, snapshot, self.name) as tree:
+            if limits.disk_bytes is not None and snapshot.size_bytes > limits.disk_bytes:
+                raise SandboxSnapshotError(
+                    f"LocalProvider: snapshot {snapshot.snapshot_id!r} holds {snapshot.size_bytes} bytes, more than "
+                    f"this sandbox's disk limit of {limits.disk_bytes} bytes (disk_gib); give it a larger disk_gib"
+                )
+            return make((snapshot.snapshot_id, tree))
+
+    def _prepare(self, shape: Shape, fork: tuple[str, Path] | None = None) -> Box:
+        """A new sandbox of ``shape``: its directory, cgroups, mount, uid, files (a ``fork``'s: its
+        snapshot's) and starter (blocking)."""
         limits, view_root = shape
         sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
         cgroups: list[Path] = []
@@ -378,6 +409,8 @@ class LocalProvider:
                 bind_nosuid(outer)
                 mounted = True
             lay_out(outer, uid)
+            if fork is not None:  # before its starter, whose bwrap shows box/ as it is then
+                fill(outer, fork[1], uid, self._tmpfs)
             box = Box(
                 outer=outer,
                 view_root=view_root,
@@ -393,6 +426,7 @@ class LocalProvider:
                 created=time.time(),
                 launch=self._enforcement.launch(limits, cgroups, uid),
                 lease=lease,
+                snapshot=None if fork is None else fork[0],
             )
             if self._bwrap is not None:
                 try:
@@ -440,7 +474,7 @@ class LocalProvider:
                 continue
             why = f"a spare of {owner}, which died without removing it"
             removed.append(self._remove_leftover(sandbox_id, outer, str(owner), why, dry_run))
-        for sandbox_id, record in makers(self._base):
+        for sandbox_id, record in [*makers(self._base), *makers(self._base, SNAPSHOT_ID)]:
             owner = Owner.from_metadata(record)
             alive, why = owner.liveness() if owner is not None else (None, "its maker file names no process")
             if alive:
@@ -452,6 +486,9 @@ class LocalProvider:
             why = f"half-made: {owner} died while making or removing it"
             outers = directories_of(self._base, sandbox_id) or [self._base / sandbox_id]  # none: a maker file, cgroups
             removed += [self._remove_leftover(sandbox_id, outer, str(owner), why, dry_run) for outer in outers]
+        if not dry_run:  # deleted snapshots whose last fork went without releasing them (its process died)
+            for snapshot_id in retired(self._base):
+                release(self._base, snapshot_id)
         return removed, unknown
 
     def _remove_leftover(self, sandbox_id: str, outer: Path, owner: str, why: str, dry_run: bool) -> ReapedSandbox:
@@ -507,7 +544,7 @@ class LocalProvider:
         if box is None:
             return
         box.closed = True
-        leftovers = await anyio.to_thread.run_sync(teardown, box, self._base)
+        leftovers = await anyio.to_thread.run_sync(self._teardown, box)
         if leftovers:
             box.broken = True
             raise SandboxError(
@@ -515,6 +552,13 @@ class LocalProvider:
                 f"{', '.join(leftovers[:10])}{' ...' if len(leftovers) > 10 else ''}; remove them by hand"
             )
         del self._boxes[handle.sandbox_id]
+
+    def _teardown(self, box: Box) -> list[str]:
+        """Remove the sandbox; a fork's deleted snapshot goes with its last fork."""
+        leftovers = teardown(box, self._base)
+        if box.snapshot is not None and not leftovers:
+            leftovers = release(self._base, box.snapshot)
+        return leftovers
 
     async def aclose(self) -> None:
         """Remove the spare, close every sandbox still open here, then raise one error naming those that failed."""
@@ -652,6 +696,9 @@ class LocalProvider:
         if not isinstance(metadata, Mapping):
             raise SandboxArgumentError("recorded metadata is not a mapping")
         limits = Limits.from_record(record.get("limits") or [None, None, None, None])
+        snapshot = record.get("snapshot")
+        if snapshot is not None and not (isinstance(snapshot, str) and SNAPSHOT_ID.fullmatch(snapshot)):
+            raise SandboxArgumentError(f"recorded snapshot {snapshot!r} is not a snapshot id")
         cgroups = self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else []
         box = Box(
             outer=outer,
@@ -674,6 +721,7 @@ class LocalProvider:
             launch=self._enforcement.launch(
                 limits, cgroups, uid if self._bwrap is not None and self._bwrap.drops_privileges else None
             ),
+            snapshot=snapshot,
         )
         self._boxes[sandbox_id] = box
         if box.deadline is not None:
@@ -710,6 +758,62 @@ class LocalProvider:
                 except (SandboxError, ValueError, TypeError):
                     return None
         return None
+
+    # --- snapshots (SupportsSandboxSnapshot; see _snapshots.py and docs/local-provider.md, "Snapshots and forks") ---
+
+    async def snapshot(
+        self,
+        handle: SandboxHandle,
+        *,
+        paths: builtins.list[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> SandboxSnapshot:
+        """Copy the sandbox's working directory, or ``paths`` (relative to it, or absolute under the
+        sandbox root), into a snapshot in base_dir, while it runs (file by file: not as of one moment)."""
+        box = self._box(handle)
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise SandboxArgumentError(f"snapshot metadata must be a mapping of strings, not {type(metadata).__name__}")
+        labels = {
+            check_text(k, "snapshot metadata key"): check_text(v, f"snapshot metadata[{k!r}]")
+            for k, v in (metadata or {}).items()
+        }
+        if paths is None:
+            selections = [(box.cwd, "the working directory")]
+        elif isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence) or not paths:
+            raise SandboxArgumentError(f"snapshot paths must be a non-empty list of sandbox paths, not {paths!r}")
+        else:
+            selections = [
+                (
+                    sandbox_parts(path, box.roots, "snapshot path")
+                    if PurePosixPath(path).is_absolute()
+                    else (*box.cwd, *sandbox_parts(path, (), "snapshot path")),
+                    path,
+                )
+                for path in (check_text(path, "snapshot path") for path in paths)
+            ]
+        take_it = partial(take, self._base, box.root, selections, box.limits.disk_bytes, labels, handle.sandbox_id)
+        try:
+            return await anyio.to_thread.run_sync(take_it)
+        except SandboxError as exc:
+            if type(exc) is SandboxError:  # a path that is no directory on the way, say
+                raise SandboxSnapshotError(f"LocalProvider: sandbox {handle.sandbox_id!r}: {exc}") from exc
+            raise
+        except OSError as exc:
+            raise SandboxSnapshotError(f"LocalProvider: cannot snapshot {handle.sandbox_id!r}: {exc}") from exc
+
+    async def delete_snapshot(self, snapshot: SandboxSnapshot) -> None:
+        """Delete ``snapshot`` (checked against its record): at once for every process; its files go once
+        the last sandbox made from it is closed, so forks alive keep theirs."""
+        leftovers = await anyio.to_thread.run_sync(delete_tree, self._base, snapshot, self.name)
+        if leftovers:
+            raise SandboxError(
+                f"LocalProvider: snapshot {snapshot.snapshot_id!r} deleted, but these could not be removed: "
+                f"{', '.join(leftovers[:10])}{' ...' if len(leftovers) > 10 else ''}; remove them by hand"
+            )
+
+    async def list_snapshots(self, *, metadata: Mapping[str, str] | None = None) -> builtins.list[SandboxSnapshot]:
+        """Every snapshot in ``base_dir`` (taken by any process) whose metadata has all of ``metadata``."""
+        return await anyio.to_thread.run_sync(listed, self._base, dict(metadata or {}))
 
 
 def discard(base: Path, box: Box) -> None:

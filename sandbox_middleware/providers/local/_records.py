@@ -82,6 +82,7 @@ class Box:
     created: float  # time.time() at create
     launch: Launch  # how its commands start: rlimits, cgroups joined, PTY or not, host uid
     lease: UidLease | None = None  # the host-wide lease of its uid, held while it lives here
+    snapshot: str | None = None  # the id of the snapshot its files started as (a fork's; ``_snapshots.py``)
     starter: CommandStarter | None = None  # under bwrap: what starts its commands (see _starter.py)
     groups: set[int] = field(default_factory=set)
     expired: bool = False
@@ -131,6 +132,7 @@ class Box:
             "metadata": self.metadata,
             "created": self.created,
             "uid": self.uid,
+            "snapshot": self.snapshot,
         }
 
 
@@ -224,15 +226,16 @@ def read_record(outer: Path, uid: int, name: str = RECORD) -> dict[str, Any]:
     return record
 
 
-def scan(base: Path, name: str = RECORD) -> list[tuple[str, Path, dict[str, Any]]]:
+def scan(base: Path, name: str = RECORD, ids: re.Pattern[str] = SANDBOX_ID) -> list[tuple[str, Path, dict[str, Any]]]:
     """The sandbox directories in base_dir with their records (``name``: ``SPARE_RECORD`` for the
-    spares): ours only (this uid's, real directories, a regular 0600 record of ours), each id at most once."""
+    spares; with ``ids`` the snapshots', ``_snapshots.py``): ours only (this uid's, real directories, a
+    regular 0600 record of ours), each id at most once."""
     found: dict[str, tuple[str, Path, dict[str, Any]] | None] = {}
     uid = os.geteuid()
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(base):
             sandbox_id = entry.name[:18]
-            if not (SANDBOX_ID.fullmatch(sandbox_id) and entry.name[18:19] == "-"):
+            if not (ids.fullmatch(sandbox_id) and entry.name[18:19] == "-"):
                 continue
             try:
                 info = entry.stat(follow_symlinks=False)
@@ -262,14 +265,15 @@ def drop_maker(outer: Path) -> None:
         os.unlink(outer.parent / (outer.name[:18] + MAKER))
 
 
-def makers(base: Path) -> list[tuple[str, dict[str, Any]]]:
-    """The maker files in base_dir (ours only: regular 0600 files of this uid), with the sandbox id each names."""
+def makers(base: Path, ids: re.Pattern[str] = SANDBOX_ID) -> list[tuple[str, dict[str, Any]]]:
+    """The maker files in base_dir (ours only: regular 0600 files of this uid), with the sandbox id (or
+    with ``ids``, the snapshot id) each names."""
     found = []
     uid = os.geteuid()
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(base):
             sandbox_id = entry.name.removesuffix(MAKER)
-            if sandbox_id == entry.name or not SANDBOX_ID.fullmatch(sandbox_id):
+            if sandbox_id == entry.name or not ids.fullmatch(sandbox_id):
                 continue
             try:
                 found.append((sandbox_id, read_record(base, uid, entry.name)))

@@ -1,0 +1,309 @@
+"""LocalProvider's snapshots: a sandbox's files copied once into base_dir, forks made copy-on-write on them.
+
+A snapshot is a directory ``base_dir/<snapshot id>-<random>`` (``snap-`` and 13 hex digits: the length
+of a sandbox id) holding ``tree/`` (the files, this process's, as the sandbox root held them: the
+working directory, or the paths asked for, at their place below the root) and ``snapshot.json``, its
+record (the descriptor's fields, the sandbox it came from and the paths), written last: a snapshot
+without a record is half-made (its maker file names the process making it) or deleted. A fork's
+files are an overlay (``_mounts.mount_overlay``) with ``tree/`` as its read-only lower layer and an
+upper layer in the fork's own directory (its tmpfs), so a fork costs no copy and what it writes counts
+against its own ``disk_gib``; where this process may not mount (not root), the tree is copied into
+the fork instead. A fork's record names its snapshot; ``delete_snapshot`` removes the record at once
+(no listing shows it, no descriptor is accepted) and the tree once no sandbox of base_dir names it
+(the last fork's close, or the next sweep): a reference count kept on disk, under a ``flock`` of the
+snapshot's directory (shared while a fork is made, exclusive to remove it).
+
+The copy is made while the sandbox runs, by descriptor, following no symlink (links are kept as
+links), one file after another: not as of one moment (the sandbox is not frozen). It is bounded by
+the sandbox's ``disk_gib``: more bytes than that is refused (``SandboxSnapshotError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import stat
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+from ..._errors import SandboxSnapshotError, SandboxSnapshotNotFoundError, SandboxValueError
+from ..._protocol import SandboxSnapshot
+from ._mounts import mount_overlay
+from ._records import directories_of, drop_maker, read_record, remove_tree, scan, write_maker, write_private
+from ._transfers import open_directory
+
+__all__ = [
+    "SNAPSHOT_ID",
+    "SNAPSHOT_RECORD",
+    "delete",
+    "fill",
+    "held",
+    "listed",
+    "release",
+    "retired",
+    "take",
+]
+
+SNAPSHOT_ID = re.compile(r"snap-[0-9a-f]{13}")
+SNAPSHOT_RECORD = "snapshot.json"
+_TREE = "tree"
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_DEPTH = 256  # directories held open at once while copying: a deeper tree is refused
+_CHUNK = 1 << 24
+_FIELDS = ("snapshot_id", "provider", "created", "size_bytes", "metadata")  # a record's descriptor
+
+
+def _over(limit: int) -> SandboxSnapshotError:
+    return SandboxSnapshotError(
+        f"the files to snapshot hold more than {limit} bytes, the sandbox's disk limit (disk_gib); nothing was kept: "
+        "snapshot fewer paths, or make the sandbox with a larger disk_gib"
+    )
+
+
+def _copy_file(source: int, target: int, name: str, limit: int | None) -> int:
+    """Copy regular file ``name`` of directory ``source`` into ``target`` (mode and times kept, set-id bits
+    dropped); its bytes, or 0 when it is not a regular file any more (swapped meanwhile: not kept)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=source)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO, errno.EACCES):
+            return 0
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return 0
+        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=target)
+        try:
+            copied = 0
+            while sent := os.sendfile(out, fd, None, _CHUNK):
+                copied += sent
+                if limit is not None and copied > limit:
+                    raise _over(limit)
+            os.fchmod(out, stat.S_IMODE(info.st_mode) & 0o1777)
+            os.utime(out, ns=(info.st_atime_ns, info.st_mtime_ns))
+        finally:
+            os.close(out)
+        return copied
+    finally:
+        os.close(fd)
+
+
+def copy_names(source: int, target: int, names: Sequence[str], limit: int | None) -> int:
+    """Copy the entries ``names`` of directory ``source`` into directory ``target`` (descriptors, kept
+    open), whole trees, following no symlink (a link is copied as a link); directories, regular files and
+    symlinks only. Returns the bytes of the files copied; past ``limit`` bytes, ``SandboxSnapshotError``."""
+    copied = 0
+    # Per directory being copied: its descriptor, its copy's, the names left, its name and stat (its parent's).
+    stack: list[tuple[int, int, Iterator[str], str, os.stat_result | None]] = []
+    stack.append((os.dup(source), os.dup(target), iter(names), "", None))
+    try:
+        while stack:
+            src, dst, pending, _, _ = stack[-1]
+            name = next(pending, None)
+            if name is None:
+                _, _, _, own, info = stack.pop()
+                os.close(src)
+                os.close(dst)
+                if info is not None:  # its mode last: a directory without write permission is still filled
+                    os.chmod(own, stat.S_IMODE(info.st_mode) & 0o1777, dir_fd=stack[-1][1], follow_symlinks=False)
+                    os.utime(own, ns=(info.st_atime_ns, info.st_mtime_ns), dir_fd=stack[-1][1], follow_symlinks=False)
+                continue
+            try:
+                info = os.stat(name, dir_fd=src, follow_symlinks=False)
+                if stat.S_ISLNK(info.st_mode):
+                    os.symlink(os.readlink(name, dir_fd=src), name, dir_fd=dst)
+                    os.utime(name, ns=(info.st_atime_ns, info.st_mtime_ns), dir_fd=dst, follow_symlinks=False)
+                elif stat.S_ISREG(info.st_mode):
+                    copied += _copy_file(src, dst, name, None if limit is None else limit - copied)
+                elif stat.S_ISDIR(info.st_mode):
+                    if len(stack) > _MAX_DEPTH:
+                        raise SandboxSnapshotError(
+                            f"the files to snapshot nest more than {_MAX_DEPTH} directories deep; "
+                            "snapshot a shallower tree"
+                        )
+                    child = os.open(name, _DIR, dir_fd=src)
+                    try:
+                        os.mkdir(name, 0o700, dir_fd=dst)
+                        copy = os.open(name, _DIR, dir_fd=dst)
+                    except BaseException:
+                        os.close(child)
+                        raise
+                    stack.append((child, copy, iter(os.listdir(child)), name, info))
+            except OSError as exc:  # removed or swapped meanwhile (the sandbox runs): as of now, not there
+                if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    raise
+    finally:
+        for src, dst, _, _, _ in stack:
+            os.close(src)
+            os.close(dst)
+    return copied
+
+
+def take(
+    base: Path,
+    root: Path,
+    selections: Sequence[tuple[tuple[str, ...], str]],
+    limit: int | None,
+    metadata: Mapping[str, str],
+    source: str,
+) -> SandboxSnapshot:
+    """A new snapshot of the sandbox whose files are at ``root``: each ``(parts, path as given)`` of
+    ``selections`` (``()``: the whole root), copied to its place in the tree (blocking)."""
+    snapshot_id = f"snap-{uuid.uuid4().hex[:13]}"
+    chosen: list[tuple[tuple[str, ...], str]] = []
+    for parts, path in sorted(selections):  # a path inside another one chosen is in it already
+        if not any(parts[: len(kept)] == kept for kept, _ in chosen):
+            chosen.append((parts, path))
+    write_maker(base, snapshot_id)  # first: killed from here on, the next sweep removes what is left
+    outer: Path | None = None
+    try:
+        outer = Path(tempfile.mkdtemp(prefix=f"{snapshot_id}-", dir=base))
+        os.mkdir(outer / _TREE, 0o700)
+        size = 0
+        for parts, path in chosen:
+            with (
+                open_directory(root, parts[:-1], path) as src,
+                open_directory(outer / _TREE, parts[:-1], path, create=True) as dst,
+            ):
+                if not parts:
+                    names = os.listdir(src)
+                else:
+                    try:
+                        os.stat(parts[-1], dir_fd=src, follow_symlinks=False)
+                    except FileNotFoundError:
+                        raise SandboxSnapshotError(f"snapshot path {path!r} does not exist in the sandbox") from None
+                    names = [parts[-1]]
+                size += copy_names(src, dst, names, None if limit is None else limit - size)
+        snapshot = SandboxSnapshot(snapshot_id, "local", time.time(), size, dict(metadata))
+        record = {**snapshot.to_dict(), "source": source, "paths": [path for _, path in chosen]}
+        write_private(outer, SNAPSHOT_RECORD, json.dumps(record).encode())
+        drop_maker(outer)
+        return snapshot
+    except BaseException:
+        if outer is None or not remove_tree(outer):  # what could not be removed, the next sweep finds by its maker
+            drop_maker(base / snapshot_id)
+        raise
+
+
+def _not_found(snapshot: SandboxSnapshot, base: Path, why: str) -> SandboxSnapshotNotFoundError:
+    return SandboxSnapshotNotFoundError(
+        f"LocalProvider: no snapshot {snapshot.snapshot_id!r} in base_dir {base} ({why}); take a new one "
+        "(a snapshot is used by a LocalProvider of the base_dir that took it, with its descriptor unchanged)"
+    )
+
+
+def _find(base: Path, snapshot: object, provider: str) -> Path:
+    """The directory of ``snapshot`` in base_dir, its descriptor checked against the record there."""
+    if not isinstance(snapshot, SandboxSnapshot):
+        raise SandboxValueError(f"a snapshot must be a SandboxSnapshot, not {type(snapshot).__name__}")
+    if snapshot.provider != provider:
+        raise _not_found(snapshot, base, f"it was taken by provider {snapshot.provider!r}")
+    if not SNAPSHOT_ID.fullmatch(snapshot.snapshot_id):  # never a path: '../', '/', NUL never reach one
+        raise _not_found(snapshot, base, "that is no LocalProvider snapshot id")
+    found = directories_of(base, snapshot.snapshot_id)
+    try:
+        record = read_record(found[0], os.geteuid(), SNAPSHOT_RECORD) if len(found) == 1 else None
+    except (OSError, ValueError, RecursionError):
+        record = None
+    if record is None:
+        raise _not_found(snapshot, base, "never taken there, or deleted")
+    if {name: record.get(name) for name in snapshot.to_dict()} != snapshot.to_dict():
+        raise _not_found(snapshot, base, "the descriptor does not match the snapshot's record")
+    return found[0]
+
+
+@contextlib.contextmanager
+def _locked(outer: Path, exclusive: bool) -> Iterator[None]:
+    fd = os.open(outer, _DIR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def held(base: Path, snapshot: SandboxSnapshot, provider: str) -> Iterator[Path]:
+    """The tree of ``snapshot`` (checked), kept from deletion until the fork made of it has its record."""
+    outer = _find(base, snapshot, provider)
+    with _locked(outer, exclusive=False):
+        _find(base, snapshot, provider)  # deleted while we waited for the lock?
+        yield outer / _TREE
+
+
+def _referenced(base: Path, snapshot_id: str) -> bool:
+    return any(record.get("snapshot") == snapshot_id for _, _, record in scan(base))
+
+
+def _remove_unreferenced(base: Path, outer: Path, snapshot_id: str) -> list[str]:
+    """Remove the tree of a snapshot without a record once no sandbox of base_dir names it (under its lock)."""
+    with _locked(outer, exclusive=True):
+        if (outer / SNAPSHOT_RECORD).exists() or _referenced(base, snapshot_id):
+            return []
+        return remove_tree(outer)
+
+
+def delete(base: Path, snapshot: SandboxSnapshot, provider: str) -> list[str]:
+    """Delete ``snapshot``: its record at once, its tree once no fork names it; what could not be removed."""
+    outer = _find(base, snapshot, provider)
+    with _locked(outer, exclusive=True):
+        _find(base, snapshot, provider)  # deleted by another process meanwhile?
+        os.unlink(outer / SNAPSHOT_RECORD)
+    return _remove_unreferenced(base, outer, snapshot.snapshot_id)
+
+
+def release(base: Path, snapshot_id: str) -> list[str]:
+    """A fork of ``snapshot_id`` is gone: its snapshot's tree goes too if it was deleted and no fork is left."""
+    outers = directories_of(base, snapshot_id)
+    return [failure for outer in outers for failure in _remove_unreferenced(base, outer, snapshot_id)]
+
+
+def retired(base: Path) -> list[str]:
+    """The ids of deleted snapshots whose tree is still in base_dir (no record, no maker file)."""
+    found = set()
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(base):
+            snapshot_id = entry.name[:18]
+            if (
+                SNAPSHOT_ID.fullmatch(snapshot_id)
+                and entry.name[18:19] == "-"
+                and entry.is_dir(follow_symlinks=False)
+                and not os.path.lexists(Path(entry.path) / SNAPSHOT_RECORD)
+            ):
+                found.add(snapshot_id)
+    return sorted(found - {name.removesuffix(".maker") for name in os.listdir(base) if name.endswith(".maker")})
+
+
+def listed(base: Path, metadata: Mapping[str, str]) -> list[SandboxSnapshot]:
+    """The snapshots of base_dir whose metadata holds every item of ``metadata``."""
+    found = []
+    for _, _, record in scan(base, SNAPSHOT_RECORD, SNAPSHOT_ID):
+        try:
+            snapshot = SandboxSnapshot.from_dict({name: record.get(name) for name in _FIELDS})
+        except SandboxValueError:
+            continue
+        if all(snapshot.metadata.get(key) == value for key, value in metadata.items()):
+            found.append(snapshot)
+    return sorted(found, key=lambda snapshot: snapshot.created)
+
+
+def fill(outer: Path, tree: Path, uid: int | None, can_mount: bool) -> None:
+    """Start a fork's files (``outer/box``, empty) as ``tree``'s: an overlay on it, or where this process
+    may not mount, a copy; the fork's uid owns them."""
+    if not can_mount:
+        with open_directory(tree, (), "snapshot") as src, open_directory(outer / "box", (), "fork") as dst:
+            copy_names(src, dst, os.listdir(src), None)
+        return
+    for name in ("upper", "work", "lower"):
+        os.mkdir(outer / name, 0o700)
+    if uid is not None:
+        os.chown(outer / "upper", uid, uid)
+    mount_overlay(tree, outer, uid)
