@@ -99,7 +99,7 @@ class EngineAPI:
         path: str,
         what: str,
         *,
-        params: Mapping[str, str] | None = None,
+        params: Mapping[str, str | list[str]] | None = None,
         body: Any = None,
         content: bytes | AsyncIterator[bytes] | None = None,
         ok: tuple[int, ...] = (),
@@ -121,7 +121,7 @@ class EngineAPI:
         path: str,
         what: str,
         *,
-        params: Mapping[str, str] | None = None,
+        params: Mapping[str, str | list[str]] | None = None,
         body: Any = None,
         silent_ok: bool = False,
     ) -> AsyncIterator[httpx.Response]:

@@ -247,7 +247,13 @@ class DockerProvider:
         self._request_timeout = request_timeout_s
         self._spare_ttl = spare_ttl_s
         self._spares: DockerSpares | None = None
-        self._snapshots = Snapshots(self._api, self.name, str(info.get("ID") or self._socket), self._watchdog.ensure)
+        self._snapshots = Snapshots(
+            self._api,
+            self.name,
+            str(info.get("ID") or self._socket),
+            self._watchdog.ensure,
+            self._daemon.kind != "podman",
+        )
         if prestart:  # removed with this provider, if not at aclose (or at exit)
             self._spares = DockerSpares(weakref.WeakMethod(self._make_spare), partial(remove, self._socket, version))
             weakref.finalize(self, self._spares.close)

@@ -98,7 +98,8 @@ def _record_of(image: str, labels: Mapping[str, str], tags: Sequence[str], provi
     """The snapshot an image's labels and tags describe; None for one that is not a snapshot of this
     provider on this daemon (or whose labels do not parse)."""
     snapshot_id = labels.get(SNAPSHOT, "")
-    if not _ID.fullmatch(snapshot_id) or f"{REPOSITORY}:{snapshot_id}" not in tags:
+    tag = f"{REPOSITORY}:{snapshot_id}"
+    if not _ID.fullmatch(snapshot_id) or not any(name.removeprefix("docker.io/") == tag for name in tags):
         return None
     if labels.get(_PROVIDER) != provider or labels.get(_DAEMON) != daemon:
         return None
@@ -222,8 +223,9 @@ def _directories(names: Sequence[str]) -> list[bytes]:
 class Snapshots:
     """The snapshots of one provider (its ``name``) on the daemon ``api`` speaks to (``daemon``: its id)."""
 
-    def __init__(self, api: EngineAPI, provider: str, daemon: str, watch: Callable[[], None]) -> None:
+    def __init__(self, api: EngineAPI, provider: str, daemon: str, watch: Callable[[], None], freeze: bool) -> None:
         self._api = api
+        self._freeze = freeze  # Podman's archive API sees a paused container's tmpfs mounts empty
         self._provider = provider
         self._daemon = daemon
         self._watch = watch  # starts the TTL watchdog, which removes a helper left behind
@@ -249,16 +251,24 @@ class Snapshots:
             async with self._frozen(box.container):
                 for target in targets:
                     parts[target.key] = parts.get(target.key, 0) + await self._archive(box.container, target, build)
-            config = {
-                **labels,
+            # Labels known once the archive is written, as Dockerfile instructions (Podman's commit ignores a
+            # config's; Docker applies both): values of digits, dots, colons and commas only.
+            computed = {
                 _CREATED: repr(time.time()),
                 _SIZE: str(sum(parts.values())),
                 _PARTS: ",".join(f"{key}:{size}" for key, size in parts.items()),
                 EXPIRES: "",  # the build container's, which the image would inherit otherwise
             }
-            params = {"container": build, "repo": REPOSITORY, "tag": snapshot_id, "pause": "false"}
+            changes = [f'LABEL {key}="{value}"' for key, value in computed.items()]
+            params: dict[str, str | list[str]] = {
+                "container": build,
+                "repo": REPOSITORY,
+                "tag": snapshot_id,
+                "pause": "false",
+                "changes": changes,
+            }
             what = f"commit snapshot {snapshot_id[:12]}"
-            reply = await self._api.call("POST", "/commit", what, params=params, body={"Labels": config})
+            reply = await self._api.call("POST", "/commit", what, params=params, body={})  # Podman's needs one
             image = str(reply.json()["Id"])
             record = await self._found(snapshot_id)
             if record is None:
@@ -276,13 +286,16 @@ class Snapshots:
 
     @contextlib.asynccontextmanager
     async def _frozen(self, container: str) -> AsyncIterator[None]:
-        """The sandbox paused for the block (a sandbox already paused, by its user, stays so)."""
-        what = f"pause sandbox {container[:12]} for a snapshot"
-        reply = await self._api.call("POST", f"/containers/{container}/pause", what, ok=(409,))
+        """The sandbox paused for the block (a sandbox already paused, by its user, stays so); not where
+        the archive API would then see its writable directories empty (Podman)."""
+        paused = False
+        if self._freeze:
+            what = f"pause sandbox {container[:12]} for a snapshot"
+            paused = (await self._api.call("POST", f"/containers/{container}/pause", what, ok=(409,))).status_code < 400
         try:
             yield
         finally:
-            if reply.status_code < 400:
+            if paused:
                 with anyio.CancelScope(shield=True), anyio.fail_after(60):
                     await self._api.call(
                         "POST", f"/containers/{container}/unpause", f"resume {container[:12]} after a snapshot"
@@ -338,7 +351,8 @@ class Snapshots:
         return records[0] if len(records) == 1 else None
 
     async def _images(self, filters: builtins.list[str]) -> builtins.list[Record]:
-        params = {"filters": json.dumps({"label": [SNAPSHOT, *filters]})}
+        # Podman ANDs no two filters on one key ("k" and "k=v" find nothing): the key alone only on its own.
+        params = {"filters": json.dumps({"label": filters or [SNAPSHOT]})}
         reply = await self._api.call("GET", "/images/json", "list snapshot images", params=params)
         records = []
         for image in reply.json():
