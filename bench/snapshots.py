@@ -96,6 +96,7 @@ class Bench:
             ).stdout.strip()
             self.where = Path(root if root and Path(root).exists() else "/")
         else:
+            scratch.chmod(0o711)  # the sandboxes' own uids reach base_dir through it
             self.where = scratch / "boxes"
             self.where.mkdir()
         (scratch / "prepare.py").write_text(PREPARE)
