@@ -9,7 +9,8 @@ holding it, each through the recommended stack, one after the other:
 
 - fork: one sandbox prepares the state (a Python script writes the files), then ``Sandbox.fork``:
   one snapshot and the creates from it at once; the parent is closed once they are made (the state
-  lives on in the forks);
+  lives on in the forks). A snapshot taken alone just before (and deleted) says how much of the
+  fork's time is the snapshot's, and how much the creates';
 - prepare every time: as many sandboxes at once, each running the preparation;
 - upload every time: as many sandboxes at once, each getting the files from a copy on this machine as
   one tar archive (one ``upload_file``, then unpacked in the sandbox: one ``upload_file`` per file
@@ -51,6 +52,7 @@ from sandbox_middleware import (
     Sandbox,
     SandboxProvider,
     SandboxSpec,
+    SupportsSandboxSnapshot,
     recommended_middleware,
     stack,
 )
@@ -152,8 +154,9 @@ class Bench:
             medians.append(statistics.median(times))
         return medians[0], medians[1]
 
-    async def fork(self, provider: SandboxProvider) -> tuple[float, float, int, int]:
-        """Prepare once, then fork: (prepare s, fork s, one copy's storage, the forks' storage)."""
+    async def fork(self, provider: SandboxProvider) -> tuple[float, float, float, int, int]:
+        """Prepare once, then fork: (prepare s, a snapshot alone s, fork s, one copy's storage, the forks')."""
+        assert isinstance(provider, SupportsSandboxSnapshot), f"{provider!r} takes no snapshots"
         before = storage_used(self.where)
         parent = Sandbox(provider, self.spec)
         forks: list[Sandbox] = []
@@ -164,6 +167,10 @@ class Bench:
             prepared = time.perf_counter() - started
             one_copy = storage_used(self.where) - before
             started = time.perf_counter()
+            alone = await parent.snapshot()  # what of the fork's time the snapshot is
+            snapshot = time.perf_counter() - started
+            await provider.delete_snapshot(alone)
+            started = time.perf_counter()
             forks = await parent.fork(self.args.forks)
             forked = time.perf_counter() - started
             await parent.stop()
@@ -173,7 +180,7 @@ class Bench:
         finally:
             for sandbox in [parent, *forks]:
                 await sandbox.stop()
-        return prepared, forked, one_copy, held
+        return prepared, snapshot, forked, one_copy, held
 
     async def every_time(
         self, provider: SandboxProvider, make: Callable[[Sandbox], Awaitable[None]]
@@ -207,7 +214,7 @@ class Bench:
         cold, spare = await self.empty_creates()
         provider = stack(self.provider(), recommended_middleware())
         try:
-            prepared, forked, one_copy, forks_held = await self.fork(provider)
+            prepared, snapshot, forked, one_copy, forks_held = await self.fork(provider)
             prepare_time, prepare_held = await self.every_time(provider, self.prepare)
             self.write_archive()
             upload_time, upload_held = await self.every_time(provider, self.upload)
@@ -232,6 +239,11 @@ class Bench:
                 f"fork: snapshot + {n} creates",
                 f"{forked:.3f} s",
                 f"{forked / cold:.2f}x one empty create, {copies(forks_held)} ({fork_goals})",
+            ),
+            (
+                "  of which a snapshot, alone",
+                f"{snapshot:.3f} s",
+                f"the {n} creates from it: {forked - snapshot:.3f} s",
             ),
             (f"preparing it {n} times at once", f"{prepare_time:.2f} s", copies(prepare_held)),
             (f"uploading it {n} times at once", f"{upload_time:.2f} s", copies(upload_held)),
