@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ._bwrap import HOST_ENV
+
 __all__ = ["bind_nosuid", "is_mount_point", "mount_overlay", "mount_tmpfs", "probe_tmpfs", "unmount"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -66,7 +68,11 @@ def _userns_mapping(uid: int) -> int:
     """A descriptor of a user namespace mapping uid and gid 0 (root's, this process's) to ``uid``, nothing else:
     made by a short-lived ``unshare --user`` (this process has threads: it cannot unshare itself)."""
     child = subprocess.Popen(
-        ["unshare", "--user", "cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        ["unshare", "--user", "cat"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=HOST_ENV,  # what every host-side helper gets: no LD_PRELOAD of ours reaches it
     )
     try:
         ours = os.stat("/proc/self/ns/user").st_ino

@@ -127,6 +127,10 @@ class LocalProvider:
     absolute, else at ``/workspace``. ``isolation="none"`` runs commands as this process's user
     with the host's whole filesystem in view: limits and the clean environment still hold, but it
     is no security boundary.
+
+    Snapshots (``SupportsSandboxSnapshot``) are copies of a sandbox's files in ``base_dir``; a sandbox
+    created from one (a fork) starts as an overlay on it, its writes in its own tmpfs (``_snapshots.py``;
+    docs/local-provider.md, "Snapshots and forks").
     """
 
     name = "local"
@@ -366,8 +370,8 @@ class LocalProvider:
             drop_maker(box.outer)  # its record names its owner now (a spare's maker went with its SPARE_RECORD)
             with open_directory(box.root, cwd, "spec.workdir", create=True, owner=box.uid):
                 pass
-        except BaseException as exc:
-            leftovers = self._teardown(box)
+        except BaseException as exc:  # a fork's snapshot cannot have been deleted meanwhile: _make_fork holds it
+            leftovers = teardown(box, self._base)
             if isinstance(exc, OSError):
                 suffix = f"; could not remove {leftovers}" if leftovers else ""
                 raise SandboxCreateError(f"LocalProvider: cannot create a sandbox: {exc}{suffix}") from exc

@@ -245,10 +245,13 @@ def _referenced(base: Path, snapshot_id: str) -> bool:
 
 def _remove_unreferenced(base: Path, outer: Path, snapshot_id: str) -> list[str]:
     """Remove the tree of a snapshot without a record once no sandbox of base_dir names it (under its lock)."""
-    with _locked(outer, exclusive=True):
-        if (outer / SNAPSHOT_RECORD).exists() or _referenced(base, snapshot_id):
-            return []
-        return remove_tree(outer)
+    try:
+        with _locked(outer, exclusive=True):
+            if not os.path.lexists(outer) or (outer / SNAPSHOT_RECORD).exists() or _referenced(base, snapshot_id):
+                return []  # removed by another fork's close meanwhile, or still in use
+            return remove_tree(outer)
+    except FileNotFoundError:  # removed before we could lock it
+        return []
 
 
 def delete(base: Path, snapshot: SandboxSnapshot, provider: str) -> list[str]:
