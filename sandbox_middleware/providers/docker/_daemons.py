@@ -23,7 +23,7 @@ from typing import Any
 
 from ..._errors import DockerRuntimeNotFoundError, DockerUnavailableError
 
-__all__ = ["DEFAULT_SOCKET", "PODMAN_ULIMITS", "Daemon", "daemon_of", "socket_of"]
+__all__ = ["DEFAULT_SOCKET", "PODMAN_ULIMITS", "Daemon", "daemon_of", "identity_of", "socket_of"]
 
 DEFAULT_SOCKET = "/var/run/docker.sock"
 
@@ -131,3 +131,11 @@ def daemon_of(info: Mapping[str, Any], runtime: str | None, socket: str) -> Daem
             f'instead ([engine] runtime = "{runtime}" in containers.conf) and leave runtime unset'
         )
     return Daemon(kind, runtime, default)
+
+
+def identity_of(info: Mapping[str, Any], socket: str) -> str:
+    """What tells the daemon of ``info`` (its ``/info``) from any other, the same in every process: Docker's
+    ``ID``; Podman's changes at every call, so its host name and storage root (else the socket)."""
+    if "BuildahVersion" in info:
+        return f"podman:{info.get('Name')}:{info.get('DockerRootDir') or socket}"
+    return str(info.get("ID") or socket)

@@ -67,7 +67,7 @@ from ._container import (
     metadata_filters,
     workdir_of,
 )
-from ._daemons import daemon_of, socket_of
+from ._daemons import daemon_of, identity_of, socket_of
 from ._descriptors import signed, verified
 from ._snapshots import Snapshots
 from ._spares import SUFFIX, DockerSpares, Shape, Spare, remove, shape_of, spare_body, sweep
@@ -248,11 +248,7 @@ class DockerProvider:
         self._spare_ttl = spare_ttl_s
         self._spares: DockerSpares | None = None
         self._snapshots = Snapshots(
-            self._api,
-            self.name,
-            str(info.get("ID") or self._socket),
-            self._watchdog.ensure,
-            self._daemon.kind != "podman",
+            self._api, self.name, identity_of(info, self._socket), self._watchdog.ensure, self._daemon.kind != "podman"
         )
         if prestart:  # removed with this provider, if not at aclose (or at exit)
             self._spares = DockerSpares(weakref.WeakMethod(self._make_spare), partial(remove, self._socket, version))

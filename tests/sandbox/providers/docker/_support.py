@@ -2,7 +2,7 @@
 with REQUIRE_DOCKER=1; ``DOCKER_HOST=unix://PATH`` names another, Podman's say, as it does for the
 provider), the OCI runtime their sandboxes run under (``SANDBOX_DOCKER_RUNTIME``, e.g. ``runsc``),
 the test images (built by scripts/build-docker-images.sh when missing, never pulled), and the removal
-of every container a test session made (by its label), even after a failure."""
+of every container and snapshot image a test session made (by its label), even after a failure."""
 
 from __future__ import annotations
 
@@ -140,21 +140,40 @@ def build_failure(*names: str, env: Mapping[str, str] | None = None) -> str | No
     return f"scripts/{BUILD.name} failed (exit {done.returncode}):\n{said}"
 
 
+def _labelled(kind: str, label: str, socket: str) -> list[str]:
+    """Ids of the ``kind`` (``containers``, running or not, or ``images``) carrying ``label`` (``key=value``)."""
+    with engine(socket) as client:
+        reply = client.get(f"/{kind}/json", params={"all": "1", "filters": json.dumps({"label": [label]})})
+        reply.raise_for_status()
+        return [str(found["Id"]) for found in reply.json()]
+
+
+def _removed(kind: str, label: str, socket: str, params: Mapping[str, str]) -> list[str]:
+    found = _labelled(kind, label, socket)
+    with engine(socket) as client:
+        for thing in found:
+            client.delete(f"/{kind}/{thing}", params=params)
+    return found
+
+
 def containers(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
     """Ids of the containers (running or not) carrying ``label`` (``key=value``)."""
-    with engine(socket) as client:
-        reply = client.get("/containers/json", params={"all": "1", "filters": json.dumps({"label": [label]})})
-        reply.raise_for_status()
-        return [str(container["Id"]) for container in reply.json()]
+    return _labelled("containers", label, socket)
 
 
 def remove_containers(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
     """Force-remove (with their volumes) the containers carrying ``label``; returns their ids."""
-    found = containers(label, socket)
-    with engine(socket) as client:
-        for container in found:
-            client.delete(f"/containers/{container}", params={"force": "1", "v": "1"})
-    return found
+    return _removed("containers", label, socket, {"force": "1", "v": "1"})
+
+
+def images(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
+    """Ids of the images carrying ``label`` (``key=value``): snapshots (whose metadata the label is)."""
+    return _labelled("images", label, socket)
+
+
+def remove_images(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
+    """Force-remove the images carrying ``label`` (never their parents); returns their ids."""
+    return _removed("images", label, socket, {"force": "1", "noprune": "1"})
 
 
 def free_claims(socket: str = SOCKET, *, daemon_gone: bool = False) -> list[int]:

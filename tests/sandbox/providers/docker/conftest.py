@@ -9,15 +9,17 @@ import pytest
 from sandbox_middleware import DockerProvider
 from tests.providers import closing_all
 
-from ._support import docker_problem, free_claims, options, remove_containers, require_docker
+from ._support import docker_problem, free_claims, options, remove_containers, remove_images, require_docker
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _remove_session_containers() -> Iterator[None]:
-    """Whatever happens, no container of this session outlives it, nor the uid lease claimed for one."""
+    """Whatever happens, no container or snapshot image of this session outlives it, nor the uid lease
+    claimed for a container."""
     yield
     if docker_problem() is None:
         remove_containers()
+        remove_images()
         free_claims()
 
 
