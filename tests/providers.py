@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import json
 import signal
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -204,3 +206,11 @@ async def closing_all(provider_class: Callable[..., P]) -> AsyncIterator[Callabl
     yield build
     for provider in made:
         await provider.aclose()
+
+
+def dead_owner_stamp() -> dict[str, str]:
+    """The owner stamp (``Owner.metadata()``) of a process of this host that has exited: a crashed worker's."""
+    code = "import json; from sandbox_middleware._owner import Owner; print(json.dumps(Owner.current().metadata()))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    stamp: dict[str, str] = json.loads(done.stdout)
+    return stamp

@@ -434,17 +434,30 @@ def _reap_command(args: argparse.Namespace) -> int:
     finally:
         anyio.run(provider.aclose)
     for entry in reaped:
-        state = "would close" if args.dry_run else ("closed" if entry.closed else f"NOT closed ({entry.error})")
-        print(f"{entry.sandbox_id}  {state}  run {entry.run_id}  owner {entry.owner}  {entry.reason}")
+        if entry.kind == "snapshot":
+            state = "would delete" if args.dry_run else ("deleted" if entry.closed else f"NOT deleted ({entry.error})")
+        else:
+            state = "would close" if args.dry_run else ("closed" if entry.closed else f"NOT closed ({entry.error})")
+        what = "  snapshot" if entry.kind == "snapshot" else ""
+        print(f"{entry.sandbox_id}{what}  {state}  run {entry.run_id}  owner {entry.owner}  {entry.reason}")
     for left in reaped.unknown:
-        print(f"{left.sandbox_id}  left alone  run {left.run_id}  owner {left.owner}  liveness unknown: {left.reason}")
+        what = "  snapshot" if left.kind == "snapshot" else ""
+        unknown = f"liveness unknown: {left.reason}"
+        print(f"{left.sandbox_id}{what}  left alone  run {left.run_id}  owner {left.owner}  {unknown}")
     failed = [entry for entry in reaped if not args.dry_run and not entry.closed]
-    verb = "found" if args.dry_run else "closed"
-    summary = f"{len(reaped) - len(failed)} sandbox(es) {verb}"
-    summary += f", {len(failed)} could not be closed" if failed else ""
-    if reaped.unknown:
-        summary += f", {len(reaped.unknown)} left alone (owner liveness unknown here; --run ID --force takes them)"
-    print(summary, file=sys.stderr)
+    parts = []
+    for kind, plural, verb in (("sandbox", "sandbox(es)", "closed"), ("snapshot", "snapshot(s)", "deleted")):
+        chosen = [entry for entry in reaped if entry.kind == kind]
+        unclosed = [entry for entry in failed if entry.kind == kind]
+        alone = [entry for entry in reaped.unknown if entry.kind == kind]
+        if kind == "snapshot" and not chosen and not alone:
+            continue  # a run without snapshots reads as before
+        part = f"{len(chosen) - len(unclosed)} {plural} {'found' if args.dry_run else verb}"
+        part += f", {len(unclosed)} could not be {verb}" if unclosed else ""
+        if alone:
+            part += f", {len(alone)} left alone (owner liveness unknown here; --run ID --force takes them)"
+        parts.append(part)
+    print("; ".join(parts), file=sys.stderr)
     return EXIT_LEAKED if failed else EXIT_OK
 
 

@@ -136,6 +136,15 @@ def _by(points: Points, name: str, *attributes: str) -> dict[tuple[str, ...], fl
     return totals
 
 
+def _snapshots(points: Points) -> str:
+    """The snapshots row: how many were taken (timed by a metrics layer) and how many are held at the
+    end (``gym.sandbox.snapshot.active`` of a release accounting layer): those are leaked."""
+    taken = sum(point["count"] for point in points.get("gym.sandbox.snapshot.duration_ms", ()))
+    held = _sum(points, "gym.sandbox.snapshot.active")
+    leaked = " (leaked: delete them, or reap the run: sandbox-middleware reap --run ID)" if held else ""
+    return f"{taken} / {held:g}{leaked}"
+
+
 def table(
     title: str,
     run: RunState,
@@ -168,6 +177,7 @@ def table(
         ),
         ("retries refused by budget", f"{_sum(points, 'gym.sandbox.retry_throttled_total'):g}"),
         ("sandboxes still held", f"{len(held)}" + (f": {', '.join(held)}" if held else "")),
+        ("snapshots taken / still held", _snapshots(points)),
         ("orphans found / reaped", orphans),
     ]  # fmt: skip
     if run.interrupted_by is not None:

@@ -4,7 +4,7 @@ and the recommended stack of them (``_recommended.py``)."""
 from ._metrics import MetricsMiddleware
 from ._ownership import OwnershipMiddleware
 from ._recommended import recommended_middleware
-from ._release_accounting import HeldSandbox, ReleaseAccountingMiddleware
+from ._release_accounting import HeldSandbox, HeldSnapshot, ReleaseAccountingMiddleware
 from ._retry import DEFAULT_RETRY_ON, RetryBudget, RetryMiddleware
 from ._tracing import TracingMiddleware
 from ._warm_pool import INTERCHANGEABLE_FIELDS, WarmPoolMiddleware
@@ -23,6 +23,7 @@ __all__ = [
     "QUOTA_CLASSIFIERS",
     "AdmissionMiddleware",
     "HeldSandbox",
+    "HeldSnapshot",
     "MetricsMiddleware",
     "OwnershipMiddleware",
     "QuotaClassifier",

@@ -87,12 +87,10 @@ class OwnershipMiddleware(ProviderMiddleware):
 
     async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
         source = extensions.get("from_snapshot")
-        run = source.metadata.get(RUN_KEY, self.run_id) if isinstance(source, SandboxSnapshot) else self.run_id
-        if run != self.run_id:
-            assert isinstance(source, SandboxSnapshot)
+        if isinstance(source, SandboxSnapshot) and source.metadata.get(RUN_KEY, self.run_id) != self.run_id:
             raise SandboxSnapshotError(
-                f"{self.name}: snapshot {source.snapshot_id!r} belongs to run {run!r}, not to this run "
-                f"({self.run_id!r}); fork only this run's snapshots (another run's are reaped with it)"
+                f"{self.name}: snapshot {source.snapshot_id!r} belongs to run {source.metadata[RUN_KEY]!r}, not "
+                f"to this run ({self.run_id!r}); fork only this run's snapshots (another run's are reaped with it)"
             )
         ttl = spec.ttl_s if spec.ttl_s is not None else self.ttl_s
         stamped = dataclasses.replace(spec, metadata={**spec.metadata, **self._stamp}, ttl_s=ttl)

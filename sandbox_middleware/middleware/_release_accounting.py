@@ -1,13 +1,14 @@
-"""``ReleaseAccountingMiddleware``: how many sandboxes are held right now, and which."""
+"""``ReleaseAccountingMiddleware``: how many sandboxes (and snapshots) are held right now, and which."""
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import anyio
 from opentelemetry.metrics import MeterProvider, UpDownCounter
@@ -15,11 +16,19 @@ from opentelemetry.metrics import MeterProvider, UpDownCounter
 from .._bounds import AT_LEAST_ONE, POSITIVE, Bounds
 from .._core import ProviderMiddleware
 from .._errors import SandboxError
-from .._protocol import SandboxHandle, SandboxListing, SandboxProvider, SandboxSpec, SupportsSandboxList
+from .._protocol import (
+    SandboxHandle,
+    SandboxListing,
+    SandboxProvider,
+    SandboxSnapshot,
+    SandboxSpec,
+    SupportsSandboxList,
+    SupportsSandboxSnapshot,
+)
 from .._sandbox import close_shielded
 from .._telemetry import PROVIDER_ATTR, InstrumentBundle, Instruments, safely, up_down_counter
 
-__all__ = ["HeldSandbox", "ReleaseAccountingMiddleware"]
+__all__ = ["HeldSandbox", "HeldSnapshot", "ReleaseAccountingMiddleware"]
 
 logger = logging.getLogger("sandbox_middleware")
 
@@ -37,9 +46,25 @@ class HeldSandbox:
     handle: SandboxHandle
 
 
+@dataclass(frozen=True, slots=True)
+class HeldSnapshot:
+    """One snapshot this layer saw ``snapshot`` take and has not seen deleted."""
+
+    snapshot_id: str
+    provider: str
+    since: float
+    """Wall-clock time (``time.time()``) when ``snapshot`` returned it."""
+    delete_failed: bool
+    """A delete was tried and raised; the provider may still hold it."""
+    snapshot: SandboxSnapshot
+
+
 class _Instruments(InstrumentBundle):
     active: UpDownCounter = up_down_counter(
         "gym.sandbox.active", "{sandbox}", "Sandboxes this process currently holds, from provider create to release."
+    )
+    snapshots: UpDownCounter = up_down_counter(
+        "gym.sandbox.snapshot.active", "{snapshot}", "Snapshots this process currently holds, from taken to deleted."
     )
 
 
@@ -52,9 +77,13 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
     create counts nothing, and a handle from ``connect()`` is neither counted nor subtracted (the
     process that created it counts it). Ledger operations are O(1).
 
-    On ``aclose()`` sandboxes still held are logged in one warning naming them; with
-    ``release_on_aclose=True`` they are closed first (shielded, ``release_timeout_s`` each) and
-    the warning names those that could not be released.
+    Snapshots (where the provider takes them) are held the same way: ``gym.sandbox.snapshot.active``
+    +1 per snapshot taken, -1 once its delete returned, a delete that raised marks it
+    ``delete_failed``; ``held_snapshots()`` lists them. A create from a snapshot is a create like any.
+
+    On ``aclose()`` sandboxes and snapshots still held are logged in one warning each naming them;
+    with ``release_on_aclose=True`` they are closed (deleted) first (shielded, ``release_timeout_s``
+    each) and the warnings name those that could not be released.
     """
 
     BOUNDS: ClassVar[Bounds] = Bounds(
@@ -75,6 +104,7 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
         self._instruments = Instruments(_Instruments.create, meter_provider)
         self._attributes = {PROVIDER_ATTR: inner.name}
         self._ledger: dict[str, HeldSandbox] = {}
+        self._snapshots: dict[str, HeldSnapshot] = {}
         self.peak_held = 0
         """The most sandboxes this layer held at once (its high-water mark of ``gym.sandbox.active``)."""
         self.release_on_aclose = release_on_aclose
@@ -85,10 +115,15 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
         """The sandboxes this layer holds now, oldest first."""
         return list(self._ledger.values())
 
-    def _add(self, delta: int) -> None:
+    def held_snapshots(self) -> list[HeldSnapshot]:
+        """The snapshots this layer holds now, oldest first."""
+        return list(self._snapshots.values())
+
+    def _add(self, delta: int, what: str = "active") -> None:
         instruments = self._instruments.get()
         if instruments is not None:
-            safely("gym.sandbox.active", instruments.active.add, delta, self._attributes)
+            name = "gym.sandbox.active" if what == "active" else "gym.sandbox.snapshot.active"
+            safely(name, getattr(instruments, what).add, delta, self._attributes)
 
     async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
         handle = await self.inner.create(spec, **extensions)
@@ -108,6 +143,29 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
         if self._ledger.pop(handle.sandbox_id, None) is not None:
             self._add(-1)
 
+    async def snapshot(
+        self,
+        handle: SandboxHandle,
+        *,
+        paths: builtins.list[str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> SandboxSnapshot:
+        taken = await cast("SupportsSandboxSnapshot", self.inner).snapshot(handle, paths=paths, metadata=metadata)
+        self._snapshots[taken.snapshot_id] = HeldSnapshot(taken.snapshot_id, self.inner.name, time.time(), False, taken)
+        self._add(1, "snapshots")
+        return taken
+
+    async def delete_snapshot(self, snapshot: SandboxSnapshot) -> None:
+        try:
+            await cast("SupportsSandboxSnapshot", self.inner).delete_snapshot(snapshot)
+        except BaseException:
+            entry = self._snapshots.get(getattr(snapshot, "snapshot_id", None))  # type: ignore[arg-type]
+            if entry is not None and not entry.delete_failed:
+                self._snapshots[snapshot.snapshot_id] = dataclasses.replace(entry, delete_failed=True)
+            raise
+        if self._snapshots.pop(snapshot.snapshot_id, None) is not None:
+            self._add(-1, "snapshots")
+
     async def orphans(self, metadata: Mapping[str, str]) -> list[SandboxListing]:
         """Sandboxes the provider lists with ``metadata`` that this ledger does not hold.
 
@@ -124,31 +182,46 @@ class ReleaseAccountingMiddleware(ProviderMiddleware):
         return [listing for listing in listed if listing.handle.sandbox_id not in self._ledger]
 
     async def release_held(self) -> list[HeldSandbox]:
-        """Close every held sandbox (shielded, bounded, concurrently); return those still held."""
+        """Close every held sandbox and delete every held snapshot (shielded, each bounded by
+        ``release_timeout_s``, concurrently); return the sandboxes still held (``held_snapshots()``
+        the snapshots)."""
         limiter = anyio.CapacityLimiter(max(1, self.release_concurrency))
 
-        async def release(entry: HeldSandbox) -> None:
+        async def release(entry: HeldSandbox | HeldSnapshot) -> None:
             async with limiter:
                 try:
-                    await close_shielded(self, entry.handle, self.release_timeout_s)
+                    if isinstance(entry, HeldSandbox):
+                        await close_shielded(self, entry.handle, self.release_timeout_s)
+                    else:
+                        with anyio.fail_after(self.release_timeout_s):
+                            await self.delete_snapshot(entry.snapshot)
                 except Exception as exc:
-                    logger.warning("could not release sandbox %s: %r", entry.sandbox_id, exc)
+                    kind = "sandbox" if isinstance(entry, HeldSandbox) else "snapshot"
+                    logger.warning("could not release %s %s: %r", kind, _id(entry), exc)
 
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
-                for entry in self.held():
+                entries: list[HeldSandbox | HeldSnapshot] = [*self.held(), *self.held_snapshots()]
+                for entry in entries:
                     tg.start_soon(release, entry)
         return self.held()
 
     async def aclose(self) -> None:
-        remaining = await self.release_held() if self.release_on_aclose and self._ledger else self.held()
-        if remaining:
-            what = "could not be released" if self.release_on_aclose else "are still held (leaked?)"
-            logger.warning(
-                "%s: %d sandbox(es) %s at aclose: %s",
-                self.inner.name,
-                len(remaining),
-                what,
-                ", ".join(entry.sandbox_id for entry in remaining),
-            )
+        if self.release_on_aclose and (self._ledger or self._snapshots):
+            await self.release_held()
+        what = "could not be released" if self.release_on_aclose else "are still held (leaked?)"
+        for remaining, kind in ((self.held(), "sandbox(es)"), (self.held_snapshots(), "snapshot(s)")):
+            if remaining:
+                logger.warning(
+                    "%s: %d %s %s at aclose: %s",
+                    self.inner.name,
+                    len(remaining),
+                    kind,
+                    what,
+                    ", ".join(map(_id, remaining)),
+                )
         await self.inner.aclose()
+
+
+def _id(entry: HeldSandbox | HeldSnapshot) -> str:
+    return entry.sandbox_id if isinstance(entry, HeldSandbox) else entry.snapshot_id

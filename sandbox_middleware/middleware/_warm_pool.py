@@ -18,7 +18,8 @@ from opentelemetry.metrics import Counter, Histogram, MeterProvider, UpDownCount
 
 from .._bounds import AT_LEAST_ONE, POSITIVE, Bounds
 from .._core import Operation, ProviderMiddleware, reduce_to_options
-from .._protocol import SandboxHandle, SandboxProvider, SandboxSpec
+from .._errors import SandboxSnapshotNotFoundError
+from .._protocol import SandboxHandle, SandboxProvider, SandboxSnapshot, SandboxSpec, SupportsSandboxSnapshot
 from .._sandbox import close_shielded
 from .._telemetry import PROVIDER_ATTR, InstrumentBundle, Instruments, counter, duration_ms, safely, up_down_counter
 
@@ -57,9 +58,13 @@ def _canonical(value: Any) -> Any:
     return repr(value) if not isinstance(value, str | int | float | bool | type(None)) else value
 
 
-def spec_key(spec: SandboxSpec) -> tuple[Any, ...]:
-    """The pool a spec's sandbox comes from: its ``INTERCHANGEABLE_FIELDS``, canonically ordered."""
-    return tuple(_canonical(getattr(spec, name)) for name in INTERCHANGEABLE_FIELDS)
+def spec_key(spec: SandboxSpec, snapshot: SandboxSnapshot | None = None) -> tuple[Any, ...]:
+    """The pool a spec's sandbox comes from: its ``INTERCHANGEABLE_FIELDS``, canonically ordered, and the
+    whole descriptor of the snapshot it is made from (None: an empty sandbox), so a pooled fork is
+    handed out only for a descriptor equal to the one it was made from (an altered one reaches the
+    provider, which refuses it)."""
+    fields = tuple(_canonical(getattr(spec, name)) for name in INTERCHANGEABLE_FIELDS)
+    return (*fields, _canonical(snapshot))
 
 
 class _Instruments(InstrumentBundle):
@@ -83,6 +88,10 @@ class _Pool:
     """One spec key's sandboxes: ready ones (oldest first, with when each was created), and refills."""
 
     spec: SandboxSpec
+    snapshot: SandboxSnapshot | None = None
+    """What its sandboxes are forks of (None: empty ones)."""
+    removed: bool = False
+    """Its snapshot was deleted: refills in flight are closed as they land, nothing is handed out."""
     ready: deque[tuple[float, SandboxHandle]] = field(default_factory=deque)
     creating: int = 0
     waiting: int = 0
@@ -106,12 +115,21 @@ class WarmPoolMiddleware(ProviderMiddleware):
     backs off. A pooled sandbox older than ``max_age_s`` is closed instead of handed out (keep it
     below the TTL of the sandboxes). A create with provider keyword arguments bypasses the pool.
 
+    Where the provider takes snapshots, ``create(spec, from_snapshot=snapshot)`` is pooled per
+    ``(spec key, snapshot)``: a pool of ready forks of that prepared state, started by the first such
+    create, refilled by creates from the same snapshot through the layers below. A fork is handed out
+    only for an equal descriptor of the same snapshot, never for another or for a create without one.
+    ``delete_snapshot`` drains the snapshot's pools (their ready forks are closed, reason
+    ``snapshot_deleted``; refills in flight are closed as they land). Pool forks of a snapshot kept
+    for a while (many groups of one task): ``Sandbox.fork`` deletes its snapshot once its forks are made.
+
     ``aclose`` stops the refills (those in flight finish, bounded by ``create_timeout_s``), closes
     every pooled sandbox (shielded, ``close_timeout_s`` each) and closes the layers below.
     ``close`` passes through: a handed-out sandbox is the caller's, never pooled again.
 
     Records ``gym.sandbox.pool.handout_duration_ms`` and ``gym.sandbox.pool.handout_total`` (``result``
-    ``hit`` or ``miss``), ``gym.sandbox.pool.ready`` and ``gym.sandbox.pool.recycled_total``.
+    ``hit`` or ``miss``), ``gym.sandbox.pool.ready`` and ``gym.sandbox.pool.recycled_total`` (``reason``
+    ``max_age``, ``drain`` or ``snapshot_deleted``).
     The provider's own start time stays ``gym.sandbox.startup_duration_ms`` of a metrics layer below.
     """
 
@@ -207,21 +225,26 @@ class WarmPoolMiddleware(ProviderMiddleware):
 
     # -- hand-out -------------------------------------------------------------------------------
 
-    def _pool(self, spec: SandboxSpec) -> _Pool | None:
-        key = spec_key(spec)
+    def _pool(self, spec: SandboxSpec, snapshot: SandboxSnapshot | None = None) -> _Pool | None:
+        key = spec_key(spec, snapshot)
         pool = self._pools.get(key)
         if pool is None and len(self._pools) < self.max_keys and not self._draining:
-            pool = self._pools[key] = _Pool(spec)
+            pool = self._pools[key] = _Pool(spec, snapshot)
             self._notify()  # an idle refill task waits for a wake-up: a new key is one
         return pool
 
     async def around(self, operation: Operation[T]) -> T:
         spec = operation.spec
-        if spec is None or operation.extensions:
+        extensions = operation.extensions
+        snapshot = extensions.pop("from_snapshot", None)
+        poolable = snapshot is None or (
+            isinstance(snapshot, SandboxSnapshot) and isinstance(self.inner, SupportsSandboxSnapshot)
+        )
+        if spec is None or extensions or not poolable:
             return await operation()
         started = time.perf_counter()
         await anyio.lowlevel.checkpoint()  # the only await of a hit, before the take: a cancel loses nothing
-        pool = self._pool(spec)
+        pool = self._pool(spec, snapshot)
         self._start()
         handle = self._take(pool) if pool is not None else None
         while handle is None and pool is not None and pool.creating > pool.waiting:
@@ -316,7 +339,13 @@ class WarmPoolMiddleware(ProviderMiddleware):
     async def _refill(self, pool: _Pool) -> None:
         try:
             with anyio.CancelScope(shield=True), anyio.fail_after(self.create_timeout_s):
-                handle = await self.inner.create(pool.spec)
+                if pool.snapshot is None:
+                    handle = await self.inner.create(pool.spec)
+                else:
+                    handle = await self.inner.create(pool.spec, from_snapshot=pool.snapshot)  # type: ignore[call-arg]
+        except SandboxSnapshotNotFoundError:
+            self._forget(pool)  # its snapshot is gone: no fork of it can be made again
+            return
         except Exception as exc:
             pool.failures += 1
             delay = min(_BACKOFF_S[0] * 2 ** (pool.failures - 1), _BACKOFF_S[1])
@@ -332,8 +361,8 @@ class WarmPoolMiddleware(ProviderMiddleware):
                 pool.landed.set()
                 pool.landed = None
         pool.failures = 0
-        if self._draining:
-            await self._discard(handle, "drain")
+        if self._draining or pool.removed:
+            await self._discard(handle, "drain" if self._draining else "snapshot_deleted")
             return
         pool.ready.append((time.monotonic(), handle))
         self._record("ready", 1)
@@ -347,6 +376,31 @@ class WarmPoolMiddleware(ProviderMiddleware):
             logger.warning("warm pool: could not close pooled sandbox %s: %r", handle.sandbox_id, exc)
         else:
             self._record("recycled", reason)
+
+    async def delete_snapshot(self, snapshot: SandboxSnapshot) -> None:
+        try:
+            await cast("SupportsSandboxSnapshot", self.inner).delete_snapshot(snapshot)
+        except SandboxSnapshotNotFoundError:
+            await self._drain_forks_of(snapshot)  # gone already: its forks can be refilled no more
+            raise
+        await self._drain_forks_of(snapshot)
+
+    async def _drain_forks_of(self, snapshot: SandboxSnapshot) -> None:
+        """Remove the pools of ``snapshot`` (this very descriptor) and close their ready forks."""
+        wanted = _canonical(snapshot)
+        pools = [pool for key, pool in self._pools.items() if pool.snapshot is not None and key[-1] == wanted]
+        for pool in pools:
+            self._forget(pool)
+        await self._close_ready(pools, reason="snapshot_deleted")
+
+    def _forget(self, pool: _Pool) -> None:
+        """No more refills or hand-outs of ``pool`` (a pool of forks whose snapshot is gone)."""
+        pool.removed = True
+        key = spec_key(pool.spec, pool.snapshot)
+        if self._pools.get(key) is pool:  # not a pool made since for the same key
+            del self._pools[key]
+        if self._refilled is not None:
+            self._refilled.set()  # wait_ready waits for this pool no more
 
     async def aclose(self) -> None:
         self._draining = True
@@ -364,9 +418,13 @@ class WarmPoolMiddleware(ProviderMiddleware):
             await self.inner.aclose()
 
     async def _close_all(self, *, reason: str) -> None:
-        leftover = [handle for pool in self._pools.values() for _, handle in pool.ready] + self._aged
-        self._aged = []
-        for pool in self._pools.values():
+        aged, self._aged = self._aged, []
+        await self._close_ready(list(self._pools.values()), reason=reason, also=aged)
+
+    async def _close_ready(self, pools: list[_Pool], *, reason: str, also: Sequence[SandboxHandle] = ()) -> None:
+        """Close the ready sandboxes of ``pools`` (and ``also``), shielded, concurrently."""
+        leftover = [handle for pool in pools for _, handle in pool.ready] + list(also)
+        for pool in pools:
             if pool.ready:
                 self._record("ready", -len(pool.ready))
                 pool.ready.clear()

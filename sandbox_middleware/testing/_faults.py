@@ -294,7 +294,10 @@ class _Sandboxes:
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         box = self._box(handle)
         target = _inside(box.workdir, target_path, handle.sandbox_id)
-        box.files[target] = await anyio.to_thread.run_sync(Path(source_path).read_bytes)
+        try:
+            box.files[target] = await anyio.to_thread.run_sync(Path(source_path).read_bytes)
+        except OSError as exc:
+            raise SandboxError(f"{self.name}: source {source_path} is not a readable file: {exc}") from exc
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         box = self._box(handle)

@@ -131,7 +131,7 @@ async def test_chaos(telemetry: TelemetryCapture, pytestconfig: pytest.Config, t
                     async with sandbox:
                         for step in range(3):
                             await sandbox.exec(f"step {step}")
-                        await sandbox.download("out.txt", tmp_path / f"out-{number}")
+                        await sandbox.download("in.txt", tmp_path / f"out-{number}")
                     outcomes["ok"] += 1
                 if cancel is not None and cancel.cancelled_caught:
                     outcomes["cancelled"] += 1

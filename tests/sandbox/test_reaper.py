@@ -8,6 +8,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from sandbox_middleware import (
@@ -21,7 +22,7 @@ from sandbox_middleware import (
     stack,
 )
 from sandbox_middleware.testing import FaultInjectingProvider
-from tests.providers import PlainProvider, crashed_worker, in_own_pid_namespace, live_worker
+from tests.providers import PlainProvider, crashed_worker, dead_owner_stamp, in_own_pid_namespace, live_worker
 
 pytestmark = pytest.mark.anyio
 
@@ -175,3 +176,74 @@ async def test_release_accounting_reports_lost_create_responses_as_orphans(local
 async def test_orphans_need_a_listing_provider() -> None:
     with pytest.raises(SandboxError, match="cannot list its sandboxes"):
         await ReleaseAccountingMiddleware(PlainProvider()).orphans({})
+
+
+# -- snapshots, reaped like sandboxes ----------------------------------------------------------------
+
+
+async def test_reap_deletes_the_snapshots_of_dead_owners_and_expired_ones() -> None:
+    """A crashed run's snapshots (its owner dead) and any past its expiry are deleted and reported as
+    snapshots; a live run's, an unstamped one and one of an owner of unknown liveness are left, the
+    last reported in ``unknown``. dry_run deletes nothing."""
+    memory = FaultInjectingProvider()
+    crashed = {"sandbox_middleware.run_id": "crashed", **dead_owner_stamp()}
+    elsewhere = {**crashed, "sandbox_middleware.owner.host": "another-host"}
+    parent = await memory.create(SandboxSpec())
+    dead_sandbox = await memory.create(SandboxSpec(metadata=crashed))
+    dead = {(await memory.snapshot(parent, metadata=crashed)).snapshot_id for _ in range(2)}
+    unsure = await memory.snapshot(parent, metadata=elsewhere)
+    live = OwnershipMiddleware(memory, run_id="live")
+    kept = await live.snapshot(parent)
+    unstamped = await memory.snapshot(parent)
+    short = OwnershipMiddleware(memory, run_id="live", ttl_s=0.01)
+    expiring = await short.snapshot(parent)
+    await anyio.sleep(0.05)
+
+    preview = await reap(memory, dry_run=True)
+    assert {(entry.kind, entry.sandbox_id) for entry in preview} == {
+        ("sandbox", dead_sandbox.sandbox_id),
+        *(("snapshot", snapshot_id) for snapshot_id in dead | {expiring.snapshot_id}),
+    }
+    assert not any(entry.closed for entry in preview) and len(await memory.list_snapshots()) == 6
+    assert [(entry.kind, entry.sandbox_id) for entry in preview.unknown] == [("snapshot", unsure.snapshot_id)]
+    assert "another host" in preview.unknown[0].reason
+
+    reaped = await reap(memory)
+    snapshots = {entry.sandbox_id: entry for entry in reaped if entry.kind == "snapshot"}
+    assert set(snapshots) == dead | {expiring.snapshot_id} and all(entry.closed for entry in snapshots.values())
+    assert "no longer alive" in snapshots[min(dead)].reason and snapshots[min(dead)].run_id == "crashed"
+    assert "expired" in snapshots[expiring.snapshot_id].reason and snapshots[expiring.snapshot_id].run_id == "live"
+    left = {snapshot.snapshot_id for snapshot in await memory.list_snapshots()}
+    assert (
+        left
+        == {unsure.snapshot_id, kept.snapshot_id, unstamped.snapshot_id}
+        == memory.snapshots - dead - {expiring.snapshot_id}
+    )
+
+
+async def test_reap_by_run_takes_that_runs_snapshots_and_force_takes_a_live_runs() -> None:
+    memory = FaultInjectingProvider()
+    parent = await memory.create(SandboxSpec())
+    crashed = {"sandbox_middleware.run_id": "crashed", **dead_owner_stamp()}
+    finished = await memory.snapshot(parent, metadata=crashed)
+    other_run = await memory.snapshot(parent, metadata={**crashed, "sandbox_middleware.run_id": "other"})
+    live = await OwnershipMiddleware(memory, run_id="live").snapshot(parent)
+    reaped = await reap(memory, run_id="crashed")
+    assert [(entry.kind, entry.sandbox_id, entry.closed) for entry in reaped] == [
+        ("snapshot", finished.snapshot_id, True)
+    ]
+    assert reaped[0].reason.startswith("run crashed finished; owner")
+    assert await reap(memory, run_id="live") == []  # its owner, this process, lives
+    forced = await reap(memory, run_id="live", force=True)
+    assert [(entry.kind, entry.sandbox_id) for entry in forced] == [("snapshot", live.snapshot_id)]
+    assert await memory.list_snapshots() == [other_run]
+
+
+async def test_a_snapshot_reap_could_not_delete_is_reported_not_raised() -> None:
+    memory = FaultInjectingProvider(failure_rates={"delete_snapshot": 1.0})
+    parent = await memory.create(SandboxSpec())
+    stuck = await memory.snapshot(parent, metadata={"sandbox_middleware.run_id": "crashed", **dead_owner_stamp()})
+    [entry] = await reap(memory)
+    assert (entry.kind, entry.sandbox_id, entry.closed) == ("snapshot", stuck.snapshot_id, False)
+    assert entry.error is not None and entry.error.startswith("InjectedFault: injected delete_snapshot failure")
+    assert await memory.list_snapshots() == [stuck]

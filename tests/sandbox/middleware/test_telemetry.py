@@ -257,6 +257,7 @@ async def test_spans_carry_provider_id_and_names(telemetry: TelemetryCapture, tm
     provider = TracingMiddleware(FaultInjectingProvider(), tracer_provider=telemetry.tracer_provider)
     handle = await provider.create(SandboxSpec())
     await provider.exec(handle, "echo secret-token", env={"API_KEY": "hunter2"})
+    (tmp_path / "a").write_text("a")
     await provider.upload_file(handle, tmp_path / "a", "a")
     await provider.download_file(handle, "a", tmp_path / "b")
     await provider.status(handle)
@@ -367,3 +368,124 @@ async def test_thousand_concurrent_sandboxes_with_faults(telemetry: TelemetryCap
 async def _stop_quietly(sandbox: Sandbox) -> None:
     with contextlib.suppress(InjectedFault):
         await sandbox.stop()
+
+
+# -- snapshots and forks -------------------------------------------------------------------------------
+
+SNAPSHOT_DURATION = "gym.sandbox.snapshot.duration_ms"
+SNAPSHOT_SIZE = "gym.sandbox.snapshot.size_bytes"
+SNAPSHOTS_HELD = "gym.sandbox.snapshot.active"
+FORKS = "gym.sandbox.snapshot.fork_total"
+
+
+async def test_fork_telemetry_and_the_snapshot_ledger(telemetry: TelemetryCapture, tmp_path: Path) -> None:
+    """A snapshot is timed, sized, held until deleted; forks are counted, timed as starts and held like
+    any sandbox; the spans say which snapshot."""
+    inner = FaultInjectingProvider()
+    provider = recommended(inner, telemetry)
+    accounting = accounting_of(provider)
+    (tmp_path / "state").write_text("x" * 1000)
+    async with Sandbox(provider, local_files={"state": tmp_path / "state"}) as parent:
+        parent_id = parent.handle.sandbox_id
+        snapshot = await parent.snapshot()
+        assert telemetry.histogram_count(SNAPSHOT_DURATION, nemo__gym__sandbox__provider="faulty") == 1
+        [size] = telemetry.points(SNAPSHOT_SIZE)
+        assert (size.count, size.sum) == (1, 1000)
+        assert telemetry.value(SNAPSHOTS_HELD) == 1
+        [held] = accounting.held_snapshots()
+        assert (held.snapshot_id, held.delete_failed) == (snapshot.snapshot_id, False)
+        forks = await parent.fork(3)  # a snapshot of its own, deleted once the forks are made
+        assert telemetry.value(FORKS) == 3 and telemetry.histogram_count(STARTUP) == 4
+        assert telemetry.value(ACTIVE) == 4 and len(accounting.held()) == 4
+        assert telemetry.value(SNAPSHOTS_HELD) == 1 and telemetry.histogram_count(SNAPSHOT_DURATION) == 2
+        for fork in forks:
+            await fork.stop()
+        await provider.delete_snapshot(snapshot)
+    assert telemetry.value(SNAPSHOTS_HELD) == 0 and accounting.held_snapshots() == [] and inner.snapshots == set()
+    assert telemetry.value(ACTIVE) == 0 and inner.alive == set()
+    taken = telemetry.spans("gym.sandbox.snapshot")
+    assert len(taken) == 2 and taken[0].attributes is not None and taken[1].attributes is not None
+    forks_from = taken[1].attributes["nemo.gym.sandbox.snapshot_id"]
+    assert forks_from != snapshot.snapshot_id
+    assert taken[0].attributes["nemo.gym.sandbox.snapshot_id"] == snapshot.snapshot_id
+    assert taken[0].attributes["nemo.gym.sandbox.snapshot_size_bytes"] == 1000
+    assert taken[0].attributes["nemo.gym.sandbox.id"] == parent_id
+    fork_starts = [span.attributes for span in telemetry.spans("gym.sandbox.start") if span.attributes]
+    assert [attrs.get("nemo.gym.sandbox.snapshot_id") for attrs in fork_starts].count(forks_from) == 3
+    deleted = [span.attributes for span in telemetry.spans("gym.sandbox.delete_snapshot") if span.attributes]
+    assert [attrs["nemo.gym.sandbox.snapshot_id"] for attrs in deleted] == [forks_from, snapshot.snapshot_id]
+
+
+async def test_a_failed_delete_stays_held_and_a_leaked_snapshot_is_named_at_aclose(
+    telemetry: TelemetryCapture, caplog: pytest.LogCaptureFixture
+) -> None:
+    inner = FaultInjectingProvider(failure_rates={"delete_snapshot": 1.0})
+    provider = recommended(inner, telemetry)
+    accounting = accounting_of(provider)
+    handle = await provider.create(SandboxSpec())
+    snapshot = await provider.snapshot(handle)
+    with pytest.raises(InjectedFault):
+        await provider.delete_snapshot(snapshot)
+    [held] = accounting.held_snapshots()
+    assert held.delete_failed and telemetry.value(SNAPSHOTS_HELD) == 1
+    assert (
+        telemetry.value(FAILURES, operation="delete_snapshot", error__type="sandbox_middleware.testing.InjectedFault")
+        == 1
+    )
+    [failed] = telemetry.spans("gym.sandbox.delete_snapshot")
+    assert failed.status.status_code is StatusCode.ERROR
+    await provider.close(handle)
+    with caplog.at_level(logging.WARNING, logger="sandbox_middleware"):
+        await provider.aclose()
+    assert f"1 snapshot(s) are still held (leaked?) at aclose: {snapshot.snapshot_id}" in caplog.text
+    assert "sandbox(es)" not in caplog.text
+
+
+async def test_release_on_aclose_deletes_held_snapshots(caplog: pytest.LogCaptureFixture) -> None:
+    inner = FaultInjectingProvider()
+    accounting = ReleaseAccountingMiddleware(inner, release_on_aclose=True)
+    handle = await accounting.create(SandboxSpec())
+    await accounting.snapshot(handle)
+    await accounting.snapshot(handle)
+    with caplog.at_level(logging.WARNING, logger="sandbox_middleware"):
+        await accounting.aclose()
+    assert inner.snapshots == set() and inner.alive == set() and accounting.held_snapshots() == []
+    assert "still held" not in caplog.text and "could not" not in caplog.text
+
+
+async def test_snapshot_telemetry_without_an_sdk_records_nothing_and_broken_never_raises(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counting = CountingNoOpMeterProvider()
+    quiet = stack(
+        FaultInjectingProvider(),
+        [Middleware(TracingMiddleware), Middleware(MetricsMiddleware, meter_provider=counting)],
+    )
+    handle = await quiet.create(SandboxSpec())
+    await quiet.delete_snapshot(await quiet.snapshot(handle))
+    await quiet.create(SandboxSpec(), from_snapshot=await quiet.snapshot(handle))
+    assert counting.meters == 0
+
+    monkeypatch.setattr(_shared_telemetry, "_reported", set())
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(RaisingProcessor())
+    inner = FaultInjectingProvider()
+    broken = stack(
+        inner,
+        [
+            Middleware(TracingMiddleware, tracer_provider=tracer_provider),
+            Middleware(MetricsMiddleware, meter_provider=RaisingMeterProvider()),
+            Middleware(ReleaseAccountingMiddleware, meter_provider=RaisingMeterProvider()),
+        ],
+    )
+    with caplog.at_level(logging.WARNING, logger="sandbox_middleware.telemetry"):
+        handle = await broken.create(SandboxSpec())
+        snapshot = await broken.snapshot(handle)
+        fork = await broken.create(SandboxSpec(), from_snapshot=snapshot)
+        await broken.delete_snapshot(snapshot)
+        for made in (fork, handle):
+            await broken.close(made)
+    assert inner.alive == set() and inner.snapshots == set()
+    messages = [record.getMessage() for record in caplog.records]
+    for name in (SNAPSHOT_DURATION, SNAPSHOTS_HELD, "span gym.sandbox.snapshot"):
+        assert any(name in message for message in messages), name

@@ -21,10 +21,17 @@ from sandbox_middleware import (
     AdmissionMiddleware,
     DockerProvider,
     LocalProvider,
+    Middleware,
+    OwnershipMiddleware,
     ProviderMiddleware,
+    Sandbox,
     SandboxArgumentError,
+    SandboxError,
     SandboxHandle,
+    SandboxSnapshot,
+    SandboxSnapshotNotFoundError,
     SandboxSpec,
+    SupportsSandboxSnapshot,
     WarmPoolMiddleware,
     recommended_middleware,
     stack,
@@ -33,11 +40,14 @@ from sandbox_middleware.middleware._warm_pool import spec_key
 from sandbox_middleware.testing import FaultInjectingProvider
 from sandbox_middleware.testing.fixtures import TelemetryCapture
 from tests import ROOT
+from tests.providers import PlainProvider
 
 from ..cli.test_cli import CLI
 from .admission.test_admission import RateLimitedProvider, most_in_one_second
 
 pytestmark = pytest.mark.anyio
+
+OWNED = {"sandbox_middleware.run_id": "pooled"}
 
 
 class SlowStart(ProviderMiddleware):
@@ -307,3 +317,121 @@ async def test_a_new_key_after_the_refill_task_went_idle_starts_its_pool(telemet
         await provider.close(handle)
     await provider.aclose()
     assert inner.alive == set()
+
+
+# -- pools of forks ----------------------------------------------------------------------------------
+
+
+class SlowReturn(ProviderMiddleware):
+    """A create whose response takes ``return_s`` to come back once the sandbox is made."""
+
+    def __init__(self, inner: Any, *, return_s: float) -> None:
+        super().__init__(inner)
+        self.return_s = return_s
+
+    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
+        handle = await self.inner.create(spec, **extensions)
+        await anyio.sleep(self.return_s)
+        return handle
+
+
+def forking_stack(inner: Any, telemetry: TelemetryCapture, **pool: Any) -> Any:
+    """The recommended stack with a warm pool and admission, and an ownership layer under them."""
+    middleware = recommended_middleware(
+        meter_provider=telemetry.meter_provider,
+        tracer_provider=telemetry.tracer_provider,
+        warm_pool=pool,
+        admission={},
+    )
+    return stack(inner, [*middleware, Middleware(OwnershipMiddleware, run_id="pooled")])
+
+
+async def prepared(provider: Any, tmp_path: Path, text: str) -> SandboxSnapshot:
+    """A snapshot of a sandbox whose state.txt holds ``text``; the sandbox is closed after."""
+    (tmp_path / "state").write_text(text)
+    async with Sandbox(provider, local_files={"state.txt": tmp_path / "state"}) as parent:
+        snapshot: SandboxSnapshot = await parent.snapshot()
+    return snapshot
+
+
+async def state_of(provider: Any, handle: SandboxHandle, tmp_path: Path) -> str | None:
+    try:
+        await provider.download_file(handle, "state.txt", tmp_path / "got")
+    except SandboxError:
+        return None
+    return (tmp_path / "got").read_text()
+
+
+async def test_forks_are_pooled_per_spec_and_snapshot(telemetry: TelemetryCapture, tmp_path: Path) -> None:
+    """A pooled fork is handed out for its own snapshot only: never for another one, for a create without
+    one, or for an altered descriptor; the stamp of the ownership layer below does not split the pool."""
+    inner = FaultInjectingProvider()
+    provider = forking_stack(inner, telemetry, size=2)
+    pool = layer(provider, WarmPoolMiddleware)
+    first, second = await prepared(provider, tmp_path, "first"), await prepared(provider, tmp_path, "second")
+    spec = SandboxSpec(env={"ROLE": "fork"})  # not the parents' spec (their pool is of empty sandboxes)
+    miss = await provider.create(spec, from_snapshot=first)  # starts the pool of (spec, first)
+    other = await provider.create(spec, from_snapshot=second)
+    plain = await provider.create(spec)
+    await pool.wait_ready(timeout_s=10)
+    hits = telemetry.value("gym.sandbox.pool.handout_total", result="hit")
+    forks = [await provider.create(spec, from_snapshot=snapshot) for snapshot in (first, second, first)]
+    assert telemetry.value("gym.sandbox.pool.handout_total", result="hit") == hits + 3
+    assert [await state_of(provider, handle, tmp_path) for handle in (miss, *forks)] == [
+        "first",
+        "first",
+        "second",
+        "first",
+    ]
+    empty = await provider.create(spec)
+    assert await state_of(provider, plain, tmp_path) is None and await state_of(provider, empty, tmp_path) is None
+    altered = dataclasses.replace(first, metadata={**first.metadata, "sandbox_middleware.owner.pid": "1"})
+    with pytest.raises(SandboxSnapshotNotFoundError):  # not the pool's descriptor: the provider refuses it
+        await provider.create(spec, from_snapshot=altered)
+    await pool.wait_ready(timeout_s=10)  # the hits' refills landed
+    # Forks were stamped, counted held and timed as starts below the pool, refills too.
+    stamped = {listing.handle.sandbox_id for listing in await inner.list(metadata=OWNED)}
+    assert stamped == inner.alive and telemetry.value("gym.sandbox.active") == len(inner.alive)
+    # the two misses, then each pool's two refills and the refills of the three hits
+    assert telemetry.value("gym.sandbox.snapshot.fork_total") == 2 + 4 + 3
+    for handle in (miss, other, *forks, plain, empty):
+        await provider.close(handle)
+    for snapshot in (first, second):
+        await provider.delete_snapshot(snapshot)
+    await provider.aclose()
+    assert inner.alive == set() and inner.snapshots == set()
+
+
+async def test_deleting_a_snapshot_drains_its_pool(telemetry: TelemetryCapture, tmp_path: Path) -> None:
+    """Its ready forks are closed, a refill in flight is closed as it lands, no refill starts again, the
+    other pools stay; a create from it is then refused by the provider."""
+    inner = FaultInjectingProvider()
+    provider = forking_stack(SlowReturn(inner, return_s=0.2), telemetry, size=3)
+    pool = layer(provider, WarmPoolMiddleware)
+    doomed, kept = await prepared(provider, tmp_path, "doomed"), await prepared(provider, tmp_path, "kept")
+    held = [await provider.create(SandboxSpec(), from_snapshot=snapshot) for snapshot in (doomed, kept)]
+    await pool.wait_ready(timeout_s=10)
+    take = await provider.create(SandboxSpec(), from_snapshot=doomed)  # a refill of its pool starts
+    await anyio.sleep(0.05)  # the refill's fork is made; its handle is on its way back
+    await provider.delete_snapshot(doomed)
+    assert pool.ready() == 6  # those of the other snapshot and of the parents' (empty) spec
+    await anyio.sleep(0.3)  # the refill in flight lands, and is closed
+    creates = inner.calls["create"]
+    await anyio.sleep(0.3)
+    assert inner.calls["create"] == creates and pool.ready() == 6
+    assert telemetry.value("gym.sandbox.pool.recycled_total", reason="snapshot_deleted") == 3
+    assert len(inner.alive) == 6 + len(held) + 1
+    with pytest.raises(SandboxSnapshotNotFoundError):
+        await provider.create(SandboxSpec(), from_snapshot=doomed)
+    assert await state_of(provider, take, tmp_path) == "doomed"  # a fork handed out is the caller's
+    for handle in (*held, take):
+        await provider.close(handle)
+    await provider.delete_snapshot(kept)
+    await provider.aclose()
+    assert inner.alive == set()
+
+
+async def test_without_the_capability_the_pool_takes_no_snapshot_calls() -> None:
+    pool = WarmPoolMiddleware(PlainProvider(), size=1)
+    assert not isinstance(pool, SupportsSandboxSnapshot) and pool.delete_snapshot is None  # type: ignore[comparison-overlap]
+    await pool.aclose()
