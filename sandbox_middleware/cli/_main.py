@@ -1,6 +1,6 @@
 """Run a rollout-shaped workload through a sandbox provider stack and print its telemetry, check a
 stack config, or reap the sandboxes a crashed or finished run left behind. Exit codes of run: 0 all
-sessions ok and nothing held; 1 a sandbox leaked (or a Ray worker was lost: reap its run); 2 usage
+sessions ok and nothing held; 1 a sandbox or snapshot leaked (or a Ray worker was lost: reap its run); 2 usage
 or config error, or a provider that cannot be built here; 3 some sessions failed, nothing leaked;
 130 / 143 interrupted by SIGINT / SIGTERM (every sandbox closed; 1 instead if one could not be). Of
 reap: 0 every chosen sandbox closed (or listed, with --dry-run); 1 one could not be closed; 2 usage
@@ -386,7 +386,8 @@ def _report(args: argparse.Namespace, provider: str, results: list[ProcessResult
     and return the exit code."""
     result = results[0] if len(results) == 1 and not lines else combine(results, args.sessions)
     unclosed = [entry for entry in result.orphans or () if not entry.closed]
-    verdict = _exit_code(result.run, leaked=bool(result.held or result.alive or unclosed or lost))  # lost: reap it
+    leaked = result.held or result.held_snapshots or result.alive or unclosed or lost  # lost: reap it
+    verdict = _exit_code(result.run, leaked=bool(leaked))
     over = f", over Ray with {args.workers} workers" if args.ray is not None else ""
     forked = f" (the first prepares, the rest run in {args.fork} forks)" if args.fork is not None else ""
     title = (

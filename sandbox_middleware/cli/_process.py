@@ -72,6 +72,8 @@ class ProcessResult:
     """Lost-create orphans found (and closed, or not); None when they cannot be looked for."""
     alive: list[str] = field(default_factory=list)
     """With injected faults: sandboxes that really still exist (the injector's ground truth)."""
+    held_snapshots: list[str] = field(default_factory=list)
+    """Snapshots the ledger still holds (taken, never deleted: leaked)."""
 
 
 def find_layer(provider: Any, cls: type[T]) -> T | None:
@@ -197,6 +199,7 @@ def run_process(
         held=[entry.sandbox_id for entry in accounting.held()] if accounting is not None else [],
         orphans=orphans if can_look else None,
         alive=sorted(injector[0].alive) if injector else [],
+        held_snapshots=[entry.snapshot_id for entry in accounting.held_snapshots()] if accounting is not None else [],
     )
 
 
@@ -251,6 +254,7 @@ def combine(results: Sequence[ProcessResult], sessions: int) -> ProcessResult:
         held=[sandbox for part in results for sandbox in part.held],
         orphans=None if None in orphan_lists else [entry for part in orphan_lists if part for entry in part],
         alive=[sandbox for part in results for sandbox in part.alive],
+        held_snapshots=[snapshot for part in results for snapshot in part.held_snapshots],
     )
 
 

@@ -66,6 +66,21 @@ def test_a_fork_run_under_faults_leaks_nothing_and_counts_what_it_made() -> None
     assert "Traceback" not in done.stderr
 
 
+@default_stack
+def test_a_snapshot_that_cannot_be_deleted_is_a_leak() -> None:
+    """Every snapshot delete fails: each session's fork fails (its forks closed), and the snapshots left are
+    reported held and make the exit code 1, as a leaked sandbox does; reap of the run deletes them."""
+    done = run("run", "--sessions", "2", "--concurrency", "2", "--commands", "2", "--fork", "2",
+               "--faults", "delete_snapshot=1.0", "--seed", "1", "--run-id", "cli-fork-leak")  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert row(done.stdout, "sessions ok / failed") == "0 / 2"
+    assert row(done.stdout, "sandboxes still held") == "0"
+    assert row(done.stdout, "snapshots taken / still held").startswith("2 / 2 (leaked: ")
+    assert forks_made(done.stdout) == 0
+    reaped = run("reap", "--provider", "local", "--run", "cli-fork-leak")
+    assert reaped.returncode == 0 and "2 snapshot(s) deleted" in reaped.stderr, reaped.stdout + reaped.stderr
+
+
 def test_a_fork_run_over_docker_closes_every_fork() -> None:
     """The same over the Docker daemon: each fork a container made from the snapshot's image, all removed."""
     require_docker()
