@@ -58,9 +58,9 @@ class RunState:
     """Sandboxes whose session could not close them; the cleanup pass tries again."""
     session_errors: dict[str, int] = field(default_factory=dict)
     held_changes: list[tuple[float, int]] | None = None
-    """When a list: (wall time, +1 / -1) each time a session's sandbox (or fork) started or stopped, so that a
-    cluster's peak can be computed from every worker's changes merged in time order (Ray workers
-    only: it grows by two entries per session)."""
+    """When a list: (wall time, +1 / -1) each time a session's sandbox (or a fork of it) started or
+    stopped, so that a cluster's peak can be computed from every worker's changes merged in time order
+    (Ray workers only: it grows by two entries per sandbox)."""
 
     @property
     def done(self) -> int:
