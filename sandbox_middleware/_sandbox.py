@@ -199,8 +199,9 @@ class Sandbox:
         ``forks = await sandbox.fork(8)`` gives the started ``Sandbox`` objects (the caller stops
         each); ``async with sandbox.fork(8) as forks:`` also stops them all on the way out. The
         snapshot is deleted once the last fork is made, unless ``keep_snapshot`` (``Forks.snapshot``
-        then holds it). If any create fails or is cancelled, the forks made are closed and the
-        snapshot deleted (shielded, bounded by ``close_timeout_s``) before the error propagates.
+        then holds it). If any create fails or is cancelled, or the snapshot's delete fails, the forks
+        made are closed and the snapshot deleted (shielded, bounded by ``close_timeout_s``) before the
+        error propagates.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise SandboxValueError(f"Sandbox.fork(n): n must be an int >= 1, got {n!r}")
@@ -259,13 +260,13 @@ class Forks:
             async with anyio.create_task_group() as group:
                 for fork in forks:
                     group.start_soon(fork.start)
+            if not self._keep:  # failing, it would leave the forks made where no caller can reach them
+                await self._delete(provider, snapshot)
         except BaseException:
             await self._undo(provider, forks, snapshot)
             raise
         if self._keep:
             self.snapshot = snapshot
-        else:
-            await self._delete(provider, snapshot)
         self.sandboxes = forks
         return forks
 

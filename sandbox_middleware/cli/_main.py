@@ -1,6 +1,6 @@
 """Run a rollout-shaped workload through a sandbox provider stack and print its telemetry, check a
 stack config, or reap the sandboxes a crashed or finished run left behind. Exit codes of run: 0 all
-sessions ok and nothing held; 1 a sandbox leaked (or a Ray worker was lost: reap its run); 2 usage
+sessions ok and nothing held; 1 a sandbox or snapshot leaked (or a Ray worker was lost: reap its run); 2 usage
 or config error, or a provider that cannot be built here; 3 some sessions failed, nothing leaked;
 130 / 143 interrupted by SIGINT / SIGTERM (every sandbox closed; 1 instead if one could not be). Of
 reap: 0 every chosen sandbox closed (or listed, with --dry-run); 1 one could not be closed; 2 usage
@@ -40,6 +40,8 @@ EXIT_OK = 0
 EXIT_LEAKED = 1
 EXIT_USAGE = 2
 EXIT_SESSIONS_FAILED = 3
+MAX_FORKS = 256
+"""``--fork``'s bound: an RL group (8 to 64 samples of one task), with room, never a fleet per session."""
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "provider": {"local": {"isolation": "none"}},
@@ -200,6 +202,14 @@ def _parser() -> argparse.ArgumentParser:
         help="keep N ready sandboxes in a warm pool (a warm_pool layer, as recommended)",
     )
     run.add_argument(
+        "--fork",
+        type=_integer(1, MAX_FORKS),
+        default=None,
+        metavar="N",
+        help="each session's first command prepares its sandbox, whose snapshot N forks start from; the rest "
+        "of its commands run in every fork (a group rollout; needs a provider with snapshots)",
+    )
+    run.add_argument(
         "--max-create-rate",
         type=_rate,
         default=None,
@@ -327,6 +337,8 @@ def _run_command(args: argparse.Namespace) -> int:
             f"argument --image: provider {resolved.provider.name!r} (LocalProvider) runs no images, its sandboxes "
             f"run this machine's own programs; drop --image, or run --provider docker --image {args.image}"
         )
+    if args.fork is not None and args.commands == 0:
+        raise UsageError("argument --fork: needs --commands 1 or more (the first command prepares the forks' state)")
     if args.warm is not None:
         resolved = with_layer(resolved, "warm_pool", {"size": args.warm})
     if args.max_create_rate is not None:
@@ -340,6 +352,7 @@ def _run_command(args: argparse.Namespace) -> int:
         faults,
         args.seed if args.seed is not None else int(time.time()) % 100_000,
         image=args.image,
+        fork=args.fork,
     )
     telemetry = start_telemetry(args.export, args.prometheus_host, args.prometheus_port) if args.ray is None else None
     try:
@@ -373,11 +386,13 @@ def _report(args: argparse.Namespace, provider: str, results: list[ProcessResult
     and return the exit code."""
     result = results[0] if len(results) == 1 and not lines else combine(results, args.sessions)
     unclosed = [entry for entry in result.orphans or () if not entry.closed]
-    verdict = _exit_code(result.run, leaked=bool(result.held or result.alive or unclosed or lost))  # lost: reap it
+    leaked = result.held or result.held_snapshots or result.alive or unclosed or lost  # lost: reap it
+    verdict = _exit_code(result.run, leaked=bool(leaked))
     over = f", over Ray with {args.workers} workers" if args.ray is not None else ""
+    forked = f" (the first prepares, the rest run in {args.fork} forks)" if args.fork is not None else ""
     title = (
         f"sandbox-middleware run: {args.sessions} sessions, concurrency {args.concurrency}, "
-        f"{args.commands} commands each, provider {provider}{over}"
+        f"{args.commands} commands each{forked}, provider {provider}{over}"
     )
     # The verdict is in: from here a signal ends the report or the linger, never changes the exit code.
     with contextlib.suppress(KeyboardInterrupt, _Interrupted):
@@ -393,6 +408,9 @@ def _report(args: argparse.Namespace, provider: str, results: list[ProcessResult
             ),
             flush=True,
         )
+        if args.fork is not None:
+            forks = f"forks made: {result.run.forks} ({args.fork} per session that prepared its state; counted in"
+            print(f"{forks} sandboxes started)", flush=True)
         if result.alive:
             print(f"the provider still holds {len(result.alive)} sandbox(es): {', '.join(result.alive)}", flush=True)
         time.sleep(args.linger)  # keep exporting (over Ray: the workers keep serving /metrics)

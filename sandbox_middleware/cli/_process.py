@@ -14,7 +14,7 @@ import anyio
 
 from .._config import ResolvedStack, resolve_config
 from .._errors import SandboxImageNotFoundError, UsageError
-from .._protocol import SandboxProvider, SupportsSandboxList
+from .._protocol import SandboxProvider, SupportsSandboxList, SupportsSandboxSnapshot
 from .._reaper import ReapedSandbox, close_listed
 from .._registry import middleware_registry
 from ..middleware._ownership import OwnershipMiddleware
@@ -52,6 +52,8 @@ class RunOptions:
     """Record when each sandbox started and stopped (for the peak across a cluster's workers)."""
     image: str | None = None
     """``spec.image`` of every session's sandbox."""
+    fork: int | None = None
+    """Run each session's commands after its first in this many forks of its sandbox (``--fork``)."""
 
 
 @dataclass
@@ -70,6 +72,8 @@ class ProcessResult:
     """Lost-create orphans found (and closed, or not); None when they cannot be looked for."""
     alive: list[str] = field(default_factory=list)
     """With injected faults: sandboxes that really still exist (the injector's ground truth)."""
+    held_snapshots: list[str] = field(default_factory=list)
+    """Snapshots the ledger still holds (taken, never deleted: leaked)."""
 
 
 def find_layer(provider: Any, cls: type[T]) -> T | None:
@@ -165,6 +169,7 @@ def run_process(
     async def checked_workload() -> None:
         try:
             await _check_image(provider, options.image)
+            _check_fork(provider, resolved, options.fork)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await provider.aclose()
@@ -176,6 +181,7 @@ def run_process(
             commands=options.commands,
             think_s=options.think_s,
             image=options.image,
+            fork=options.fork,
             background=progress(accounting) if show_progress else None,
             finish=close_orphans if can_look else None,
             handle_signals=handle_signals,
@@ -193,6 +199,7 @@ def run_process(
         held=[entry.sandbox_id for entry in accounting.held()] if accounting is not None else [],
         orphans=orphans if can_look else None,
         alive=sorted(injector[0].alive) if injector else [],
+        held_snapshots=[entry.snapshot_id for entry in accounting.held_snapshots()] if accounting is not None else [],
     )
 
 
@@ -207,6 +214,18 @@ async def _check_image(provider: SandboxProvider, image: str | None) -> None:
         raise UsageError(f"argument --image: {exc}") from None
 
 
+def _check_fork(provider: SandboxProvider, resolved: ResolvedStack, fork: int | None) -> None:
+    """A stack that cannot fork is one usage error before any session, not every session's."""
+    if fork is None or isinstance(provider, SupportsSandboxSnapshot):
+        return
+    named = resolved.provider
+    raise UsageError(
+        f"argument --fork: provider {named.name!r} ({named.cls.__name__}) takes no snapshots (it has no "
+        "SupportsSandboxSnapshot), so its sandboxes cannot be forked; run without --fork, or on a provider "
+        "that has the capability"
+    )
+
+
 def combine(results: Sequence[ProcessResult], sessions: int) -> ProcessResult:
     """One result for a run over several processes: counts summed, metrics merged, and the peak of
     sandboxes held at once across all of them (from every process's start / stop times)."""
@@ -216,6 +235,7 @@ def combine(results: Sequence[ProcessResult], sessions: int) -> ProcessResult:
         run.failed += part.run.failed
         run.cancelled += part.run.cancelled
         run.started += part.run.started
+        run.forks += part.run.forks
         run.handed_out += part.run.handed_out
         run.interrupted_by = run.interrupted_by or part.run.interrupted_by
         for error, count in part.run.session_errors.items():
@@ -234,6 +254,7 @@ def combine(results: Sequence[ProcessResult], sessions: int) -> ProcessResult:
         held=[sandbox for part in results for sandbox in part.held],
         orphans=None if None in orphan_lists else [entry for part in orphan_lists if part for entry in part],
         alive=[sandbox for part in results for sandbox in part.alive],
+        held_snapshots=[snapshot for part in results for snapshot in part.held_snapshots],
     )
 
 

@@ -142,3 +142,15 @@ async def test_exec_passes_provider_keywords_and_a_bad_local_file_closes(tmp_pat
         await Sandbox(local, local_files={"in.txt": tmp_path / "missing.txt"}).start()
     assert sandbox_dirs(sandbox_base) == []
     await local.aclose()
+
+
+async def test_a_fork_whose_snapshot_cannot_be_deleted_closes_its_forks() -> None:
+    """The delete after the forks are made fails: the forks are closed before the error propagates (they
+    were left started, in no caller's hands), the parent is untouched, and the snapshot stays held."""
+    provider = FaultInjectingProvider(failure_rates={"delete_snapshot": 1.0})
+    async with Sandbox(provider) as parent:
+        with pytest.raises(InjectedFault):
+            await parent.fork(3)
+        assert provider.alive == {parent.handle.sandbox_id}
+        assert provider.calls["create"] == 4 and provider.calls["close"] == 3
+    assert len(provider.snapshots) == 1  # its delete failed again: what the ledger reports, and reap removes

@@ -61,6 +61,13 @@ def row(output: str, label: str) -> str:
     return match.group(1)
 
 
+def forks_made(output: str) -> int:
+    """The number the line under the table of a ``--fork`` run gives."""
+    match = re.search(r"^forks made: (\d+) \(", output, re.MULTILINE)
+    assert match, f"no forks line in:\n{output}"
+    return int(match.group(1))
+
+
 def retries(output: str) -> dict[str, int]:
     create, close, other = row(output, "retries create / close / other").split(" / ")
     return {"create": int(create), "close": int(close), "other": int(other)}
@@ -149,15 +156,21 @@ def private_tmpdir(tmp_path: Path) -> Path:
 
 
 @default_stack
-@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_signal_mid_run_closes_everything(number: signal.Signals, private_tmpdir: Path) -> None:
+@pytest.mark.parametrize(
+    ("number", "fork"),
+    [(signal.SIGINT, []), (signal.SIGTERM, []), (signal.SIGTERM, ["--fork", "4"])],
+    ids=["SIGINT", "SIGTERM", "SIGTERM-fork"],
+)
+def test_signal_mid_run_closes_everything(number: signal.Signals, fork: list[str], private_tmpdir: Path) -> None:
     """SIGINT / SIGTERM mid-run: no sandbox directory left, the table marked interrupted, 130 / 143, no traceback.
 
-    A hundred million sessions: workers pull them one by one, so nothing grows with the count.
+    A hundred million sessions: workers pull them one by one, so nothing grows with the count. With
+    ``--fork``, the forks in flight are made and closed and their snapshots deleted: the provider's
+    base directory is left empty.
     """
     env = {**os.environ, "TMPDIR": str(private_tmpdir)}
     process = subprocess.Popen(
-        [*CLI, "run", "--sessions", "100000000", "--concurrency", "8", "--no-progress"],
+        [*CLI, "run", "--sessions", "100000000", "--concurrency", "8", "--no-progress", *fork],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -168,6 +181,8 @@ def test_signal_mid_run_closes_everything(number: signal.Signals, private_tmpdir
         while not any("local-" in name for name in left_behind(private_tmpdir)):
             assert process.poll() is None and time.monotonic() < deadline, "no sandbox was created"
             time.sleep(0.05)
+        if fork:
+            time.sleep(1.0)  # sessions prepared, forked and forking
         process.send_signal(number)
         out, err = process.communicate(timeout=90)
     finally:
@@ -183,6 +198,9 @@ def test_signal_mid_run_closes_everything(number: signal.Signals, private_tmpdir
     assert 0 < not_run < 100_000_000
     assert "Traceback" not in err, err
     assert left_behind(private_tmpdir) == []
+    [base] = private_tmpdir.glob("llm-sandbox-middleware-*")  # LocalProvider's default base_dir
+    assert sorted(entry.name for entry in base.iterdir()) == [], "the run left sandboxes or snapshots there"
+    assert forks_made(out) > 0 if fork else "forks made" not in out
 
 
 BAD_ARGUMENTS = [
