@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import shutil
 import tempfile
-from collections.abc import Generator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -257,9 +257,7 @@ class Forks:
             for _ in range(self._n)
         ]
         try:
-            async with anyio.create_task_group() as group:
-                for fork in forks:
-                    group.start_soon(fork.start)
+            await _all(fork.start for fork in forks)
             if not self._keep:  # failing, it would leave the forks made where no caller can reach them
                 await self._delete(provider, snapshot)
         except BaseException:
@@ -292,6 +290,24 @@ class Forks:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        async with anyio.create_task_group() as group:
-            for fork in self.sandboxes:
-                group.start_soon(fork.stop if exc is None else fork._stop_after_failure)
+        await _all(fork.stop if exc is None else fork._stop_after_failure for fork in self.sandboxes)
+
+
+async def _all(calls: Iterable[Callable[[], Awaitable[object]]]) -> None:
+    """Run ``calls`` at once; the first to fail cancels the rest (a shielded create or stop finishes
+    first) and its error is raised as it is, not in an ``ExceptionGroup``, so ``except
+    SandboxCreateError`` catches a failed fork."""
+    failures: list[Exception] = []
+
+    async def run(call: Callable[[], Awaitable[object]], scope: anyio.CancelScope) -> None:
+        try:
+            await call()
+        except Exception as exc:
+            failures.append(exc)
+            scope.cancel()
+
+    async with anyio.create_task_group() as group:
+        for call in calls:
+            group.start_soon(run, call, group.cancel_scope)
+    if failures:
+        raise failures[0]

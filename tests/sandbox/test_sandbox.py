@@ -13,11 +13,14 @@ from sandbox_middleware import (
     LocalProvider,
     ProviderMiddleware,
     Sandbox,
+    SandboxCreateError,
     SandboxError,
     SandboxHandle,
     SandboxNotStartedError,
+    SandboxSnapshotError,
     SandboxSpec,
     SandboxStatus,
+    SandboxValueError,
 )
 from sandbox_middleware.testing import FaultInjectingProvider, InjectedFault
 from tests.leftovers import sandbox_dirs
@@ -154,3 +157,63 @@ async def test_a_fork_whose_snapshot_cannot_be_deleted_closes_its_forks() -> Non
         assert provider.alive == {parent.handle.sandbox_id}
         assert provider.calls["create"] == 4 and provider.calls["close"] == 3
     assert len(provider.snapshots) == 1  # its delete failed again: what the ledger reports, and reap removes
+
+
+class ThirdCreateFails(ProviderMiddleware):
+    """The third create fails with a create error; the others pass through."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.creates = 0
+
+    async def create(self, spec: SandboxSpec, **extensions: Any) -> SandboxHandle:
+        self.creates += 1
+        if self.creates == 3:
+            raise SandboxCreateError("no room for the third")
+        return await self.inner.create(spec, **extensions)
+
+
+async def test_a_fork_whose_create_fails_raises_that_error_and_closes_the_others() -> None:
+    """One create of four fails: its own error comes out (not an ExceptionGroup, so ``except
+    SandboxCreateError`` catches it), every fork made is closed and the snapshot deleted."""
+    memory = FaultInjectingProvider()
+    provider = ThirdCreateFails(memory)
+    async with Sandbox(provider) as parent:
+        with pytest.raises(SandboxCreateError, match="no room for the third"):
+            await parent.fork(3)
+        assert memory.alive == {parent.handle.sandbox_id}
+        assert memory.snapshots == set()
+
+
+async def test_forks_entered_are_made_from_the_parents_files_and_closed_on_exit(tmp_path: Path) -> None:
+    """``async with parent.fork(2)``: each fork starts with the parent's files, writes its own, and is
+    closed on the way out; the snapshot is gone once they are made, unless kept."""
+    provider = FaultInjectingProvider()
+    source = tmp_path / "state.txt"
+    source.write_text("prepared")
+    async with Sandbox(provider, local_files={"/workspace/state.txt": source}) as parent:
+        async with parent.fork(2) as forks:
+            assert provider.alive == {parent.handle.sandbox_id, *(fork.handle.sandbox_id for fork in forks)}
+            assert provider.snapshots == set()
+            for index, fork in enumerate(forks):
+                await fork.download("/workspace/state.txt", tmp_path / f"fork-{index}.txt")
+                assert (tmp_path / f"fork-{index}.txt").read_text() == "prepared"
+        assert provider.alive == {parent.handle.sandbox_id}
+        kept = parent.fork(1, keep_snapshot=True)
+        (fork,) = await kept
+        assert kept.snapshot is not None and provider.snapshots == {kept.snapshot.snapshot_id}
+        await fork.stop()
+        await provider.delete_snapshot(kept.snapshot)
+
+
+@pytest.mark.parametrize("n", [0, -1, True, 1.5])
+async def test_fork_needs_a_positive_count(n: Any) -> None:
+    async with Sandbox(FaultInjectingProvider()) as parent:
+        with pytest.raises(SandboxValueError, match=r"n must be an int >= 1"):
+            parent.fork(n)
+
+
+async def test_a_provider_without_snapshots_cannot_fork() -> None:
+    async with Sandbox(PlainProvider()) as parent:
+        with pytest.raises(SandboxSnapshotError, match=r"takes no snapshots \(no SupportsSandboxSnapshot\)"):
+            await parent.fork(2)
