@@ -20,7 +20,7 @@ from ..._errors import SandboxError, SandboxNotFoundError
 from ..._protocol import SandboxExecResult, SandboxHandle
 from .._common._output import OutputCapture, OutputPump, drain
 from ._launch import LAUNCH_FAILED
-from ._process import group_alive, kill_group
+from ._process import alive_ticks, group_alive, kill_group
 from ._records import Box, intact
 
 __all__ = ["run_command", "run_process"]
@@ -114,7 +114,7 @@ async def run_process(
         os.close(out_w)
         os.close(err_w)
     if not box.cgroups:
-        box.groups.add(process.pid)
+        box.groups[process.pid] = alive_ticks()
     timed_out = False
     async with anyio.create_task_group() as readers:
         readers.start_soon(output.pump)
@@ -134,5 +134,7 @@ async def run_process(
         finally:
             readers.cancel_scope.cancel()
     if box.cgroups or not group_alive(process.pid):
-        box.groups.discard(process.pid)
+        box.groups.pop(process.pid, None)
+    else:  # its leader is gone, others of it live on: from now its number is killed only with one of them
+        box.groups[process.pid] = alive_ticks()
     return (process.returncode if process.returncode is not None else -signal.SIGKILL), timed_out

@@ -84,7 +84,7 @@ class Box:
     lease: UidLease | None = None  # the host-wide lease of its uid, held while it lives here
     snapshot: str | None = None  # the id of the snapshot its files started as (a fork's; ``_snapshots.py``)
     starter: CommandStarter | None = None  # under bwrap: what starts its commands (see _starter.py)
-    groups: set[int] = field(default_factory=set)
+    groups: dict[int, int] = field(default_factory=dict)  # process group -> alive_ticks() when last seen alive
     expired: bool = False
     closed: bool = False  # close() has begun
     broken: bool = False  # a close could not remove everything
@@ -302,15 +302,16 @@ def is_real_directory(path: Path) -> bool:
 
 def kill_box(box: Box) -> None:
     """Kill every process of the sandbox: through its cgroups where it has them (no pid is ever
-    signalled by a number that could have been reused), else its still-running process groups. A
+    signalled by a number that could have been reused), else its still-running process groups (only while
+    one of a group's processes is as old as the group was last seen alive, ``_process.py``). A
     starter's death alone ends every process of its sandbox (bwrap's init takes them with it)."""
     if box.starter is not None:
         box.starter.kill()
     if box.cgroups:
         CgroupBackend.kill(box.cgroups)
     else:
-        for group in list(box.groups):
-            kill_group(group)
+        for group, alive_at in list(box.groups.items()):
+            kill_group(group, alive_at)
 
 
 def teardown(box: Box, base: Path) -> list[str]:
