@@ -93,7 +93,7 @@ async def test_cancelled_exec_leaves_no_process_group_to_signal_later(provider: 
     for _ in range(5):
         with anyio.move_on_after(0.2):
             await provider.exec(handle, "sleep 30")
-    assert provider._boxes[handle.sandbox_id].groups == set()
+    assert provider._boxes[handle.sandbox_id].groups == {}
 
 
 async def test_close_during_exec_says_closed(provider: LocalProvider) -> None:
