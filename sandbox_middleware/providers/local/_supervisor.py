@@ -277,8 +277,11 @@ class CommandStarter:
 
     def kill(self) -> None:
         """SIGKILL the starter's bwrap (its session): bwrap's init, hence every process of the sandbox,
-        dies with it. Safe from any thread; ``close`` still releases the rest."""
+        dies with it. Safe from any thread; ``close`` still releases the rest. Once the starter has been
+        waited for, nothing is signalled: its number may be another program's session by then."""
         self._dead = True
+        if self._process.returncode is not None:
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._process.pid, signal.SIGKILL)
 

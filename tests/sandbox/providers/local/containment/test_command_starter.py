@@ -180,3 +180,19 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+async def test_a_closed_starter_is_never_signalled_again(
+    make: Callable[..., LocalProvider], sandbox_base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once its sandbox is closed the starter has been waited for, and its number is free for any new
+    session (a Ray raylet was killed so): a later kill of it, as a retried close makes, signals nothing."""
+    local = make(isolation="bwrap", base_dir=sandbox_base)
+    handle = await local.create(SandboxSpec())
+    starter = local._boxes[handle.sandbox_id].starter
+    assert starter is not None
+    await local.close(handle)
+    signalled: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "killpg", lambda pgid, number: signalled.append((pgid, number)))
+    starter.kill()
+    assert signalled == []
