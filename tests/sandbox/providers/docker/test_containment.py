@@ -229,6 +229,15 @@ def _processes(handle_id: str) -> list[str]:
     return sorted(lines)
 
 
+async def _at_rest(handle_id: str) -> list[str]:
+    """The processes of a new container once its keep-alive loop has started its sleep (right after
+    the create, the loop's child may still be a forked shell, which later lists as ``sleep 86400``)."""
+    with anyio.move_on_after(10):
+        while "sleep 86400" not in _processes(handle_id):
+            await anyio.sleep(0.05)
+    return _processes(handle_id)
+
+
 async def _settled(handle_id: str, expected: list[str]) -> list[str]:
     """The container's processes once the killed ones are reaped (a few seconds at most)."""
     with anyio.move_on_after(5):
@@ -245,7 +254,7 @@ async def test_a_command_holding_every_pid_leaves_nothing_after_its_timeout(
     cannot_hold("runsc", _SENTRY_PIDS)
     provider = make(pids=64)
     handle = await provider.create(spec())
-    before = _processes(handle.sandbox_id)  # init and the keep-alive loop
+    before = await _at_rest(handle.sandbox_id)  # init and the keep-alive loop
     bomb = "setsid sh -c 'while :; do sleep 1000 & done' >/dev/null 2>&1 & sleep 30"
     with anyio.fail_after(30):
         result = await provider.exec(handle, bomb, timeout_s=3)
@@ -262,7 +271,7 @@ async def test_a_watcher_killing_the_kill_leaves_nothing_after_the_timeout(provi
         "runsc", "no process of a gVisor sandbox is a host process: the kill runs inside, where a watcher can kill it"
     )
     handle = await provider.create(spec())
-    before = _processes(handle.sandbox_id)
+    before = await _at_rest(handle.sandbox_id)
     watcher = (
         'setsid sh -c \'while :; do for d in /proc/[0-9]*; do grep -q "for roun[d]" $d/cmdline 2>/dev/null '
         "&& kill -9 ${d#/proc/}; done; done' >/dev/null 2>&1 & sleep 1001"
