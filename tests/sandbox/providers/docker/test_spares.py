@@ -131,7 +131,7 @@ async def test_a_spare_runs_as_a_uid_of_its_own_which_its_taker_keeps_and_a_disc
     assert lease.uid not in (uid, own)
     lease.release()
     await provider.close(second)
-    assert claim_of(uid) is None
+    await freed(uid)  # Podman: the close's release can trail the answer (seen once in CI)
 
     untaken = await one_spare(tag, kept_by=provider)  # made behind the take
     other = await provider.create(tagged(tag, env={"A": "2"}))  # another shape: the spare is removed
