@@ -23,6 +23,7 @@ __all__ = [
     "checked_env",
     "checked_exec",
     "checked_ro_path",
+    "checked_texts",
     "checked_timeout",
     "checked_view_root",
     "fspath",
@@ -52,6 +53,13 @@ def check_text(value: object, what: str) -> str:
     except UnicodeEncodeError as exc:
         raise SandboxArgumentError(f"{what} cannot be encoded for the OS (a lone surrogate?): {exc}") from exc
     return value
+
+
+def checked_texts(value: object, what: str) -> dict[str, str]:
+    """``value`` as a mapping of strings each fit for ``check_text`` (metadata), or ``SandboxArgumentError``."""
+    if not isinstance(value, Mapping):
+        raise SandboxArgumentError(f"{what} must be a mapping of strings, not {type(value).__name__}")
+    return {check_text(key, f"{what} key"): check_text(text, f"{what}[{key!r}]") for key, text in value.items()}
 
 
 def as_float(value: object, what: str) -> float:

@@ -52,6 +52,7 @@ from .._common._arguments import (
     check_text,
     checked_env,
     checked_ro_path,
+    checked_texts,
     checked_view_root,
     fspath,
     positive_number,
@@ -313,10 +314,7 @@ class LocalProvider(ProviderBase):
         if spec.entrypoint:
             raise SandboxArgumentError("LocalProvider does not run spec.entrypoint; start the process with exec()")
         env = checked_env(spec.env, "spec.env")
-        if not isinstance(spec.metadata, Mapping):
-            raise SandboxArgumentError(
-                f"spec.metadata must be a mapping of strings, not {type(spec.metadata).__name__}"
-            )
+        metadata = checked_texts(spec.metadata, "spec.metadata")
         if getattr(spec.resources, "gpu", None):
             raise SandboxLimitError("LocalProvider has no GPUs to give: drop spec.resources.gpu")
         ttl = checked_ttl(spec.ttl_s)
@@ -329,9 +327,6 @@ class LocalProvider(ProviderBase):
         else:
             view_root = PurePosixPath(DEFAULT_VIEW_ROOT)
             cwd = sandbox_parts(workdir, (), "spec.workdir") if workdir else ()
-        metadata = {
-            check_text(k, "spec.metadata key"): check_text(v, f"spec.metadata[{k!r}]") for k, v in spec.metadata.items()
-        }
         shape = (dataclasses.replace(limits, explicit=frozenset()), view_root)
         make = partial(self._make_box, shape, env, cwd, spec.ports, ttl, metadata)
         if from_snapshot is None:
@@ -765,12 +760,7 @@ class LocalProvider(ProviderBase):
         """Copy the sandbox's working directory, or ``paths`` (relative to it, or absolute under the
         sandbox root), into a snapshot in base_dir, while it runs (file by file: not as of one moment)."""
         box = self._box(handle)
-        if metadata is not None and not isinstance(metadata, Mapping):
-            raise SandboxArgumentError(f"snapshot metadata must be a mapping of strings, not {type(metadata).__name__}")
-        labels = {
-            check_text(k, "snapshot metadata key"): check_text(v, f"snapshot metadata[{k!r}]")
-            for k, v in (metadata or {}).items()
-        }
+        labels = checked_texts(metadata if metadata is not None else {}, "snapshot metadata")
         if paths is None:
             selections = [(box.cwd, "the working directory")]
         elif isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence) or not paths:
