@@ -2,8 +2,9 @@
 
 Each event is passed on unchanged as soon as it is complete; only the unfinished tail of the
 bytes received is held. Per event, the ids and log probabilities of each choice are appended to
-its lists (constant work per event, whatever the stream's length). At the end the lists are
-assembled into the shape of a whole response and run through the same extraction chain, so a
+its lists, and so are its message's pieces (text, reasoning, tool calls: constant work per event,
+whatever the stream's length). At the end the lists are
+assembled into the shape of a whole response, its messages whole, and run through the same extraction chain, so a
 partial, conflicting or truncated stream raises the same typed error a whole response would; the
 bundles ride on the final chunk (the usage chunk, which capture requests) as ``token_bundles``.
 Each chunk is decoded once: ``CapturedStream.events()`` hands it on decoded with the event's bytes.
@@ -26,7 +27,15 @@ from ._errors import MalformedResponseError, PartialTokenMetadataError, Response
 from ._exchange import TokenizeFn
 from ._http import read_body
 
-__all__ = ["CapturedStream", "Event", "StreamAccumulator", "TokenStream", "bundle_fields", "capture_stream"]
+__all__ = [
+    "CapturedStream",
+    "Event",
+    "StreamAccumulator",
+    "TokenStream",
+    "bundle_fields",
+    "capture_stream",
+    "reasoning_of",
+]
 
 _chunk = msgspec.json.Decoder(dict[str, Any])
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # before the stream's own is known
@@ -36,11 +45,62 @@ Event: TypeAlias = tuple[bytes, dict[str, Any] | None]
 chunk decoded (None for ``[DONE]`` and an event without data)."""
 
 
+def reasoning_of(message: Mapping[str, Any]) -> str | None:
+    """The reasoning of a chat message or delta as vLLM's reasoning parsers give it: ``reasoning``
+    (vLLM 0.10 on) or ``reasoning_content`` (before, and other servers); None without any."""
+    for name in ("reasoning", "reasoning_content"):
+        value = message.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
 @dataclass(slots=True)
 class _Choice:
     token_ids: list[int] | None = None
     entries: list[Any] | None = None
     finish_reason: Any = None
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def gather(self, delta: Mapping[str, Any]) -> None:
+        """A delta's pieces of the message: its text, its reasoning, its tool calls' parts."""
+        content = delta.get("content")
+        if isinstance(content, str) and content:
+            self.text.append(content)
+        thought = reasoning_of(delta)
+        if thought:
+            self.reasoning.append(thought)
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            index = call.get("index", 0) if isinstance(call, dict) else None
+            if not isinstance(index, int):  # not a call vLLM sends: left out of the record's message
+                continue
+            state = self.calls.setdefault(index, {"id": "", "name": "", "arguments": []})
+            function = call.get("function")
+            function = function if isinstance(function, dict) else {}
+            state["id"] = state["id"] or call.get("id") or ""
+            state["name"] = state["name"] or function.get("name") or ""
+            arguments = function.get("arguments")
+            if isinstance(arguments, str) and arguments:
+                state["arguments"].append(arguments)
+
+    def message(self) -> dict[str, Any]:
+        """The whole message the deltas made."""
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}
+        if self.reasoning:
+            message["reasoning"] = "".join(self.reasoning)
+        if self.calls:
+            message["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": "".join(c["arguments"])},
+                }
+                for _, c in sorted(self.calls.items())
+            ]
+        return message
 
 
 @dataclass
@@ -157,6 +217,9 @@ class StreamAccumulator:
             finish = choice.get("finish_reason")
             if finish is not None:
                 state.finish_reason = finish
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                state.gather(delta)
         usage = chunk.get("usage")
         if usage is not None:
             self.usage = usage
@@ -174,7 +237,7 @@ class StreamAccumulator:
             state = self.choices.get(index, _Choice())
             choice: dict[str, Any] = {
                 "index": index,
-                "message": {"role": "assistant"},
+                "message": state.message(),
                 "finish_reason": state.finish_reason,
             }
             if state.token_ids is not None:

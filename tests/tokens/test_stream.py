@@ -293,3 +293,30 @@ async def test_what_follows_done_is_not_waited_for_nor_passed_on(after: str) -> 
             received = await streamed_calls(base, 2)
     assert len(accepted) == 2
     assert all(stream.endswith(b"data: [DONE]\n\n") and b"xxxx" not in stream for stream in received)
+
+
+@pytest.mark.anyio(False)
+def test_the_whole_answer_holds_the_message_the_deltas_made() -> None:
+    """Text, reasoning (either spelling) and tool calls' parts are joined per choice in the whole answer;
+    pieces of other types (a tool call's index too) are left out."""
+    accumulator = StreamAccumulator(2**20)
+    deltas: list[dict[str, Any]] = [
+        {"role": "assistant", "reasoning_content": "think "},
+        {"reasoning": "more", "content": "Hel"},
+        {"content": "lo", "tool_calls": [{"index": 1, "id": "c1", "function": {"name": "sh", "arguments": '{"a"'}}]},
+        {"tool_calls": [{"index": 1, "function": {"arguments": ": 1}"}}, {"index": "x", "function": {"name": "odd"}}]},
+        {"tool_calls": [{"index": 0, "id": "c0", "function": {"name": "ls", "arguments": "{}"}}], "content": 7},
+    ]
+    for delta in deltas:
+        accumulator.record(b"data: " + json.dumps({"id": "s", "choices": [{"index": 0, "delta": delta}]}).encode())
+    accumulator.record(b"data: [DONE]")
+    message = json.loads(accumulator.whole())["choices"][0]["message"]
+    assert message == {
+        "role": "assistant",
+        "content": "Hello",
+        "reasoning": "think more",
+        "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "ls", "arguments": "{}"}},
+            {"id": "c1", "type": "function", "function": {"name": "sh", "arguments": '{"a": 1}'}},
+        ],
+    }

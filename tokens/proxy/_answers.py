@@ -3,18 +3,17 @@
 A whole chat completion is converted by the dialect; vLLM's own answer (``/v1/responses``) gets its
 bundle from the dialect too. A streamed reply arrives opened, each event with the chunk its capture
 decoded (decoded once); each chunk is converted by the dialect (or its event passed on as it came)
-and gathered for the call's record (``StreamRecord``), which is written before the stream's end goes
-out; so is the answer a later request continues (a Responses ``previous_response_id``), so that a
-client may continue it at once, through any proxy over the same store. The events made of one
-upstream event go on as one piece. A failure once the stream has started is the dialect's error
-event, told in the turn's report; the upstream's stream is closed once, whether the events ran or
-not. Either way the record is the chat completion the call was served as (``completion_of``).
+and the capture gathers the whole answer for the call's record, written when the chunk with the
+bundles comes, before the stream's end goes out; so is the answer a later request continues (a
+Responses ``previous_response_id``), so that a client may continue it at once, through any proxy
+over the same store. The events made of one upstream event go on as one piece. A failure once the
+stream has started is the dialect's error event, told in the turn's report; the upstream's stream
+is closed once, whether the events ran or not. Either way the record is the chat completion the call was served as.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -25,13 +24,13 @@ from .._bundle import TokenBundle, TokenCompletion
 from .._errors import TokensError
 from .._stream import CapturedStream
 from .._transport import STREAM_EXTENSION
-from ._chat import TOKEN_FIELDS, reasoning_of
+from ._chat import TOKEN_FIELDS
 from ._errors import ProxyError, RequestRejectedError, upstream_error
 from ._event_stream import EventStream
 from ._intake import Turn
 from ._upstream import Reply
 
-__all__ = ["StreamRecord", "completion_of", "serve"]
+__all__ = ["completion_of", "serve"]
 
 SOURCE = "proxy"
 """The bundle's source as recorded (the capture chain cross-checked it; records do not keep sources)."""
@@ -42,54 +41,6 @@ def completion_of(response: Mapping[str, Any], fields: Mapping[str, Any]) -> Tok
     prompt, generation, log_probs = (fields[name] for name in TOKEN_FIELDS)
     bundle = TokenBundle(prompt, generation, log_probs, SOURCE, fields.get("routed_experts"))
     return TokenCompletion(dict(response), (bundle,))
-
-
-@dataclass
-class StreamRecord:
-    """A chat completion stream gathered into the whole answer a record needs (constant work per chunk)."""
-
-    head: dict[str, Any] = field(default_factory=dict)
-    text: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
-
-    def feed(self, chunk: Mapping[str, Any]) -> TokenCompletion | None:
-        """Gather one chunk; the whole answer once a chunk carries the bundles (the last), else None."""
-        if not self.head:
-            self.head = {key: chunk.get(key) for key in ("id", "model", "created")}
-        for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                self.text.append(delta["content"])
-            thought = reasoning_of(delta)
-            if thought:
-                self.reasoning.append(thought)
-            for call in delta.get("tool_calls") or ():
-                state = self.calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": []})
-                function = call.get("function") or {}
-                state["id"] = state["id"] or call.get("id") or ""
-                state["name"] = state["name"] or function.get("name") or ""
-                if function.get("arguments"):
-                    state["arguments"].append(function["arguments"])
-        bundles = chunk.get("token_bundles")
-        return self._completion(bundles[0]) if bundles else None
-
-    def _completion(self, bundle: Mapping[str, Any]) -> TokenCompletion:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}
-        if self.reasoning:
-            message["reasoning"] = "".join(self.reasoning)
-        if self.calls:
-            message["tool_calls"] = [
-                {
-                    "id": c["id"],
-                    "type": "function",
-                    "function": {"name": c["name"], "arguments": "".join(c["arguments"])},
-                }
-                for _, c in sorted(self.calls.items())
-            ]
-        return completion_of({**self.head, "choices": [{"index": 0, "message": message}]}, bundle)
 
 
 async def serve(turn: Turn, reply: Reply, client_timeout: float) -> Response:
@@ -138,14 +89,13 @@ def serve_stream(turn: Turn, reply: Reply, client_timeout: float) -> Response:
 
     async def events() -> AsyncIterator[bytes]:
         converter = dialect.events(body)
-        gathered = StreamRecord() if custody.recorded else None
         try:
             if converter is not None:
                 yield b"".join(converter.start())
             async for event, chunk in captured.events():  # each chunk as the capture decoded it
                 if chunk is not None:
-                    if gathered is not None and (completion := gathered.feed(chunk)) is not None:
-                        await custody.write_chat(chat, completion)  # before the end goes out
+                    if custody.recorded and "token_bundles" in chunk and captured.completion is not None:
+                        await custody.write_chat(chat, captured.completion)  # before the end goes out
                     if converter is not None and (converted := converter.feed(chunk)):
                         yield b"".join(converted)
                 if converter is None:

@@ -16,7 +16,6 @@ __all__ = [
     "TOKEN_FIELDS",
     "SSETemplate",
     "function_tool",
-    "reasoning_of",
     "required_string",
     "sse",
     "strip_token_fields",
@@ -65,16 +64,6 @@ def without_echoes(body: dict[str, Any]) -> dict[str, Any]:
     if all(new is old for new, old in zip(cleaned, messages, strict=True)):
         return body
     return {**body, "messages": cleaned}
-
-
-def reasoning_of(message: Mapping[str, Any]) -> str | None:
-    """The reasoning of a chat message or delta as vLLM's reasoning parsers give it: ``reasoning``
-    (vLLM 0.10 on) or ``reasoning_content`` (before, and other servers); None without any."""
-    for name in ("reasoning", "reasoning_content"):
-        value = message.get(name)
-        if isinstance(value, str) and value:
-            return value
-    return None
 
 
 def required_string(item: Mapping[str, Any], param: str, name: str, where: str) -> str:

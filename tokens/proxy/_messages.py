@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._chat import HOLE, TOKEN_FIELDS, SSETemplate, function_tool, reasoning_of, required_string, sse, text_parts
+from .._stream import reasoning_of
+from ._chat import HOLE, TOKEN_FIELDS, SSETemplate, function_tool, required_string, sse, text_parts
 from ._errors import ProxyError, RequestRejectedError, UpstreamError, anthropic_error_body
 
 __all__ = ["MessagesEvents", "chat_to_messages", "messages_to_chat"]

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._bundle import TokenBundle
+from .._stream import reasoning_of
 from .._vllm_responses import prepare_responses_request
 from ._chat import (
     HOLE,
     TOKEN_FIELDS,
     SSETemplate,
     function_tool,
-    reasoning_of,
     required_string,
     sse,
     strip_token_fields,
