@@ -1,6 +1,6 @@
 """Composable middleware for sandbox providers (the NeMo Gym ``SandboxProvider`` protocol)."""
 
-from . import _protocol
+from . import _protocol, middleware
 from ._config import ResolvedStack, build_provider, load_config, resolve_config
 from ._core import Middleware, Operation, ProviderMiddleware, stack
 from ._errors import (
@@ -25,56 +25,23 @@ from ._protocol import *  # noqa: F403 - its __all__, errors it re-exports among
 from ._reaper import ReapedSandbox, ReapReport, UnreapedSandbox, reap
 from ._registry import register_middleware, register_provider
 from ._sandbox import Sandbox
-from .middleware import (
-    DEFAULT_RETRY_ON,
-    INTERCHANGEABLE_FIELDS,
-    QUOTA_CLASSIFIERS,
-    AdmissionMiddleware,
-    HeldSandbox,
-    HeldSnapshot,
-    MetricsMiddleware,
-    OwnershipMiddleware,
-    QuotaClassifier,
-    QuotaExhausted,
-    RateLimited,
-    ReleaseAccountingMiddleware,
-    RetryBudget,
-    RetryMiddleware,
-    TracingMiddleware,
-    WarmPoolMiddleware,
-    recommended_middleware,
-    register_quota_classifier,
-)
+from .middleware import *  # noqa: F403 - the layers, by their __all__
 from .providers import DockerProvider, LocalProvider
 
 __all__ = [
-    "DEFAULT_RETRY_ON",
-    "INTERCHANGEABLE_FIELDS",
-    "QUOTA_CLASSIFIERS",
-    "AdmissionMiddleware",
     "BwrapUnavailableError",
     "ConfigError",
     "DockerProvider",
     "DockerRuntimeNotFoundError",
     "DockerUnavailableError",
-    "HeldSandbox",
-    "HeldSnapshot",
     "LocalProvider",
-    "MetricsMiddleware",
     "Middleware",
     "Operation",
-    "OwnershipMiddleware",
     "ProviderMiddleware",
-    "QuotaClassifier",
-    "QuotaExhausted",
-    "RateLimited",
     "ReapReport",
     "ReapedSandbox",
     "RegistryError",
-    "ReleaseAccountingMiddleware",
     "ResolvedStack",
-    "RetryBudget",
-    "RetryMiddleware",
     "Sandbox",
     "SandboxAdmissionError",
     "SandboxArgumentError",
@@ -87,17 +54,14 @@ __all__ = [
     "SandboxSnapshotError",
     "SandboxSnapshotNotFoundError",
     "SandboxTransferLimitError",
-    "TracingMiddleware",
     "UnreapedSandbox",
-    "WarmPoolMiddleware",
     "build_provider",
     "load_config",
     "reap",
-    "recommended_middleware",
     "register_middleware",
     "register_provider",
-    "register_quota_classifier",
     "resolve_config",
     "stack",
 ]
+__all__ += middleware.__all__  # the layers
 __all__ += _protocol.__all__  # the protocol's value types, capabilities and the errors it names
