@@ -75,25 +75,17 @@ class Turn(NamedTuple):
     report: Report
 
 
+@dataclass(frozen=True, eq=False)  # eq=False: one proxy's intake, equal to itself only
 class Intake:
     """How requests come in: the limits a body is read within, how Responses requests are asked
     (``responses_upstream``, ``create_app``'s), and the records a call is kept in."""
 
-    def __init__(
-        self,
-        max_request_bytes: int,
-        client_timeout: float,
-        responses_upstream: str,
-        recorder: Recorder,
-        admission: Admission,
-        rollout_key: RolloutKey | None = None,
-    ) -> None:
-        self.max_request_bytes = max_request_bytes
-        self.client_timeout = client_timeout
-        self.responses_upstream = responses_upstream
-        self.recorder = recorder
-        self.admission = admission
-        self.rollout_key = rollout_key
+    max_request_bytes: int
+    client_timeout: float
+    responses_upstream: str
+    recorder: Recorder
+    admission: Admission
+    rollout_key: RolloutKey | None = None
 
     async def turn_of(self, request: Request, dialect: Dialect, report: Report, place: AsyncExitStack) -> Turn:
         """The request read and checked, as the ``Turn`` the stages serve (nothing is sent yet). First the

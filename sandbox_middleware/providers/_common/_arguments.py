@@ -23,6 +23,7 @@ __all__ = [
     "checked_env",
     "checked_exec",
     "checked_ro_path",
+    "checked_snapshot",
     "checked_texts",
     "checked_timeout",
     "checked_view_root",
@@ -181,3 +182,15 @@ def checked_exec(
     """``exec``'s own arguments checked: the command's text, then its environment and its timeout (None: none)."""
     check_text(command, "command")
     return checked_env(env or {}, "env"), checked_timeout(timeout_s)
+
+
+def checked_snapshot(paths: object, metadata: object) -> tuple[list[str] | None, dict[str, str]]:
+    """``snapshot``'s own arguments checked: ``paths`` None (the working directory) or a non-empty list of
+    texts, then ``metadata`` a mapping of texts (None: none)."""
+    if paths is not None and (isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence) or not paths):
+        raise SandboxArgumentError(
+            "snapshot paths must be a non-empty list of sandbox paths (or None for the work directory), "
+            f"not {paths!r:.80}"
+        )
+    checked = None if paths is None else [check_text(path, "snapshot path") for path in paths]
+    return checked, checked_texts(metadata if metadata is not None else {}, "snapshot metadata")

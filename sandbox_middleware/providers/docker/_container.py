@@ -17,7 +17,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from ..._errors import SandboxArgumentError
-from .._common._arguments import check_text, checked_view_root
+from .._common._arguments import check_text, checked_texts, checked_view_root
 from .._common._limits import Limits
 from ._pools import pts_mount, ulimits
 from ._ttl import EXPIRES, deadline_of, taken_at
@@ -34,6 +34,7 @@ __all__ = [
     "checked_metadata",
     "create_body",
     "keepalive_default",
+    "label_keys",
     "leased_uid",
     "metadata_filters",
     "workdir_of",
@@ -242,16 +243,16 @@ def metadata_filters(metadata: Mapping[str, str]) -> list[str]:
 
 
 def checked_metadata(metadata: object, what: str) -> dict[str, str]:
-    """Metadata fit for labels: strings, keys without '=' (a label filter splits there)."""
-    if not isinstance(metadata, Mapping):
-        raise SandboxArgumentError(f"{what} must be a mapping of strings, not {type(metadata).__name__}")
-    checked = {}
-    for key, value in metadata.items():
-        check_text(key, f"{what} key")
+    """Metadata fit for labels: strings (``checked_texts``), keys as ``label_keys`` checks them."""
+    return label_keys(checked_texts(metadata, what), what)
+
+
+def label_keys(metadata: dict[str, str], what: str) -> dict[str, str]:
+    """``metadata`` (strings) if its keys are fit for labels: non-empty, without '=' (a label filter splits there)."""
+    for key in metadata:
         if not key or "=" in key:
             raise SandboxArgumentError(f"{what} key {key!r:.80} must be non-empty and without '=' (labels)")
-        checked[key] = check_text(value, f"{what}[{key!r}]")
-    return checked
+    return metadata
 
 
 def keepalive_default() -> Sequence[str]:

@@ -810,12 +810,8 @@ class DockerProvider(ProviderBase):
         await self._api.call("POST", f"/containers/{box.container}/unpause", f"resume {handle.sandbox_id[:12]}")
         box.paused = False
 
-    async def snapshot(
-        self,
-        handle: SandboxHandle,
-        *,
-        paths: builtins.list[str] | None = None,
-        metadata: Mapping[str, str] | None = None,
+    async def _snapshot(
+        self, handle: SandboxHandle, paths: builtins.list[str] | None, metadata: dict[str, str]
     ) -> SandboxSnapshot:
         """The sandbox's work directory (or ``paths`` in its writable directories) as an image: consistent as
         of one moment (the sandbox is paused while it is read), symlinks kept as links (``_snapshots.py``)."""

@@ -61,7 +61,7 @@ from ..._errors import (
 from ..._protocol import SandboxSnapshot
 from ._api import EngineAPI, EngineError
 from ._archive import END, TarEntries, check_directory, check_named, located, padding
-from ._container import META, Box, checked_metadata
+from ._container import META, Box, checked_metadata, label_keys
 from ._ttl import EXPIRES
 
 __all__ = ["REPOSITORY", "SNAPSHOT", "STATE", "Record", "Snapshots"]
@@ -129,20 +129,11 @@ class _Target:
     parts: tuple[str, ...]
 
 
-def _targets(box: Box, paths: object) -> list[_Target]:
+def _targets(box: Box, paths: list[str] | None) -> list[_Target]:
     """The paths of ``snapshot(paths=...)`` (None: the work directory), each in a writable directory,
     without ``..``; a path below another one asked for is left to it."""
-    if paths is None:
-        wanted: list[str] = [str(box.cwd)]
-    elif isinstance(paths, (list, tuple)) and paths and all(isinstance(path, str) for path in paths):
-        wanted = list(paths)
-    else:
-        raise SandboxArgumentError(
-            "snapshot paths must be a non-empty list of sandbox paths (or None for the work directory), "
-            f"not {paths!r:.80}"
-        )
     targets = []
-    for path in wanted:
+    for path in paths if paths is not None else [str(box.cwd)]:
         mount, parts = located(path, box.cwd, box.mounts, "snapshot path")
         targets.append(_Target(_WORK if mount == box.mounts[0] else _TMP, mount, parts))
     targets.sort(key=lambda target: (target.key, target.parts))
@@ -237,10 +228,11 @@ class Snapshots:
 
     # --- taking one -------------------------------------------------------------------------------
 
-    async def take(self, box: Box, base: str, paths: object, metadata: Mapping[str, str] | None) -> SandboxSnapshot:
-        """A snapshot of ``paths`` (None: the work directory) of the sandbox ``box``, which runs image ``base``."""
+    async def take(self, box: Box, base: str, paths: list[str] | None, metadata: dict[str, str]) -> SandboxSnapshot:
+        """A snapshot of ``paths`` (None: the work directory) of the sandbox ``box``, which runs image ``base``,
+        labelled ``metadata`` (checked strings; their keys are checked here as label keys)."""
         targets = _targets(box, paths)
-        wanted = checked_metadata(metadata if metadata is not None else {}, "snapshot metadata")
+        wanted = label_keys(metadata, "snapshot metadata")
         snapshot_id = uuid.uuid4().hex
         labels = {
             SNAPSHOT: snapshot_id,

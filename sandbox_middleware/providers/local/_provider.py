@@ -750,21 +750,14 @@ class LocalProvider(ProviderBase):
 
     # --- snapshots (SupportsSandboxSnapshot; see _snapshots.py and docs/local-provider.md, "Snapshots and forks") ---
 
-    async def snapshot(
-        self,
-        handle: SandboxHandle,
-        *,
-        paths: builtins.list[str] | None = None,
-        metadata: Mapping[str, str] | None = None,
+    async def _snapshot(
+        self, handle: SandboxHandle, paths: builtins.list[str] | None, metadata: dict[str, str]
     ) -> SandboxSnapshot:
         """Copy the sandbox's working directory, or ``paths`` (relative to it, or absolute under the
         sandbox root), into a snapshot in base_dir, while it runs (file by file: not as of one moment)."""
         box = self._box(handle)
-        labels = checked_texts(metadata if metadata is not None else {}, "snapshot metadata")
         if paths is None:
             selections = [(box.cwd, "the working directory")]
-        elif isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence) or not paths:
-            raise SandboxArgumentError(f"snapshot paths must be a non-empty list of sandbox paths, not {paths!r}")
         else:
             selections = [
                 (
@@ -773,9 +766,9 @@ class LocalProvider(ProviderBase):
                     else (*box.cwd, *sandbox_parts(path, (), "snapshot path")),
                     path,
                 )
-                for path in (check_text(path, "snapshot path") for path in paths)
+                for path in paths
             ]
-        take_it = partial(take, self._base, box.root, selections, box.limits.disk_bytes, labels, handle.sandbox_id)
+        take_it = partial(take, self._base, box.root, selections, box.limits.disk_bytes, metadata, handle.sandbox_id)
         try:
             return await anyio.to_thread.run_sync(take_it)
         except SandboxError as exc:
