@@ -82,6 +82,7 @@ _WORK, _TMP = "work", "tmp"
 _KEPT = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.FIFOTYPE)
 _ROOT = (0, 0)  # the owner of a snapshot's files in its image: each fork's are its own uid's
 _BATCH = 1 << 20
+_MIN_ENTRIES, _BYTES_PER_ENTRY = 65_536, 16_384  # a snapshot's entries: LocalProvider's tmpfs nr_inodes
 _HELPER_S = 1800.0  # a helper container's deadline: the watchdog removes one its maker left
 
 
@@ -145,13 +146,24 @@ def _targets(box: Box, paths: list[str] | None) -> list[_Target]:
 
 
 class _Sizes:
-    """The bytes of the regular files a rewritten archive carried, refused past ``limit`` (None: no bound)."""
+    """The bytes of the regular files a rewritten archive carried, refused past ``limit`` (None: no bound),
+    and its entries, refused past LocalProvider's inode bound for a tmpfs of ``limit`` bytes (an empty
+    directory takes no room in a tmpfs but a block on the daemon's disk)."""
 
     def __init__(self, limit: int | None = None) -> None:
         self.total = 0
         self.limit = limit
+        self.entries = 0
 
     def add(self, size: int) -> None:
+        self.entries += 1
+        most = None if self.limit is None else max(_MIN_ENTRIES, self.limit // _BYTES_PER_ENTRY)
+        if most is not None and self.entries > most:
+            raise SandboxSnapshotError(
+                f"DockerProvider: the files to snapshot are more than {most} entries, more than a "
+                f"snapshot of a directory of {self.limit} bytes keeps (disk_gib or tmp_mib); nothing was kept: "
+                "snapshot fewer paths"
+            )
         self.total += size
         if self.limit is not None and self.total > self.limit:
             raise SandboxSnapshotError(
@@ -210,8 +222,8 @@ async def _rewritten(
                 raise SandboxSnapshotError(f"the archive's hard link {info.name!r:.200} leads out of it")
             out.linkname = target
         batch += out.tobuf(format=tarfile.PAX_FORMAT)
+        sizes.add(info.size if regular else 0)
         if regular:
-            sizes.add(info.size)
             async for piece in entries.data():
                 batch += piece
             batch += padding(info.size)

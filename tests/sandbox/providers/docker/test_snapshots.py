@@ -319,6 +319,19 @@ async def test_a_sparse_file_past_its_directorys_size_is_refused(
     await _done(provider, tag, parent)
 
 
+async def test_more_entries_than_the_directorys_size_allows_are_refused(
+    make: Callable[..., DockerProvider], tag: str
+) -> None:
+    """Empty directories take no room in a tmpfs but a block each on the daemon's disk: more entries than
+    LocalProvider's tmpfs of that size holds (65,536 for a small one) are refused, no image left."""
+    provider = make(prestart=False, disk_gib=1 / 256)
+    parent = await provider.create(tagged(tag))
+    await _out(provider, parent, "mkdir many && cd many && seq 66000 | xargs mkdir")
+    with pytest.raises(SandboxSnapshotError, match="more than 65536 entries"):
+        await provider.snapshot(parent, metadata=_meta(tag))
+    await _done(provider, tag, parent)
+
+
 async def test_a_snapshot_is_taken_paused_and_leaves_a_paused_sandbox_paused(
     make: Callable[..., DockerProvider], tag: str
 ) -> None:
