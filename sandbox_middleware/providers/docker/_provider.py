@@ -70,7 +70,7 @@ from ._container import (
 )
 from ._daemons import daemon_of, identity_of, socket_of
 from ._descriptors import signed, verified
-from ._snapshots import Snapshots
+from ._snapshots import Snapshots, rooms
 from ._spares import SUFFIX, DockerSpares, Shape, Spare, remove, shape_of, spare_body, sweep
 from ._ttl import WatchdogLauncher, is_spare, taken_name
 
@@ -821,7 +821,8 @@ class DockerProvider(ProviderBase):
             raise SandboxNotFoundError(
                 f"DockerProvider: sandbox {handle.sandbox_id!r} was removed; nothing to snapshot"
             )
-        return await self._snapshots.take(box, str(info.get("Image")), paths, metadata)
+        sizes = rooms(info.get("HostConfig") or {})
+        return await self._snapshots.take(box, str(info.get("Image")), paths, metadata, sizes)
 
     async def delete_snapshot(self, snapshot: SandboxSnapshot) -> None:
         """Remove the snapshot's image (only an image this provider labelled as that snapshot); its forks run on."""

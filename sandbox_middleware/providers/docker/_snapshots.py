@@ -64,7 +64,7 @@ from ._archive import END, TarEntries, check_directory, check_named, located, pa
 from ._container import META, Box, checked_metadata, label_keys
 from ._ttl import EXPIRES
 
-__all__ = ["REPOSITORY", "SNAPSHOT", "STATE", "Record", "Snapshots"]
+__all__ = ["REPOSITORY", "SNAPSHOT", "STATE", "Record", "Snapshots", "rooms"]
 
 logger = logging.getLogger("sandbox_middleware")
 
@@ -82,6 +82,7 @@ _WORK, _TMP = "work", "tmp"
 _KEPT = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.FIFOTYPE)
 _ROOT = (0, 0)  # the owner of a snapshot's files in its image: each fork's are its own uid's
 _BATCH = 1 << 20
+_MIN_ENTRIES, _BYTES_PER_ENTRY = 65_536, 16_384  # a snapshot's entries: LocalProvider's tmpfs nr_inodes
 _HELPER_S = 1800.0  # a helper container's deadline: the watchdog removes one its maker left
 
 
@@ -145,10 +146,49 @@ def _targets(box: Box, paths: list[str] | None) -> list[_Target]:
 
 
 class _Sizes:
-    """The bytes of the regular files a rewritten archive carried."""
+    """The bytes of the regular files a rewritten archive carried, refused past ``limit`` (None: no bound),
+    and its entries, refused past LocalProvider's inode bound for a tmpfs of ``limit`` bytes (an empty
+    directory takes no room in a tmpfs but a block on the daemon's disk)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self.total = 0
+        self.limit = limit
+        self.entries = 0
+
+    def add(self, size: int) -> None:
+        self.entries += 1
+        most = None if self.limit is None else max(_MIN_ENTRIES, self.limit // _BYTES_PER_ENTRY)
+        if most is not None and self.entries > most:
+            raise SandboxSnapshotError(
+                f"DockerProvider: the files to snapshot are more than {most} entries, more than a "
+                f"snapshot of a directory of {self.limit} bytes keeps (disk_gib or tmp_mib); nothing was kept: "
+                "snapshot fewer paths"
+            )
+        self.total += size
+        if self.limit is not None and self.total > self.limit:
+            raise SandboxSnapshotError(
+                f"DockerProvider: the files to snapshot hold more than {self.limit} bytes, more than its writable "
+                "directory holds (disk_gib or tmp_mib; a sparse file counts whole); nothing was kept: snapshot "
+                "fewer paths"
+            )
+
+
+def rooms(host: Mapping[str, Any]) -> dict[str, int]:
+    """The sizes of a container's tmpfs directories (by mount point) its ``HostConfig`` gives: a tmpfs
+    volume's ``size=`` (Docker's), or a tmpfs mount's (Podman's); one without a size is not there."""
+    options = {
+        str(mount.get("Target")): str(
+            (((mount.get("VolumeOptions") or {}).get("DriverConfig") or {}).get("Options") or {}).get("o", "")
+        )
+        for mount in host.get("Mounts") or []
+    }
+    options.update({str(target): str(text) for target, text in (host.get("Tmpfs") or {}).items()})
+    found = {}
+    for target, text in options.items():
+        for option in text.split(","):
+            if option.startswith("size=") and option[5:].isascii() and option[5:].isdigit():
+                found[target] = int(option[5:])
+    return found
 
 
 async def _rewritten(
@@ -182,8 +222,8 @@ async def _rewritten(
                 raise SandboxSnapshotError(f"the archive's hard link {info.name!r:.200} leads out of it")
             out.linkname = target
         batch += out.tobuf(format=tarfile.PAX_FORMAT)
+        sizes.add(info.size if regular else 0)
         if regular:
-            sizes.total += info.size
             async for piece in entries.data():
                 batch += piece
             batch += padding(info.size)
@@ -228,9 +268,12 @@ class Snapshots:
 
     # --- taking one -------------------------------------------------------------------------------
 
-    async def take(self, box: Box, base: str, paths: list[str] | None, metadata: dict[str, str]) -> SandboxSnapshot:
+    async def take(
+        self, box: Box, base: str, paths: list[str] | None, metadata: dict[str, str], sizes: Mapping[str, int]
+    ) -> SandboxSnapshot:
         """A snapshot of ``paths`` (None: the work directory) of the sandbox ``box``, which runs image ``base``,
-        labelled ``metadata`` (checked strings; their keys are checked here as label keys)."""
+        labelled ``metadata`` (checked strings; their keys are checked here as label keys); the files of each
+        writable directory no more bytes than its size in ``sizes`` (``rooms``), where it has one."""
         targets = _targets(box, paths)
         wanted = label_keys(metadata, "snapshot metadata")
         snapshot_id = uuid.uuid4().hex
@@ -244,16 +287,17 @@ class Snapshots:
         build = await self._helper(base, f"sandbox-snapshot-{snapshot_id[:12]}-build", labels)
         image = None
         try:
-            parts: dict[str, int] = {}
+            parts: dict[str, _Sizes] = {}
             async with self._frozen(box.container):
                 for target in targets:
-                    parts[target.key] = parts.get(target.key, 0) + await self._archive(box.container, target, build)
+                    part = parts.setdefault(target.key, _Sizes(sizes.get(str(target.mount))))
+                    await self._archive(box.container, target, build, part)
             # Labels known once the archive is written, as Dockerfile instructions (Podman's commit ignores a
             # config's; Docker applies both): values of digits, dots, colons and commas only.
             computed = {
                 _CREATED: repr(time.time()),
-                _SIZE: str(sum(parts.values())),
-                _PARTS: ",".join(f"{key}:{size}" for key, size in parts.items()),
+                _SIZE: str(sum(part.total for part in parts.values())),
+                _PARTS: ",".join(f"{key}:{part.total}" for key, part in parts.items()),
                 EXPIRES: "",  # the build container's, which the image would inherit otherwise
             }
             changes = [f'LABEL {key}="{value}"' for key, value in computed.items()]
@@ -298,9 +342,10 @@ class Snapshots:
                         "POST", f"/containers/{container}/unpause", f"resume {container[:12]} after a snapshot"
                     )
 
-    async def _archive(self, container: str, target: _Target, build: str) -> int:
+    async def _archive(self, container: str, target: _Target, build: str, sizes: _Sizes) -> None:
         """Copy ``target`` of the (frozen) sandbox ``container`` into the build container, below ``STATE``:
-        checked first, each component a real directory and the path itself no symlink; its bytes."""
+        checked first, each component a real directory and the path itself no symlink; its bytes added to
+        ``sizes``."""
         archive = f"/containers/{container}/archive"
         full = target.mount.joinpath(*target.parts)
         for depth in range(1, len(target.parts) + 1):
@@ -317,13 +362,11 @@ class Snapshots:
                 check_named(header, str(full))
         names = [STATE.name, target.key, *target.parts]
         rename = _renamer(full.name, names, keep_root=True)
-        sizes = _Sizes()
         what = f"snapshot {str(full)!r} of sandbox {container[:12]}"
         async with self._api.stream("GET", archive, what, params={"path": str(full)}) as reply:
             entries = TarEntries(reply.aiter_raw(), f"the daemon's archive of {str(full)!r}")
             content = _leading(_directories(names[:-1]), _rewritten(entries, rename, _ROOT, sizes))
             await self._api.call("PUT", f"/containers/{build}/archive", what, params={"path": "/"}, content=content)
-        return sizes.total
 
     # --- finding, listing, deleting --------------------------------------------------------------
 

@@ -303,6 +303,35 @@ async def test_a_fork_must_run_the_snapshots_image_and_fit_its_own_disk(
     await _done(provider, tag, parent, deleted=(snapshot,))
 
 
+@pytest.mark.parametrize("where", ["sparse", "/tmp/sparse"])
+async def test_a_sparse_file_past_its_directorys_size_is_refused(
+    make: Callable[..., DockerProvider], tag: str, where: str
+) -> None:
+    """A sparse file (no room taken in its tmpfs) of more bytes than its writable directory holds would be
+    written out whole into the snapshot's image, on the daemon's disk: refused as past the directory's
+    size (disk_gib, tmp_mib), no image and no helper left."""
+    provider = make(prestart=False, disk_gib=1 / 256, tmp_mib=4)
+    parent = await provider.create(tagged(tag))
+    await _out(provider, parent, f"truncate -s 64M {where}")
+    with pytest.raises(SandboxSnapshotError, match="more than its writable directory holds"):
+        await provider.snapshot(parent, paths=[where], metadata=_meta(tag))
+    assert await provider.status(parent) == SandboxStatus.RUNNING
+    await _done(provider, tag, parent)
+
+
+async def test_more_entries_than_the_directorys_size_allows_are_refused(
+    make: Callable[..., DockerProvider], tag: str
+) -> None:
+    """Empty directories take no room in a tmpfs but a block each on the daemon's disk: more entries than
+    LocalProvider's tmpfs of that size holds (65,536 for a small one) are refused, no image left."""
+    provider = make(prestart=False, disk_gib=1 / 256)
+    parent = await provider.create(tagged(tag))
+    await _out(provider, parent, "mkdir many && cd many && seq 66000 | xargs mkdir")
+    with pytest.raises(SandboxSnapshotError, match="more than 65536 entries"):
+        await provider.snapshot(parent, metadata=_meta(tag))
+    await _done(provider, tag, parent)
+
+
 async def test_a_snapshot_is_taken_paused_and_leaves_a_paused_sandbox_paused(
     make: Callable[..., DockerProvider], tag: str
 ) -> None:
