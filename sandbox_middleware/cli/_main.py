@@ -262,7 +262,8 @@ def _parser() -> argparse.ArgumentParser:
     _stack_source(
         reap_,
         "YAML stack config (its provider is searched)",
-        "instead of a config: search this provider, built with its defaults (e.g. docker)",
+        "instead of a config: search this provider, built with its defaults (e.g. docker); with neither, "
+        "the default config's provider (what run uses without them)",
     )
     reap_.add_argument("--run", default=None, metavar="ID", help="only this run's sandboxes (its id is printed by run)")
     reap_.add_argument(
@@ -420,12 +421,14 @@ def _report(args: argparse.Namespace, provider: str, results: list[ProcessResult
 def _reap_command(args: argparse.Namespace) -> int:
     if args.force and args.run is None:
         raise UsageError("argument --force: needs --run ID (force takes one run's sandboxes of live owners)")
-    if (args.config is None) == (args.provider is None):
-        raise UsageError("give a config or --provider NAME (one of them): the provider to search")
+    if args.config and args.provider:
+        raise UsageError("give a config or --provider NAME, not both: the provider to search")
     if args.config:
         resolved, where = _resolve(args.config), f"config {args.config}"
-    else:
+    elif args.provider:
         resolved, where = resolve_config({"provider": {args.provider: {}}}), f"--provider {args.provider}"
+    else:  # the provider a run without a config or --provider used
+        resolved, where = resolve_config({"provider": DEFAULT_CONFIG["provider"]}), "the default config"
     provider = resolved.build(provider=_provider(resolved, where))
     try:
         reaped = anyio.run(partial(reap, provider, run_id=args.run, force=args.force, dry_run=args.dry_run))

@@ -141,7 +141,8 @@ def _snapshots(points: Points) -> str:
     end (``gym.sandbox.snapshot.active`` of a release accounting layer): those are leaked."""
     taken = sum(point["count"] for point in points.get("gym.sandbox.snapshot.duration_ms", ()))
     held = _sum(points, "gym.sandbox.snapshot.active")
-    leaked = " (leaked: delete them, or reap the run: sandbox-middleware reap --run ID)" if held else ""
+    hint = "sandbox-middleware reap [CONFIG | --provider NAME] --run ID"
+    leaked = f" (leaked: delete them, or reap the run: {hint})" if held else ""
     return f"{taken} / {held:g}{leaked}"
 
 

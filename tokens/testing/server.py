@@ -148,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     previous = signal.signal(signal.SIGTERM, _stop)
+    previous_int = signal.signal(signal.SIGINT, _stop)  # also where it was ignored (started with & in a script)
     try:
         print(server.url + "/v1", flush=True)
         server.serve_forever()
@@ -155,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
         server.server_close()
     return 0
 

@@ -76,6 +76,25 @@ def test_ctrl_c_and_sigterm_stop_it_with_exit_0(stop: signal.Signals) -> None:
     assert (process.returncode, out, err) == (0, "", "")
 
 
+def test_sigint_stops_it_where_its_starter_ignored_sigint() -> None:
+    """Started in the background of a script (``&``: SIGINT ignored, inherited), SIGINT still stops it, exit 0."""
+    process = subprocess.Popen(
+        [sys.executable, *PROGRAM, "--port", "0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline().startswith("http://")
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+        process.communicate()
+
+
 def test_log_prints_one_line_per_request() -> None:
     process, url = _serving("--port", "0", "--log")
     httpx.post(url + "/chat/completions", json=CHAT)

@@ -432,7 +432,10 @@ def remap_ranges() -> Iterator[str]:
     """Subordinate uid and gid ranges of ``nobody`` in /etc/subuid and /etc/subgid, for a private dockerd
     with ``--userns-remap=nobody:nogroup``; the lines added are removed afterwards."""
     if os.geteuid() != 0 or shutil.which("dockerd") is None or shutil.which("unshare") is None:
-        pytest.skip("needs root, dockerd and unshare to start a private dockerd with --userns-remap")
+        pytest.skip(
+            "needs root, dockerd and unshare to start a private dockerd with --userns-remap: as root, "
+            "apt-get install docker.io util-linux"
+        )
     try:
         pwd.getpwnam("nobody")
         grp.getgrnam("nogroup")

@@ -286,6 +286,7 @@ anyio.run(main)
 """
 
 
+@pytest.mark.requires_bwrap  # the snapshot is made in a subprocess (its LocalProvider's default isolation)
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # one backend is enough for a process killed on purpose
 async def test_a_snapshot_half_made_by_a_killed_process_is_swept(sandbox_base: Path) -> None:
     sandbox_base.mkdir(parents=True)

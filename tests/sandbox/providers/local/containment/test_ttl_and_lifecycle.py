@@ -181,7 +181,7 @@ async def test_failed_create_leaves_nothing_behind(
     sandbox_base: Path,
 ) -> None:
     """A create that fails half-way (its disk too small for its own files) removes what it made."""
-    known = uuid.UUID(int=0xDEAD)
+    known = uuid.uuid4()  # this run's own: a fixed one collided in the machine's cgroup tree across xdist workers
     monkeypatch.setattr("sandbox_middleware.providers.local._provider.uuid.uuid4", lambda: known)
     tiny = make(isolation=provider.isolation, base_dir=sandbox_base, disk_gib=1e-9)
     with pytest.raises(SandboxError, match="cannot create a sandbox"):
