@@ -37,12 +37,14 @@ def test_run_over_docker_then_reap_by_run() -> None:
     assert reaped.returncode == 0 and "0 sandbox(es) found" in reaped.stderr, reaped.stderr
 
 
-def test_provider_with_a_config_or_neither_is_a_usage_error(tmp_path: Path) -> None:
-    assert _run("reap").returncode == 2
+def test_provider_with_a_config_is_a_usage_error_and_neither_is_the_default(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("provider: {local: {isolation: none}}\n")
-    done = _run("run", str(config), "--provider", "docker")
-    assert done.returncode == 2 and "--provider" in done.stderr
+    for command in ("run", "reap"):
+        done = _run(command, str(config), "--provider", "docker")
+        assert done.returncode == 2 and "--provider" in done.stderr, done.stderr
+    done = _run("reap", "--run", "cli-docker-nothing", "--dry-run")  # the default config's provider, as run's
+    assert done.returncode == 0 and "0 sandbox(es) found" in done.stderr, done.stderr
 
 
 def test_a_missing_image_is_one_usage_error_at_start() -> None:
