@@ -1,12 +1,12 @@
 """Capture from a streamed chat completion (``stream: true``, server-sent events).
 
-Each event is passed on unchanged as soon as it is complete; only the unfinished tail of the
-bytes received is held. Per event, the ids and log probabilities of each choice are appended to
-its lists, and so are its message's pieces (text, reasoning, tool calls: constant work per event,
-whatever the stream's length). At the end the lists are
-assembled into the shape of a whole response, its messages whole, and run through the same extraction chain, so a
-partial, conflicting or truncated stream raises the same typed error a whole response would; the
-bundles ride on the final chunk (the usage chunk, which capture requests) as ``token_bundles``.
+Each event is passed on unchanged as soon as it is complete; only the unfinished tail of the bytes
+received is held. Per event, the ids and log probabilities of each choice are appended to its lists,
+and so are its message's pieces (text, reasoning, tool calls: constant work per event, whatever the
+stream's length). At the end the lists are assembled into the shape of a whole response, its
+messages whole, and run through the same extraction chain, so a partial, conflicting or truncated
+stream raises the same typed error a whole response would; the bundles ride on the final chunk (the
+usage chunk, which capture requests) as ``token_bundles``.
 Each chunk is decoded once: ``CapturedStream.events()`` hands it on decoded with the event's bytes.
 """
 

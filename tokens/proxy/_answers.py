@@ -7,8 +7,9 @@ and the capture gathers the whole answer for the call's record, written when the
 bundles comes, before the stream's end goes out; so is the answer a later request continues (a
 Responses ``previous_response_id``), so that a client may continue it at once, through any proxy
 over the same store. The events made of one upstream event go on as one piece. A failure once the
-stream has started is the dialect's error event, told in the turn's report; the upstream's stream
-is closed once, whether the events ran or not. Either way the record is the chat completion the call was served as.
+stream has started is the dialect's error event, told in the turn's report; the upstream's stream is
+closed once, whether the events ran or not. Either way the record is the chat completion the call
+was served as.
 """
 
 from __future__ import annotations
