@@ -154,13 +154,13 @@ class _Sizes:
         self.total = 0
         self.limit = limit
         self.entries = 0
+        self.most = None if limit is None else max(_MIN_ENTRIES, limit // _BYTES_PER_ENTRY)
 
     def add(self, size: int) -> None:
         self.entries += 1
-        most = None if self.limit is None else max(_MIN_ENTRIES, self.limit // _BYTES_PER_ENTRY)
-        if most is not None and self.entries > most:
+        if self.most is not None and self.entries > self.most:
             raise SandboxSnapshotError(
-                f"DockerProvider: the files to snapshot are more than {most} entries, more than a "
+                f"DockerProvider: the files to snapshot are more than {self.most} entries, more than a "
                 f"snapshot of a directory of {self.limit} bytes keeps (disk_gib or tmp_mib); nothing was kept: "
                 "snapshot fewer paths"
             )
