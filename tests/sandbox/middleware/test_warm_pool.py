@@ -6,10 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -81,27 +79,22 @@ def layer(provider: Any, cls: type) -> Any:
     return provider
 
 
-async def handout_p50_while_ahead(
+async def handouts_while_ahead(
     provider: Any, pool: WarmPoolMiddleware, spec: SandboxSpec | None = None
-) -> tuple[float, list[SandboxHandle]]:
-    """Fill the pool of 8, then take 8 sandboxes one at a time: the milliseconds of the median hand-out."""
+) -> list[SandboxHandle]:
+    """Fill the pool of 8, then take 8 sandboxes one at a time (how fast a hand-out is, bench/warm_pool.py
+    measures; a test asserts that each was a hit: a ready sandbox, no start waited for)."""
     await pool.wait_ready(timeout_s=60)
-    times, handles = [], []
-    for _ in range(8):
-        started = time.perf_counter()
-        handles.append(await provider.create(spec or SandboxSpec()))
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times), handles
+    return [await provider.create(spec or SandboxSpec()) for _ in range(8)]
 
 
 async def test_a_pool_of_8_hands_out_at_once_and_telemetry_stays_true(telemetry: TelemetryCapture) -> None:
-    """A 500 ms start: hand-outs from a pool ahead of demand are hits with a p50 under 5 ms; every pooled
+    """A 500 ms start: hand-outs from a pool ahead of demand are all hits; every pooled
     sandbox counts in gym.sandbox.active; the provider's starts stay in startup_duration_ms."""
     inner = FaultInjectingProvider(latency={"create": 0.5})
     provider = pooled_stack(inner, telemetry, size=8, specs=[SandboxSpec()])
     pool = layer(provider, WarmPoolMiddleware)
-    p50, handles = await handout_p50_while_ahead(provider, pool)
-    assert p50 < 5.0
+    handles = await handouts_while_ahead(provider, pool)
     assert telemetry.value("gym.sandbox.pool.handout_total", result="hit") == 8
     assert telemetry.histogram_count("gym.sandbox.pool.handout_duration_ms", result="hit") == 8
     # Pooled sandboxes exist and cost money: active counts them beside the 8 handed out.
@@ -121,8 +114,8 @@ async def test_a_pool_on_the_local_provider(telemetry: TelemetryCapture, sandbox
     """The same on real local sandboxes with a scripted 500 ms start; a handed-out sandbox runs commands."""
     local = LocalProvider(isolation="none", base_dir=sandbox_base)
     provider = pooled_stack(SlowStart(local, start_s=0.5), telemetry, size=8, specs=[SandboxSpec()])
-    p50, handles = await handout_p50_while_ahead(provider, layer(provider, WarmPoolMiddleware))
-    assert p50 < 5.0
+    handles = await handouts_while_ahead(provider, layer(provider, WarmPoolMiddleware))
+    assert telemetry.value("gym.sandbox.pool.handout_total", result="hit") == 8
     assert (await provider.exec(handles[0], "echo warm")).stdout == "warm\n"
     for handle in handles:
         await provider.close(handle)
@@ -140,8 +133,8 @@ async def test_a_pool_on_the_docker_provider(telemetry: TelemetryCapture) -> Non
     spec = docker_spec()
     provider = pooled_stack(SlowStart(docker, start_s=0.5), telemetry, size=8, specs=[spec])
     try:
-        p50, handles = await handout_p50_while_ahead(provider, layer(provider, WarmPoolMiddleware), spec)
-        assert p50 < 5.0
+        handles = await handouts_while_ahead(provider, layer(provider, WarmPoolMiddleware), spec)
+        assert telemetry.value("gym.sandbox.pool.handout_total", result="hit") == 8
         assert (await provider.exec(handles[0], "echo warm")).stdout == "warm\n"
         for handle in handles:
             await provider.close(handle)
