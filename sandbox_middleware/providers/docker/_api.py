@@ -141,8 +141,14 @@ class EngineAPI:
             raise self.unavailable(what, exc) from exc
 
     async def inspect(self, container: str, what: str) -> dict[str, Any] | None:
-        """The container's ``/json`` description; None where it is gone."""
-        reply = await self.call("GET", f"/containers/{container}/json", what, ok=(404,))
+        """The container's ``/json`` description; None where it is gone (404; Podman's 500 "no such container"
+        for one another client is removing at that moment)."""
+        try:
+            reply = await self.call("GET", f"/containers/{container}/json", what, ok=(404,))
+        except EngineError as exc:
+            if exc.status == 500 and "no such container" in exc.message:
+                return None
+            raise
         return None if reply.status_code == 404 else dict(reply.json())
 
     def unavailable(self, what: str, exc: Exception) -> DockerUnavailableError:

@@ -284,3 +284,49 @@ def test_a_spares_shape_leaves_out_the_uid_and_deadline_but_not_the_host_pools_b
     assert {key: value for key, value in body["Labels"].items() if key not in (SPARE, SPARE_UNTIL)} == sandbox["Labels"]
     assert body["Labels"][UID] == "7" and body["Labels"][SPARE_UNTIL] == "123.0"
     assert {**body, "Labels": None} == {**sandbox, "Labels": None}  # User, ulimits, pty and tmpfs mounts: its own
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("status", "message", "gone"),
+    [
+        (404, "No such container: c1", True),
+        (500, "container c1 does not exist in database: no such container", True),  # Podman, mid-removal
+        (500, "something else broke", False),
+    ],
+)
+async def test_inspect_takes_podmans_no_such_container_as_gone(
+    tmp_path: Path, status: int, message: str, gone: bool
+) -> None:
+    """A daemon's inspect answer: 404, or Podman's 500 'no such container' (a container another client is
+    removing), is a container gone (None); another 500 stays an EngineError."""
+    import anyio
+
+    from sandbox_middleware.providers.docker._api import EngineAPI, EngineError
+
+    body = json.dumps({"message": message}).encode()
+    answer = b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        status,
+        len(body),
+        body,
+    )
+
+    async def serve(client: anyio.abc.SocketStream) -> None:
+        async with client:
+            await client.receive()
+            await client.send(answer)
+
+    path = str(tmp_path / "d.sock")
+    listener = await anyio.create_unix_listener(path)
+    async with listener, anyio.create_task_group() as tasks:
+        tasks.start_soon(listener.serve, serve)
+        api = EngineAPI(path, "1.41", 5.0)
+        try:
+            if gone:
+                assert await api.inspect("c1", "close c1") is None
+            else:
+                with pytest.raises(EngineError, match="something else broke"):
+                    await api.inspect("c1", "close c1")
+        finally:
+            await api.aclose()
+            tasks.cancel_scope.cancel()
