@@ -1,4 +1,4 @@
-"""Capture from a streamed chat completion (``stream: true``, server-sent events).
+"""Capture from a streamed chat completion (``stream: true``, server-sent events), or a legacy completion.
 
 Each event is passed on unchanged as soon as it is complete; only the unfinished tail of the bytes
 received is held. Per event, the ids and log probabilities of each choice are appended to its lists,
@@ -34,11 +34,13 @@ __all__ = [
     "TokenStream",
     "bundle_fields",
     "capture_stream",
+    "open_stream",
     "reasoning_of",
 ]
 
 _chunk = msgspec.json.Decoder(dict[str, Any])
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # before the stream's own is known
+_LEGACY_LOGPROBS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 Event: TypeAlias = tuple[bytes, dict[str, Any] | None]
 """One server-sent event of a captured stream, byte for byte as sent on, and its chat completion
@@ -63,6 +65,8 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    prompt_token_ids: Any = None  # a legacy completion's, on its choice
+    legacy: dict[str, list[Any]] | None = None  # a legacy completion's logprobs lists
 
     def gather(self, delta: Mapping[str, Any]) -> None:
         """A delta's pieces of the message: its text, its reasoning, its tool calls' parts."""
@@ -108,6 +112,9 @@ class StreamAccumulator:
     """The token fields of a stream's chunks, gathered per choice; ``whole()`` is the equivalent response."""
 
     max_event_bytes: int
+    completions: bool = False
+    """A legacy completion's stream (``/v1/completions``: each choice's ``text``, its ``logprobs``
+    lists and its ``prompt_token_ids``) instead of a chat completion's."""
     prompt_token_ids: Any = None
     usage: Any = None
     head: dict[str, Any] = field(default_factory=dict)
@@ -209,23 +216,43 @@ class StreamAccumulator:
                     state.token_ids = []
                 state.token_ids.extend(ids if isinstance(ids, list) else [ids])
             logprobs = choice.get("logprobs")
-            content = logprobs.get("content") if isinstance(logprobs, dict) else None
-            if content is not None:
-                if state.entries is None:
-                    state.entries = []
-                state.entries.extend(content if isinstance(content, list) else [content])
+            if self.completions:
+                self._legacy(state, choice, logprobs)
+            else:
+                content = logprobs.get("content") if isinstance(logprobs, dict) else None
+                if content is not None:
+                    if state.entries is None:
+                        state.entries = []
+                    state.entries.extend(content if isinstance(content, list) else [content])
+                delta = choice.get("delta")
+                if isinstance(delta, dict):
+                    state.gather(delta)
             finish = choice.get("finish_reason")
             if finish is not None:
                 state.finish_reason = finish
-            delta = choice.get("delta")
-            if isinstance(delta, dict):
-                state.gather(delta)
         usage = chunk.get("usage")
         if usage is not None:
             self.usage = usage
 
+    @staticmethod
+    def _legacy(state: _Choice, choice: Mapping[str, Any], logprobs: Any) -> None:
+        """A legacy completion choice's pieces: its text, its prompt ids (on its first chunk), its
+        logprobs lists (each extended; a wrong type kept as it came, for the typed decoding to name)."""
+        text = choice.get("text")
+        if isinstance(text, str) and text:
+            state.text.append(text)
+        prompt = choice.get("prompt_token_ids")
+        if prompt is not None:
+            state.prompt_token_ids = prompt
+        if isinstance(logprobs, dict):
+            lists = state.legacy = {} if state.legacy is None else state.legacy
+            for name in _LEGACY_LOGPROBS:
+                value = logprobs.get(name)
+                if value is not None:
+                    lists.setdefault(name, []).extend(value if isinstance(value, list) else [value])
+
     def whole(self) -> bytes:
-        """The stream as one chat completion body, for the extraction chain."""
+        """The stream as one whole body (a chat completion, or a legacy completion), for extraction."""
         if not self.done:
             raise PartialTokenMetadataError(
                 "stream: it ended before 'data: [DONE]' (truncated); the tokens received cannot be trusted"
@@ -235,20 +262,24 @@ class StreamAccumulator:
         choices = []
         for index in range(max(self.choices) + 1):
             state = self.choices.get(index, _Choice())
-            choice: dict[str, Any] = {
-                "index": index,
-                "message": state.message(),
-                "finish_reason": state.finish_reason,
-            }
+            choice: dict[str, Any] = {"index": index}
+            if self.completions:
+                choice["text"] = "".join(state.text)
+                choice["logprobs"] = state.legacy
+                if state.prompt_token_ids is not None:
+                    choice["prompt_token_ids"] = state.prompt_token_ids
+            else:
+                choice["message"] = state.message()
+                if state.entries is not None:
+                    choice["logprobs"] = {"content": state.entries}
+            choice["finish_reason"] = state.finish_reason
             if state.token_ids is not None:
                 choice["token_ids"] = state.token_ids
-            if state.entries is not None:
-                choice["logprobs"] = {"content": state.entries}
             choices.append(choice)
         head = self.head
         body: dict[str, Any] = {
             "id": head.get("id"),
-            "object": "chat.completion",
+            "object": "text_completion" if self.completions else "chat.completion",
             "created": head.get("created"),
             "model": head.get("model"),
             "choices": choices,
@@ -307,7 +338,8 @@ class CapturedStream(httpx.AsyncByteStream):
                 if accumulator.done:
                     completion = self.completion = await self._finish(accumulator.whole())
                     if final is None:  # the server sent no usage chunk: the bundles get one of their own
-                        final = {**accumulator.head, "object": "chat.completion.chunk", "choices": []}
+                        kind = "text_completion" if accumulator.completions else "chat.completion.chunk"
+                        final = {**accumulator.head, "object": kind, "choices": []}
                     final["token_bundles"] = bundle_fields(completion)
                     yield b"data: " + msgspec.json.encode(final) + accumulator.separator, final
                     yield event, None
@@ -328,18 +360,32 @@ async def capture_stream(
     response: httpx.Response, sent: Mapping[str, Any], capture: Capture, tokenize: TokenizeFn, max_event_bytes: int
 ) -> CapturedStream:
     """Capture from a 2xx or 3xx streamed ``response`` to ``sent`` (a redirect raises, as for whole bodies)."""
-    if not 200 <= response.status_code < 300:
-        await read_body(response, "chat completion stream", max_event_bytes)  # raises the typed error
-    if response.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
-        await response.aclose()
-        raise MalformedResponseError("chat completion stream: the server compressed it although asked not to")
 
     async def finish(data: bytes) -> TokenCompletion:
         completion = await capture.complete(sent, partial(_ready, data), tokenize)
         assert completion is not None
         return completion
 
-    return CapturedStream(response, StreamAccumulator(max_event_bytes), finish)
+    return await open_stream(response, finish, max_event_bytes)
+
+
+async def open_stream(
+    response: httpx.Response,
+    finish: Callable[[bytes], Awaitable[TokenCompletion]],
+    max_event_bytes: int,
+    *,
+    completions: bool = False,
+) -> CapturedStream:
+    """The capture of a streamed ``response`` (a chat completion's, or a legacy completion's with
+    ``completions``), ``finish`` extracting the bundles from its whole body; an answer that is no 2xx
+    stream raises its typed error (a redirect too, as for whole bodies), a compressed one raises."""
+    what = "completion stream" if completions else "chat completion stream"
+    if not 200 <= response.status_code < 300:
+        await read_body(response, what, max_event_bytes)  # raises the typed error
+    if response.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
+        await response.aclose()
+        raise MalformedResponseError(f"{what}: the server compressed it although asked not to")
+    return CapturedStream(response, StreamAccumulator(max_event_bytes, completions), finish)
 
 
 async def _drained(raw: AsyncIterator[bytes]) -> None:

@@ -19,6 +19,7 @@ from tests.token_samples import BASE, CHAT, FIXTURES
 from tokens import (
     ConflictingTokenMetadataError,
     MalformedTokenMetadataError,
+    MissingTokenMetadataError,
     PartialTokenMetadataError,
     ResponseTooLargeError,
     TokenCaptureTransport,
@@ -26,6 +27,7 @@ from tokens import (
     TokensError,
 )
 from tokens._stream import StreamAccumulator
+from tokens._token_in import extract_token_in
 from tokens.testing import FAKE_VLLM_URL, FakeVLLM
 
 pytestmark = pytest.mark.anyio
@@ -320,3 +322,32 @@ def test_the_whole_answer_holds_the_message_the_deltas_made() -> None:
             {"id": "c1", "type": "function", "function": {"name": "sh", "arguments": '{"a": 1}'}},
         ],
     }
+
+
+@pytest.mark.parametrize("name", ["completions_stream_inline_ids", "completions_stream_n2"])
+@pytest.mark.anyio(False)
+def test_a_recorded_legacy_completion_stream_makes_its_whole_completion(name: str) -> None:
+    """vLLM's own ``/v1/completions`` stream: each choice's prompt ids (on its first chunk), generated ids,
+    log probabilities and text gathered, in order, into the bundles ``extract_token_in`` checks."""
+    request = json.loads((FIXTURES / f"{name}.request.json").read_text())
+    events = [e for e in (FIXTURES / f"{name}.response.sse").read_bytes().split(b"\n\n") if e.startswith(b"data:")]
+    accumulator = StreamAccumulator(2**20, completions=True)
+    chunks = [chunk for event in events if (chunk := accumulator.record(event)) is not None]
+    completion = extract_token_in(request, accumulator.whole())
+    for index, bundle in enumerate(completion.bundles):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert bundle.prompt_token_ids == mine[0]["prompt_token_ids"] and len(bundle.prompt_token_ids) > 0
+        assert bundle.generation_token_ids == [token for choice in mine for token in choice["token_ids"]]
+        assert bundle.generation_log_probs == [lp for choice in mine for lp in choice["logprobs"]["token_logprobs"]]
+        assert completion.response["choices"][index]["text"] == "".join(choice["text"] for choice in mine)
+    assert completion.response["object"] == "text_completion" and len(completion.bundles) == request.get("n", 1)
+
+
+@pytest.mark.anyio(False)
+def test_a_legacy_completion_stream_without_logprobs_is_refused_typed() -> None:
+    accumulator = StreamAccumulator(2**20, completions=True)
+    choice = {"index": 0, "text": "a", "logprobs": None, "prompt_token_ids": [5], "token_ids": [7]}
+    accumulator.record(b"data: " + json.dumps({"id": "c", "choices": [choice]}).encode())
+    accumulator.record(b"data: [DONE]")
+    with pytest.raises(MissingTokenMetadataError, match="logprobs"):
+        extract_token_in({"prompt": "a"}, accumulator.whole())

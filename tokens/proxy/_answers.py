@@ -14,8 +14,9 @@ was served as.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from functools import partial
+from typing import Any, NamedTuple
 
 import anyio
 import httpx
@@ -25,13 +26,16 @@ from .._bundle import TokenBundle, TokenCompletion
 from .._errors import TokensError
 from .._stream import CapturedStream
 from .._transport import STREAM_EXTENSION
+from ..records import Custody
 from ._chat import TOKEN_FIELDS
+from ._dialects import Dialect, Events
 from ._errors import ProxyError, RequestRejectedError, upstream_error
 from ._event_stream import EventStream
 from ._intake import Turn
+from ._telemetry import Report
 from ._upstream import Reply
 
-__all__ = ["completion_of", "serve"]
+__all__ = ["Relayed", "completion_of", "relay", "serve"]
 
 SOURCE = "proxy"
 """The bundle's source as recorded (the capture chain cross-checked it; records do not keep sources)."""
@@ -69,10 +73,46 @@ async def serve_whole(turn: Turn, reply: Reply) -> Response:
 
 def serve_stream(turn: Turn, reply: Reply, client_timeout: float) -> Response:
     """The reply's chat stream answered event by event in the client's dialect."""
-    dialect, body, custody, report = turn.dialect, turn.body, turn.custody, turn.report
-    response, chat = reply.stream, reply.chat
-    assert response is not None  # a streamed reply
-    captured: CapturedStream = response.extensions[STREAM_EXTENSION]
+    dialect, body, custody = turn.dialect, turn.body, turn.custody
+    assert reply.stream is not None  # a streamed reply
+    captured: CapturedStream = reply.stream.extensions[STREAM_EXTENSION]
+
+    async def ended(converter: Events) -> None:  # the answer kept before its end goes out: a client may
+        await dialect.ended(converter, body, turn.history, turn.call.model_call_id)  # continue it at once, anywhere
+
+    return relay(
+        reply.stream,
+        captured,
+        partial(custody.write_chat, reply.chat),
+        Relayed(custody, turn.report, turn.call.headers, dialect, dialect.events(body), ended),
+        client_timeout,
+    )
+
+
+class Relayed(NamedTuple):
+    """Whom a relayed stream answers: the call's custody and report, the answer's headers, the
+    client's dialect and its events made from the chunks (None: the chunks pass on as they came;
+    ``ended`` runs before the last of them goes out)."""
+
+    custody: Custody
+    report: Report
+    headers: Mapping[str, str]
+    dialect: Dialect
+    converter: Events | None = None
+    ended: Callable[[Events], Awaitable[None]] | None = None
+
+
+def relay(
+    response: httpx.Response,
+    captured: CapturedStream,
+    write: Callable[[TokenCompletion], Awaitable[None]],
+    to: Relayed,
+    client_timeout: float,
+) -> Response:
+    """A captured stream answered event by event: each chunk converted (or passed on), the record
+    written (``write``) when the chunk with the bundles comes, before the end goes out; a failure the
+    dialect's error event; the upstream's ``response`` closed once, whether the events ran or not."""
+    custody, report, converter = to.custody, to.report, to.converter
     closed = False
 
     async def close() -> None:
@@ -89,30 +129,30 @@ def serve_stream(turn: Turn, reply: Reply, client_timeout: float) -> Response:
         await close()
 
     async def events() -> AsyncIterator[bytes]:
-        converter = dialect.events(body)
         try:
             if converter is not None:
                 yield b"".join(converter.start())
             async for event, chunk in captured.events():  # each chunk as the capture decoded it
                 if chunk is not None:
                     if custody.recorded and "token_bundles" in chunk and captured.completion is not None:
-                        await custody.write_chat(chat, captured.completion)  # before the end goes out
+                        await write(captured.completion)  # before the end goes out
                     if converter is not None and (converted := converter.feed(chunk)):
                         yield b"".join(converted)
                 if converter is None:
                     yield event
             if converter is not None:
-                closing = converter.finish()  # the answer kept before its end goes out: a client may continue
-                await dialect.ended(converter, body, turn.history, turn.call.model_call_id)  # it at once, anywhere
+                closing = converter.finish()
+                if to.ended is not None:
+                    await to.ended(converter)
                 yield b"".join(closing)
         except (TokensError, httpx.HTTPError, ProxyError) as exc:
             report.error, report.cause = upstream_error(exc), exc
             await custody.end(report.error)
-            yield dialect.error_event(report.error, converter)
+            yield to.dialect.error_event(report.error, converter)
         except anyio.get_cancelled_exc_class() as exc:  # cancelled before its record: the rollout has a hole
             await custody.end(exc)
             raise
         finally:
             await close()
 
-    return EventStream(events(), client_timeout, turn.call.headers, closing=gone)
+    return EventStream(events(), client_timeout, to.headers, closing=gone)

@@ -8,8 +8,8 @@
   without its bundle (the record has it).
 - ``POST /v1/messages/count_tokens`` and ``POST /v1/responses/input_tokens``: the prompt's token count,
   exact: the request converted as its model call would be, counted by the upstream's ``/tokenize``.
-- ``POST /v1/completions``: passed on with ids and log probabilities asked, the bundle on each choice,
-  recorded as a token-in call (whole answers only).
+- ``POST /v1/completions``: passed on with ids and log probabilities asked, the bundle on each choice
+  (a stream's on its final chunk, as a chat stream's), recorded as a token-in call.
 - Anything else: a 404 in the dialect of its path (Anthropic's under ``/v1/messages`` or with
   ``anthropic-version``; OpenAI's otherwise).
 """
@@ -29,12 +29,16 @@ from starlette.responses import JSONResponse, Response
 
 from _shared_telemetry import error_type
 
+from .._bundle import TokenCompletion
 from .._errors import TokensError
 from .._http import read_body
+from .._stream import CapturedStream, open_stream
 from .._token_in import extract_token_in
+from ._answers import Relayed, relay
 from ._dialects import CHAT, Dialect
 from ._errors import ProxyError, RequestRejectedError, upstream_error
 from ._intake import Intake, call_of, read_json
+from ._telemetry import Report
 from ._upstream import Upstream, Upstreams
 
 __all__ = ["Side"]
@@ -161,12 +165,12 @@ class Side:
 
     async def _completions(self, request: Request) -> Response:
         """A legacy completion passed on with its ids and log probabilities asked, the bundle on each
-        choice (``extract_token_in``), recorded as a token-in call."""
+        choice (``extract_token_in``), recorded as a token-in call; a stream event by event, the
+        bundles on its final chunk (``token_bundles``), as a chat stream's."""
         body = await read_json(request, self.intake.max_request_bytes, self.intake.client_timeout)
-        if body.get("stream"):
-            raise RequestRejectedError(
-                "stream: /v1/completions is served whole by the capture proxy; send stream=false", param="stream"
-            )
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestRejectedError(f"stream: must be true or false, not {stream!r:.40}", param="stream")
         call = call_of(request)
         custody = self.intake.recorder.custody(call.coordinates)
         n = body.get("n")
@@ -174,20 +178,31 @@ class Side:
             raise RequestRejectedError(f"n={n!r} with a rollout id: a record holds one choice; send n=1", param="n")
         logprobs = body.get("logprobs")
         sent = {**body, "return_token_ids": True, "logprobs": logprobs if isinstance(logprobs, int) else 0}
+        if stream:  # the usage chunk carries the bundles
+            options = body.get("stream_options")
+            sent["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
 
-        async def complete(upstream: Upstream) -> bytes:
+        async def finish(data: bytes) -> TokenCompletion:
+            return extract_token_in(sent, data)
+
+        async def complete(upstream: Upstream) -> tuple[httpx.Response, CapturedStream | bytes]:
             response = await upstream.ask("/completions", sent)
-            return await read_body(response, "answer", upstream.max_response_bytes)
+            if stream:
+                return response, await open_stream(response, finish, upstream.max_response_bytes, completions=True)
+            return response, await read_body(response, "answer", upstream.max_response_bytes)
 
         async with custody:
             try:  # on the rollout's replica, failing over as a model call does
-                data, replica = await self.upstreams.pick(body).ask(call.affinity, complete)
-                completion = extract_token_in(sent, data)
+                (response, answer), replica = await self.upstreams.pick(body).ask(call.affinity, complete)
+                if custody.recorded:
+                    custody.served_by = replica.name
+                if isinstance(answer, CapturedStream):  # the custody's end comes with the stream's events
+                    to = Relayed(custody, Report("completions", stream=True), call.headers, CHAT)
+                    return relay(response, answer, custody.write_token_in, to, self.intake.client_timeout)
+                completion = extract_token_in(sent, answer)
             except (TokensError, httpx.HTTPError) as exc:
                 raise upstream_error(exc) from None
-            if custody.recorded:
-                custody.served_by = replica.name
-                await custody.write_token_in(completion)
+            await custody.write_token_in(completion)
         return JSONResponse(completion.response, headers=call.headers)
 
 

@@ -2,7 +2,7 @@
 
 It tokenizes with a small deterministic byte tokenizer and a chat template of its own, and serves
 ``/v1/chat/completions`` (inline ids, logprobs, ``n``, ``stream``, tools), ``/v1/completions``
-(text or token-id prompts), ``/tokenize`` and ``/detokenize`` consistently with each other. Its
+(text or token-id prompts, ``stream``), ``/tokenize`` and ``/detokenize`` consistently with each other. Its
 bodies have exactly the field sets of real vLLM 0.32 answers (checked against recorded ones), and
 its errors are vLLM's (context length, ``max_tokens``, bad request; 429 and 503 with Retry-After).
 """
@@ -261,6 +261,8 @@ class FakeVLLM:
         want_logprobs = body.get("logprobs") is not None
         choices = []
         generated = self._generate(prompt, body)
+        if body.get("stream"):
+            return self._completion_stream(prompt, generated, inline, want_logprobs, body)
         for index, (ids, lps, reason) in enumerate(generated):
             pieces = [self.tokenizer.decode([t]) for t in ids]
             offsets = list(itertools.accumulate([0, *map(len, pieces[:-1])])) if pieces else []
@@ -279,6 +281,55 @@ class FakeVLLM:
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
         }  # fmt: skip
         return httpx.Response(200, json=answer)
+
+    def _completion_stream(
+        self,
+        prompt: list[int],
+        generated: list[tuple[list[int], list[float], str]],
+        inline: bool,
+        want_logprobs: bool,
+        body: Mapping[str, Any],
+    ) -> httpx.Response:
+        """vLLM's legacy completion stream: a chunk per token and choice (the prompt ids on each
+        choice's first), then the usage chunk when asked, then ``[DONE]``."""
+        head = {"id": f"cmpl-fake{next(self._ids):012x}", "object": "text_completion", "created": 1795979193,
+                "model": self.model}  # fmt: skip
+        events: list[dict[str, Any]] = []
+        offsets = [0] * len(generated)
+        for position in range(max(len(ids) for ids, _, _ in generated)):  # the choices interleaved, as vLLM's
+            for index, (ids, lps, reason) in enumerate(generated):
+                if position >= len(ids):
+                    continue
+                token, logprob = ids[position], lps[position]
+                piece = self.tokenizer.decode([token])
+                logprobs = {"text_offset": [offsets[index]], "token_logprobs": [logprob], "tokens": [piece],
+                            "top_logprobs": [{piece: logprob}]}  # fmt: skip
+                offsets[index] += len(piece)
+                events.append({**head, "choices": [{
+                    "index": index, "text": piece, "logprobs": logprobs if want_logprobs else None,
+                    "finish_reason": reason if position == len(ids) - 1 else None, "stop_reason": None,
+                    "prompt_token_ids": prompt if inline and position == 0 else None,
+                    "token_ids": [token] if inline else None,
+                }]})  # fmt: skip
+        return self._event_stream(events, head, len(prompt), sum(len(ids) for ids, _, _ in generated), body)
+
+    def _event_stream(
+        self,
+        events: list[dict[str, Any]],
+        head: Mapping[str, Any],
+        prompt: int,
+        generated: int,
+        body: Mapping[str, Any],
+    ) -> httpx.Response:
+        """``events`` as server-sent events, the usage chunk after them when asked, then ``[DONE]``."""
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            usage = _usage(prompt, generated, details=False)
+            events.append({**head, "choices": [], "usage": usage, "system_fingerprint": SYSTEM_FINGERPRINT})
+        data = b"".join(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n" for event in events)
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream; charset=utf-8"}, content=data + b"data: [DONE]\n\n"
+        )
 
     # -- generation -------------------------------------------------------------------------
 
@@ -387,20 +438,7 @@ class FakeVLLM:
                 if inline:
                     choice["token_ids"] = [token]
                 events.append({**head, "choices": [choice]})
-        options = body.get("stream_options")
-        if isinstance(options, dict) and options.get("include_usage"):
-            events.append(
-                {
-                    **head,
-                    "choices": [],
-                    "usage": _usage(len(prompt), sum(len(c[0]) for c in choices), details=False),
-                    "system_fingerprint": SYSTEM_FINGERPRINT,
-                }
-            )
-        data = b"".join(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n" for event in events)
-        return httpx.Response(
-            200, headers={"content-type": "text/event-stream; charset=utf-8"}, content=data + b"data: [DONE]\n\n"
-        )
+        return self._event_stream(events, head, len(prompt), sum(len(c[0]) for c in choices), body)
 
 
 def _text_ids(ids: Sequence[int]) -> list[int]:

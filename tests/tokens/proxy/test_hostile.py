@@ -224,6 +224,36 @@ def test_a_broken_stream_ends_in_an_error_event_in_each_dialect(kind: str) -> No
     assert transport.closed.is_set()
 
 
+def legacy_chunk(text: str, token: int, prompt: list[int] | None = None) -> bytes:
+    logprobs = {"text_offset": [0], "token_logprobs": [-0.5], "tokens": [text], "top_logprobs": [{text: -0.5}]}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None, "prompt_token_ids": prompt,
+              "token_ids": [token]}  # fmt: skip
+    event = {"id": "c", "object": "text_completion", "created": 1, "model": "tiny", "choices": [choice]}
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [legacy_chunk("a", 5, [1, 2]), b"data: {not json\n\n"],
+        [legacy_chunk("a", 5, [1, 2]), legacy_chunk("b", 6)[:30]],
+        [legacy_chunk("a", 5, [1, 2])],
+        itertools.chain([legacy_chunk("a", 5, [1, 2])], (legacy_chunk("x" * 200, 5) for _ in range(200_000))),
+    ],
+    ids=["malformed", "cut mid-event", "no [DONE]", "endless"],
+)
+def test_a_broken_legacy_completion_stream_ends_in_an_error_event(pieces: list[bytes]) -> None:
+    """A streamed ``/v1/completions`` that breaks ends in OpenAI's error event (naming no upstream),
+    bounded in total like a chat stream, and the upstream closed."""
+    transport = Scripted(pieces)
+    with serve(transport, max_response_bytes=2**20, upstream_timeout=0.5) as server:
+        client = openai.OpenAI(base_url=server.base_url("r"), api_key="k", max_retries=0)
+        with pytest.raises(openai.APIError) as error:
+            list(client.completions.create(model="tiny", prompt="hi", stream=True))
+    no_upstream_in(error.value.message)
+    assert transport.closed.is_set()
+
+
 def test_an_endless_stream_is_bounded_in_total_by_max_response_bytes() -> None:
     """Each event small, the stream endless: it ends in an error event once max_response_bytes
     arrived in total (it used to pass on for ever, the gathered ids growing), and the upstream is closed."""

@@ -14,7 +14,7 @@ import anyio
 import httpx
 import openai
 import pytest
-from openai.types import Model
+from openai.types import Completion, Model
 from openai.types.responses import Response
 
 from pytest_llm_sandbox_middleware import CaptureProxy, running_capture_proxy
@@ -120,3 +120,45 @@ def test_legacy_completions_pass_with_capture(tmp_path: Path) -> None:
     [record] = anyio.run(read)
     assert record.generation_token_ids == fields["generation_token_ids"]
     assert record.generation_log_probs == fields["generation_log_probs"]
+
+
+def test_a_streamed_legacy_completion_passes_event_by_event_with_capture(tmp_path: Path) -> None:
+    """``stream=True`` on ``/v1/completions`` (as vLLM serves it): every chunk passed on, the bundles on
+    the final chunk (``token_bundles``), and the record the ids and log probabilities the chunks carried."""
+    store = open_store(f"sqlite:///{tmp_path / 'records.db'}")
+    with running_capture_proxy(store=store) as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url("rollout-legacy-stream"), api_key="k", max_retries=0)
+        chunks = list(client.completions.create(model="tiny", prompt="Once upon", max_tokens=8, stream=True))
+        sent = proxy.fake.requests[-1][1]
+    *tokens, final = chunks  # vLLM's own chunks pass as they came (its null finish_reason too); the proxy's:
+    Completion.model_validate(final.model_dump(mode="json", exclude_unset=True), strict=True)
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert sent["return_token_ids"] is True and sent["logprobs"] == 0
+    [bundle] = (final.model_extra or {})["token_bundles"]
+    generated = [token for chunk in tokens for token in (chunk.choices[0].model_extra or {})["token_ids"]]
+    assert bundle["prompt_token_ids"] == TOKENIZER.encode("Once upon")
+    assert bundle["generation_token_ids"] == generated and len(generated) == 8
+    assert TOKENIZER.decode(generated) == "".join(chunk.choices[0].text for chunk in tokens)
+    assert bundle["generation_log_probs"] == [
+        lp
+        for chunk in tokens
+        for lp in chunk.choices[0].logprobs.token_logprobs  # type: ignore[union-attr]
+    ]
+
+    async def read() -> Any:
+        try:
+            async with read_rollout(store, "rollout-legacy-stream") as sample:
+                return sample.records, sample.trainable
+        finally:
+            await store.close()
+
+    [record], trainable = anyio.run(read)
+    assert trainable
+    assert record.prompt_token_ids == bundle["prompt_token_ids"]
+    assert record.generation_token_ids == generated
+    assert record.generation_log_probs == bundle["generation_log_probs"]
+
+
+def test_a_legacy_completion_s_stream_must_be_a_boolean(proxy: CaptureProxy) -> None:
+    answer = httpx.post(proxy.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "stream": "yes"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "stream"

@@ -93,3 +93,20 @@ def test_anthropic_messages(proxy: ProxyServer, direct: dict[str, Any]) -> None:
         final = stream.get_final_message()
     assert final.content[0].type == "text" and final.content[0].text == direct["text"]
     same(deltas[0].model_extra, direct)
+
+
+def test_legacy_completions_whole_and_streamed(proxy: ProxyServer, vllm_base_url: str) -> None:
+    """``/v1/completions`` through the proxy, whole and streamed: the same ids and log probabilities as
+    the server's own for the same request asked directly (temperature 0)."""
+    request = {"model": "tiny", "prompt": "Once upon a time", **SAMPLING}
+    asked = {**request, "return_token_ids": True, "logprobs": 0}
+    own = httpx.post(vllm_base_url + "/completions", json=asked, timeout=120).json()["choices"][0]
+    client = openai.OpenAI(base_url=proxy.base_url("vllm-legacy"), api_key="k", max_retries=0, timeout=120)
+    whole = client.completions.create(**request).choices[0]  # type: ignore[call-overload]
+    *chunks, final = client.completions.create(stream=True, **request)  # type: ignore[call-overload]
+    [streamed] = (final.model_extra or {})["token_bundles"]
+    for bundle in ((whole.model_extra or {}), streamed):
+        assert bundle["prompt_token_ids"] == own["prompt_token_ids"]
+        assert bundle["generation_token_ids"] == own["token_ids"]
+        assert bundle["generation_log_probs"] == pytest.approx(own["logprobs"]["token_logprobs"], abs=1e-4)
+    assert "".join(chunk.choices[0].text for chunk in chunks) == whole.text == own["text"]

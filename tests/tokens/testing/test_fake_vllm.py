@@ -37,14 +37,22 @@ def test_field_sets_equal_the_recorded_answers(name: str, path: str) -> None:
     assert keys(fake.json()) == keys(real)
 
 
+@pytest.mark.parametrize(
+    ("name", "path"),
+    [
+        ("chat_stream_inline_ids", "/chat/completions"),
+        ("completions_stream_inline_ids", "/completions"),
+        ("completions_stream_n2", "/completions"),
+    ],
+)
 @pytest.mark.anyio(False)
-def test_stream_field_sets_equal_the_recorded_stream() -> None:
+def test_stream_field_sets_equal_the_recorded_stream(name: str, path: str) -> None:
     real = [
         json.loads(e[6:])
-        for e in (FIXTURES / "chat_stream_inline_ids.response.sse").read_bytes().split(b"\n\n")
+        for e in (FIXTURES / f"{name}.response.sse").read_bytes().split(b"\n\n")
         if e.startswith(b"data: {")
     ]
-    answer = FakeVLLM()(httpx.Request("POST", V1 + "/chat/completions", json=sample("chat_stream_inline_ids.request")))
+    answer = FakeVLLM()(httpx.Request("POST", V1 + path, json=sample(f"{name}.request")))
     events = answer.content.split(b"\n\n")
     fake = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
     assert b"data: [DONE]" in events
