@@ -16,7 +16,7 @@ from ..._bounds import POSITIVE, Bound
 from ..._errors import SandboxArgumentError
 from ._arguments import positive_number
 
-__all__ = ["LIMIT_BOUNDS", "Limits", "checked_limit", "file_max"]
+__all__ = ["LIMIT_BOUNDS", "Limits", "checked_limit", "entry_bound", "file_max"]
 
 _MiB = 1 << 20
 _GiB = 1 << 30
@@ -102,3 +102,10 @@ def file_max() -> int:
         return int(Path("/proc/sys/fs/file-max").read_text())
     except (OSError, ValueError):
         return 1 << 20
+
+
+def entry_bound(size: int) -> int:
+    """The entries (inodes) a sandbox's writable space of ``size`` bytes holds: its tmpfs's
+    ``nr_inodes`` (``LocalProvider``), and what a snapshot of it may carry (both providers: an empty
+    file or directory takes no room in a tmpfs, but an inode and a block where a snapshot is kept)."""
+    return max(65_536, size // 16_384)

@@ -59,6 +59,7 @@ from ..._errors import (
     SandboxSnapshotNotFoundError,
 )
 from ..._protocol import SandboxSnapshot
+from .._common._limits import entry_bound
 from ._api import EngineAPI, EngineError
 from ._archive import END, TarEntries, check_directory, check_named, located, padding
 from ._container import META, Box, checked_metadata, label_keys
@@ -82,7 +83,6 @@ _WORK, _TMP = "work", "tmp"
 _KEPT = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.FIFOTYPE)
 _ROOT = (0, 0)  # the owner of a snapshot's files in its image: each fork's are its own uid's
 _BATCH = 1 << 20
-_MIN_ENTRIES, _BYTES_PER_ENTRY = 65_536, 16_384  # a snapshot's entries: LocalProvider's tmpfs nr_inodes
 _HELPER_S = 1800.0  # a helper container's deadline: the watchdog removes one its maker left
 
 
@@ -147,14 +147,14 @@ def _targets(box: Box, paths: list[str] | None) -> list[_Target]:
 
 class _Sizes:
     """The bytes of the regular files a rewritten archive carried, refused past ``limit`` (None: no bound),
-    and its entries, refused past LocalProvider's inode bound for a tmpfs of ``limit`` bytes (an empty
-    directory takes no room in a tmpfs but a block on the daemon's disk)."""
+    and its entries, refused past ``entry_bound(limit)`` (an empty directory takes no room in a tmpfs
+    but a block on the daemon's disk)."""
 
     def __init__(self, limit: int | None = None) -> None:
         self.total = 0
         self.limit = limit
         self.entries = 0
-        self.most = None if limit is None else max(_MIN_ENTRIES, limit // _BYTES_PER_ENTRY)
+        self.most = None if limit is None else entry_bound(limit)
 
     def add(self, size: int) -> None:
         self.entries += 1

@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .._common._limits import entry_bound
 from ._bwrap import HOST_ENV
 
 __all__ = ["bind_nosuid", "is_mount_point", "mount_overlay", "mount_tmpfs", "probe_tmpfs", "unmount"]
@@ -37,8 +38,8 @@ def _mount(source: bytes | None, target: Path, fstype: bytes | None, flags: int,
 
 def mount_tmpfs(target: Path, size: int) -> None:
     """Mount a tmpfs of ``size`` bytes at ``target`` (nosuid, nodev, root's): the sandbox's writable space."""
-    inodes = max(65_536, size // 16_384)
-    _mount(b"tmpfs", target, b"tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size},nr_inodes={inodes},mode=0711".encode())
+    options = f"size={size},nr_inodes={entry_bound(size)},mode=0711".encode()
+    _mount(b"tmpfs", target, b"tmpfs", _MS_NOSUID | _MS_NODEV, options)
 
 
 def bind_nosuid(target: Path) -> None:

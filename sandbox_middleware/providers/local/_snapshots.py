@@ -15,7 +15,8 @@ snapshot's directory (shared while a fork is made, exclusive to remove it).
 
 The copy is made while the sandbox runs, by descriptor, following no symlink (links are kept as
 links), one file after another: not as of one moment (the sandbox is not frozen). It is bounded by
-the sandbox's ``disk_gib``: more bytes than that is refused (``SandboxSnapshotError``).
+the sandbox's ``disk_gib``: more bytes than that, or more entries than its tmpfs holds
+(``entry_bound``), is refused (``SandboxSnapshotError``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from ..._errors import SandboxSnapshotError, SandboxSnapshotNotFoundError, SandboxValueError
 from ..._protocol import SandboxSnapshot
+from .._common._limits import entry_bound
 from ._mounts import mount_overlay
 from ._records import directories_of, drop_maker, read_record, remove_tree, scan, write_maker, write_private
 from ._transfers import open_directory
@@ -67,40 +69,65 @@ def _over(limit: int) -> SandboxSnapshotError:
     )
 
 
-def _copy_file(source: int, target: int, name: str, limit: int | None) -> int:
+class Budget:
+    """What a copy may still take: bytes of files and entries (files, links, directories); None: no
+    bound. A snapshot's is its sandbox's ``disk_gib`` and that tmpfs's inode bound (``entry_bound``),
+    so a copy taken while the sandbox runs cannot carry more than its space ever held at once, however
+    the sandbox renames and recreates entries under the copier (each entry met counts once)."""
+
+    def __init__(self, size: int | None) -> None:
+        self.size = size
+        self.bytes = size
+        self.entries = None if size is None else entry_bound(size)
+        self.copied = 0
+
+    def entry(self) -> None:
+        if self.entries is not None:
+            self.entries -= 1
+            if self.entries < 0:
+                raise SandboxSnapshotError(
+                    f"the files to snapshot are more than {entry_bound(self.size or 0)} entries, more than the "
+                    "sandbox's disk (disk_gib) holds at once; nothing was kept: snapshot fewer paths"
+                )
+
+    def took(self, size: int) -> None:
+        self.copied += size
+        if self.bytes is not None:
+            self.bytes -= size
+
+
+def _copy_file(source: int, target: int, name: str, budget: Budget) -> None:
     """Copy regular file ``name`` of directory ``source`` into ``target`` (mode and times kept, set-id bits
-    dropped); its bytes, or 0 when it is not a regular file any more (swapped meanwhile: not kept)."""
+    dropped), its bytes taken from ``budget``; nothing when it is not a regular file any more (swapped
+    meanwhile: not kept)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=source)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO, errno.EACCES):
-            return 0
+            return
         raise
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            return 0
+            return
         out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=target)
         try:
-            copied = 0
             while sent := os.sendfile(out, fd, None, _CHUNK):
-                copied += sent
-                if limit is not None and copied > limit:
-                    raise _over(limit)
+                budget.took(sent)
+                if budget.bytes is not None and budget.bytes < 0:
+                    raise _over(budget.size or 0)
             os.fchmod(out, stat.S_IMODE(info.st_mode) & 0o1777)
             os.utime(out, ns=(info.st_atime_ns, info.st_mtime_ns))
         finally:
             os.close(out)
-        return copied
     finally:
         os.close(fd)
 
 
-def copy_names(source: int, target: int, names: Sequence[str], limit: int | None) -> int:
+def copy_names(source: int, target: int, names: Sequence[str], budget: Budget) -> None:
     """Copy the entries ``names`` of directory ``source`` into directory ``target`` (descriptors, kept
     open), whole trees, following no symlink (a link is copied as a link); directories, regular files and
-    symlinks only. Returns the bytes of the files copied; past ``limit`` bytes, ``SandboxSnapshotError``."""
-    copied = 0
+    symlinks only, each taken from ``budget`` (past it, ``SandboxSnapshotError``)."""
     # Per directory being copied: its descriptor, its copy's, the names left, its name and stat (its parent's).
     stack: list[tuple[int, int, Iterator[str], str, os.stat_result | None]] = []
     stack.append((os.dup(source), os.dup(target), iter(names), "", None))
@@ -118,11 +145,12 @@ def copy_names(source: int, target: int, names: Sequence[str], limit: int | None
                 continue
             try:
                 info = os.stat(name, dir_fd=src, follow_symlinks=False)
+                budget.entry()
                 if stat.S_ISLNK(info.st_mode):
                     os.symlink(os.readlink(name, dir_fd=src), name, dir_fd=dst)
                     os.utime(name, ns=(info.st_atime_ns, info.st_mtime_ns), dir_fd=dst, follow_symlinks=False)
                 elif stat.S_ISREG(info.st_mode):
-                    copied += _copy_file(src, dst, name, None if limit is None else limit - copied)
+                    _copy_file(src, dst, name, budget)
                 elif stat.S_ISDIR(info.st_mode):
                     if len(stack) > _MAX_DEPTH:
                         raise SandboxSnapshotError(
@@ -144,7 +172,6 @@ def copy_names(source: int, target: int, names: Sequence[str], limit: int | None
         for src, dst, _, _, _ in stack:
             os.close(src)
             os.close(dst)
-    return copied
 
 
 def take(
@@ -167,7 +194,7 @@ def take(
     try:
         outer = Path(tempfile.mkdtemp(prefix=f"{snapshot_id}-", dir=base))
         os.mkdir(outer / _TREE, 0o700)
-        size = 0
+        budget = Budget(limit)
         for parts, path in chosen:
             with (
                 open_directory(root, parts[:-1], path) as src,
@@ -181,8 +208,8 @@ def take(
                     except FileNotFoundError:
                         raise SandboxSnapshotError(f"snapshot path {path!r} does not exist in the sandbox") from None
                     names = [parts[-1]]
-                size += copy_names(src, dst, names, None if limit is None else limit - size)
-        snapshot = SandboxSnapshot(snapshot_id, "local", time.time(), size, dict(metadata))
+                copy_names(src, dst, names, budget)
+        snapshot = SandboxSnapshot(snapshot_id, "local", time.time(), budget.copied, dict(metadata))
         record = {**snapshot.to_dict(), "source": source, "paths": [path for _, path in chosen]}
         write_private(outer, SNAPSHOT_RECORD, json.dumps(record).encode())
         drop_maker(outer)
@@ -303,7 +330,7 @@ def fill(outer: Path, tree: Path, uid: int | None, can_mount: bool) -> None:
     may not mount, a copy; the fork's uid owns them."""
     if not can_mount:
         with open_directory(tree, (), "snapshot") as src, open_directory(outer / "box", (), "fork") as dst:
-            copy_names(src, dst, os.listdir(src), None)
+            copy_names(src, dst, os.listdir(src), Budget(None))
         return
     for name in ("upper", "work", "lower"):
         os.mkdir(outer / name, 0o700)

@@ -145,6 +145,23 @@ async def test_a_snapshot_bigger_than_the_disk_limit_is_refused(sandbox_base: Pa
     assert [name[:18] for name in snapshot_dirs(sandbox_base)] == [snapshot.snapshot_id]  # nothing half-made left
 
 
+async def test_a_snapshot_of_more_entries_than_the_disk_holds_is_refused(
+    local: LocalProvider, sandbox_base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Empty files take no bytes: the entries are bounded too, at the inode bound of the sandbox's tmpfs
+    (65,536 for this one: lowered here), so a sandbox recreating entries under the copier cannot make
+    a snapshot of more than its space holds at once."""
+    monkeypatch.setattr("sandbox_middleware.providers.local._snapshots.entry_bound", lambda size: 40)
+    parent = await local.create(SandboxSpec())
+    await run(local, parent, "mkdir few many && touch few/f1 few/f2 && for i in $(seq 60); do : > many/$i; done")
+    with pytest.raises(SandboxSnapshotError, match="more than 40 entries"):
+        await local.snapshot(parent, paths=["many"])
+    assert snapshot_dirs(sandbox_base) == []  # nothing half-made left
+    kept = await local.snapshot(parent, paths=["few"])
+    assert [s.snapshot_id for s in await local.list_snapshots()] == [kept.snapshot_id]
+    await local.delete_snapshot(kept)
+
+
 async def test_paths_choose_what_is_kept_and_never_leave_the_sandbox(local: LocalProvider, sandbox_base: Path) -> None:
     parent = await local.create(SandboxSpec(workdir="work"))
     await run(local, parent, "mkdir -p keep skip && echo k > keep/k && echo s > skip/s && ln -s / root")
