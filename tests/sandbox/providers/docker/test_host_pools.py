@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -389,12 +390,13 @@ async def test_reap_from_another_provider_frees_the_uid(make: Callable[..., Dock
 
 @pytest.mark.parametrize("image_user", ["root:root", "0:1000", "00", "0", "root", "sandbox"])
 async def test_an_image_user_of_any_spelling_never_makes_commands_root(
-    provider: DockerProvider, image_user: str
+    make: Callable[..., DockerProvider], image_user: str
 ) -> None:
     """Images whose USER is root in spellings the old check missed (``root:root``, ``0:1000``, ``00``)
     and a named user run as the sandbox's own uid, like every other image."""
     cannot_hold("podman", "its Docker-compatible /commit (which makes the test's images) answers 500 here")
-    tag = f"sandbox-middleware/user-test:{abs(hash(image_user))}"
+    provider = make(prestart=False)  # no spare of the test's image: one would keep it from being removed
+    tag = f"sandbox-middleware/user-test:{uuid.uuid4().hex[:12]}"
     with engine() as client:
         base = client.post("/containers/create", json={"Image": PYTHON, "Cmd": ["true"]}).json()["Id"]
         try:
@@ -409,8 +411,10 @@ async def test_an_image_user_of_any_spelling_never_makes_commands_root(
         assert uid >= _uids.UID_BASE and ids[1] == ids[0] and ids[3:7] == [str(uid)] * 4, ids
         await provider.close(handle)
     finally:
-        with engine() as client:
-            client.delete(f"/images/{tag}", params={"force": "1"})
+        with engine() as client:  # by its id: the image itself goes, not only its tag (no dangling image left)
+            image = made.json()["Id"]
+            client.delete(f"/images/{image}", params={"force": "1"})
+            assert client.get(f"/images/{image}/json").status_code == 404
 
 
 async def test_output_that_looks_like_a_runtime_failure_is_the_commands_result(provider: DockerProvider) -> None:
