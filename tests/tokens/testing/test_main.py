@@ -3,11 +3,13 @@ Ctrl-C and SIGTERM, ``--help``, and every unusable script or option answered in 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -58,19 +60,29 @@ def test_a_script_and_options_are_served_in_order(tmp_path: Path) -> None:
     assert messages[3]["content"] == "Bye." and messages[4]["content"] not in {"Bye.", "It is noon."}
 
 
-def _serving(*options: str) -> tuple[subprocess.Popen[str], str]:
-    """The program started with ``options``, and the URL it printed."""
+@contextlib.contextmanager
+def _serving(*options: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """The program started with ``options``, and the URL it printed; killed on leaving the block if it
+    still runs (a test that failed before stopping it leaves no server behind)."""
     process = subprocess.Popen(
         [sys.executable, *PROGRAM, *options], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert process.stdout is not None
-    return process, process.stdout.readline().strip()
+    try:
+        assert process.stdout is not None
+        yield process, process.stdout.readline().strip()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_and_sigterm_stop_it_with_exit_0(stop: signal.Signals) -> None:
-    process, url = _serving("--port", "0", "--stream-delay", "30")
-    with httpx.Client() as client, client.stream("POST", url + "/chat/completions", json={**CHAT, "stream": True}):
+    with (
+        _serving("--port", "0", "--stream-delay", "30") as (process, url),
+        httpx.Client() as client,
+        client.stream("POST", url + "/chat/completions", json={**CHAT, "stream": True}),
+    ):
         process.send_signal(stop)  # with a stream under way, 30 s from its next event
         out, err = process.communicate(timeout=30)
     assert (process.returncode, out, err) == (0, "", "")
@@ -96,11 +108,11 @@ def test_sigint_stops_it_where_its_starter_ignored_sigint() -> None:
 
 
 def test_log_prints_one_line_per_request() -> None:
-    process, url = _serving("--port", "0", "--log")
-    httpx.post(url + "/chat/completions", json=CHAT)
-    httpx.get(url + "/nothing")
-    process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=30)
+    with _serving("--port", "0", "--log") as (process, url):
+        httpx.post(url + "/chat/completions", json=CHAT)
+        httpx.get(url + "/nothing")
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
     lines = err.splitlines()
     assert process.returncode == 0 and len(lines) == 2, err
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in lines[0] and '"GET /v1/nothing HTTP/1.1" 404' in lines[1]
