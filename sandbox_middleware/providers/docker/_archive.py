@@ -34,6 +34,7 @@ __all__ = [
     "check_named",
     "check_stat",
     "located",
+    "owned_stream",
     "padding",
     "tar_records",
     "tar_stream",
@@ -226,6 +227,117 @@ class TarEntries:
             del self._buffer[: len(piece)]
             self._data_left -= len(piece)
             yield piece
+
+
+_EXTENDED = frozenset(b"xgLK")  # PAX and GNU long-name headers: they apply to the entry that follows
+_DROPPED = frozenset(b"34")  # devices: a snapshot keeps none
+_PASSED = frozenset(b"\x00012567")  # regular (old and new spellings), links, directories, FIFOs, contiguous
+_CARRYING = frozenset(b"\x0007")  # the kinds followed by data: regular files (links, directories, FIFOs: none)
+_OWNERS = frozenset({"uid", "gid", "uname", "gname"})
+
+
+def _number(field: bytes | bytearray) -> int:
+    """A tar header's numeric field: octal digits, or GNU's base-256 (its first byte's top bit set)."""
+    if field[0] & 0x80:
+        return int.from_bytes(field[1:], "big")
+    digits = bytes(field).split(b"\0", 1)[0].strip()
+    return int(digits or b"0", 8)
+
+
+def _id_field(value: int) -> bytes:
+    """``value`` as a tar header's 8-byte uid or gid: octal where it fits, else base-256 (uids of the host pool)."""
+    return b"%07o\0" % value if value < 0o7777777 else b"\x80" + value.to_bytes(7, "big")
+
+
+async def owned_stream(
+    chunks: AsyncIterator[bytes], owner: tuple[int, int], what: str, batch: int = _CHUNK
+) -> AsyncIterator[bytes]:
+    """The tar stream ``chunks`` (the daemon's archive of a directory asked as ``<dir>/.``) passed on as it
+    is, each entry's owner made ``owner`` (its numeric ids; its names cleared) and its checksum redone: a
+    pass over the headers only, the data not parsed (``TarEntries`` costs that per byte). The root entry
+    (``./``, Docker's; Podman sends none) and devices are left out, with the extended headers before
+    them; an entry of another kind, or an extended header naming an owner, is ``SandboxError``. Sent in
+    pieces of about ``batch`` bytes, then the end-of-archive blocks."""
+    uid, gid = _id_field(owner[0]), _id_field(owner[1])
+    out = bytearray()
+    header = bytearray()  # the next header's bytes, as they arrive
+    held = bytearray()  # extended headers and their data, waiting for the entry they apply to
+    pax = bytearray()  # the data of the PAX header being read
+    left = 0  # bytes of the current entry's data and padding still to come
+    target: bytearray | None = out  # where they go: out, held (an extended header's), None (left out)
+    reading_pax = False
+    size: int | None = None  # a PAX size, for the entry that follows
+    ended = False
+    async for chunk in chunks:
+        position, length = 0, len(chunk)
+        view = memoryview(chunk)
+        while position < length and not ended:
+            if left:
+                taken = min(left, length - position)
+                piece = view[position : position + taken]
+                if target is not None:
+                    target += piece
+                if reading_pax:
+                    pax += piece
+                position += taken
+                left -= taken
+                if not left and reading_pax:
+                    size = _pax_size(bytes(pax), what, size)
+                    pax.clear()
+                    reading_pax = False
+                continue
+            taken = min(_BLOCK - len(header), length - position)
+            header += view[position : position + taken]
+            position += taken
+            if len(header) < _BLOCK:
+                break
+            block, header = header, bytearray()
+            if block.count(0) == _BLOCK:
+                ended = True
+                break
+            kind = block[156]
+            carried = _number(block[124:136])
+            if kind in _EXTENDED:
+                if carried > 1 << 20:
+                    raise SandboxError(f"{what} has an oversized extended header")
+                held += block
+                left, target, reading_pax = carried + (-carried) % _BLOCK, held, kind == ord("x")
+                continue
+            name = bytes(block[:100]).split(b"\0", 1)[0]
+            if kind in _DROPPED or (name in (b"./", b".") and not block[345]):  # a device, the root
+                target = None
+            elif kind in _PASSED:
+                block[108:116], block[116:124] = uid, gid
+                block[265:297] = block[297:329] = bytes(32)
+                block[148:156] = b" " * 8
+                block[148:156] = b"%06o\0 " % sum(block)
+                out += held
+                out += block
+                target = out
+            else:
+                raise SandboxError(f"{what} has an entry of a kind a snapshot cannot keep ({chr(kind)!r})")
+            carried = carried if size is None else size
+            left = carried + (-carried) % _BLOCK if kind in _CARRYING else 0
+            held.clear()
+            size = None
+        if len(out) >= batch:
+            yield bytes(out)
+            out.clear()
+    if left or header or held:
+        raise SandboxError(f"{what} ended early (the container went away?); nothing was copied: try again")
+    yield bytes(out + END)
+
+
+def _pax_size(data: bytes, what: str, size: int | None) -> int | None:
+    """The size a PAX header's records give the entry that follows (else ``size``); records naming an
+    owner are refused (the entry's owner is the one given, and a record would override it)."""
+    records = _pax_records(data.rstrip(b"\0"), what)
+    if _OWNERS & records.keys():
+        raise SandboxError(f"{what} has an extended header naming an owner; nothing was copied")
+    try:
+        return int(records["size"]) if "size" in records else size
+    except ValueError as exc:
+        raise SandboxError(f"{what} has a PAX size that is not a number") from exc
 
 
 def _pax_records(data: bytes, what: str) -> dict[str, str]:

@@ -29,7 +29,9 @@ holds nothing (its root is read-only), and Docker's commit would copy its config
   snapshot was taken of; a spare of its shape may serve it), and before it is handed out the archive
   is read from a *reader* container (created from the snapshot's image, never started, removed
   after) and written into its tmpfs directories through the archive API, every entry owned by its own
-  uid; the parent's work directory's part goes to the new sandbox's. The forks run their spec's image,
+  uid (``_archive.owned_stream``: the image's own archive passed on with its headers' owners set, its
+  data untouched: the entries were checked and rewritten when the snapshot was taken); the parent's
+  work directory's part goes to the new sandbox's. The forks run their spec's image,
   not the snapshot's, so a snapshot can be deleted while they run.
 - **Helpers** (the build and reader containers) carry the snapshot's labels and a deadline
   (``_ttl.EXPIRES``): removed by the call that made them, shielded, else by the TTL watchdog.
@@ -61,7 +63,7 @@ from ..._errors import (
 from ..._protocol import SandboxSnapshot
 from .._common._limits import entry_bound
 from ._api import EngineAPI, EngineError
-from ._archive import END, TarEntries, check_directory, check_named, located, padding
+from ._archive import END, TarEntries, check_directory, check_named, located, owned_stream, padding
 from ._container import META, Box, checked_metadata, label_keys
 from ._ttl import EXPIRES
 
@@ -192,18 +194,18 @@ def rooms(host: Mapping[str, Any]) -> dict[str, int]:
 
 
 async def _rewritten(
-    entries: TarEntries, rename: Callable[[str], str | None], owner: tuple[int, int], sizes: _Sizes
+    entries: TarEntries, rename: Callable[[str], str], owner: tuple[int, int], sizes: _Sizes
 ) -> AsyncIterator[bytes]:
-    """The entries of an archive the daemon made, renamed (``rename``: None leaves one out), owned by
-    ``owner``, with only what a snapshot keeps: directories, regular files, symlinks (their targets as
-    they are), hard links (renamed alike), FIFOs; permission bits without setuid and setgid."""
+    """The entries of an archive the daemon made, renamed (``rename``), owned by ``owner``, with only
+    what a snapshot keeps: directories, regular files, symlinks (their targets as they are), hard links
+    (renamed alike), FIFOs; permission bits without setuid and setgid."""
     batch = bytearray()  # sent in batches: a write per entry made the daemon's PUT twice as slow
     while (info := await entries.next()) is not None:
         if len(batch) >= _BATCH:
             yield bytes(batch)
             batch.clear()
         name = rename(info.name)
-        if name is None or info.type in (tarfile.CHRTYPE, tarfile.BLKTYPE):
+        if info.type in (tarfile.CHRTYPE, tarfile.BLKTYPE):
             continue
         if info.type not in _KEPT and info.type != tarfile.CONTTYPE:
             raise SandboxSnapshotError(f"the archive has an entry of a kind a snapshot cannot keep: {info.name!r:.200}")
@@ -217,10 +219,7 @@ async def _rewritten(
         if info.type == tarfile.SYMTYPE:
             out.linkname = info.linkname
         elif info.type == tarfile.LNKTYPE:
-            target = rename(info.linkname)
-            if target is None:
-                raise SandboxSnapshotError(f"the archive's hard link {info.name!r:.200} leads out of it")
-            out.linkname = target
+            out.linkname = rename(info.linkname)
         batch += out.tobuf(format=tarfile.PAX_FORMAT)
         sizes.add(info.size if regular else 0)
         if regular:
@@ -230,18 +229,16 @@ async def _rewritten(
     yield bytes(batch + END)
 
 
-def _renamer(source: str, prefix: Sequence[str], keep_root: bool) -> Callable[[str], str | None]:
+def _renamer(source: str, prefix: Sequence[str]) -> Callable[[str], str]:
     """Names of an archive whose entries start with the component ``source``: that component replaced by
-    the components ``prefix``; the entry of ``source`` itself left out unless ``keep_root``. A name
-    that does not start so, or has an empty, ``.`` or ``..`` component, is refused."""
+    the components ``prefix``. A name that does not start so, or has an empty, ``.`` or ``..``
+    component, is refused."""
 
-    def rename(name: str) -> str | None:
+    def rename(name: str) -> str:
         parts = name.split("/")
         if parts[0] != source or any(part in ("", ".", "..") for part in parts[1:]):
             raise SandboxSnapshotError(f"the daemon's archive has an entry outside {source!r}: {name!r:.200}")
-        if len(parts) == 1 and not keep_root:
-            return None
-        return "/".join([*prefix, *parts[1:]]) or "."
+        return "/".join([*prefix, *parts[1:]])
 
     return rename
 
@@ -361,7 +358,7 @@ class Snapshots:
             else:
                 check_named(header, str(full))
         names = [STATE.name, target.key, *target.parts]
-        rename = _renamer(full.name, names, keep_root=True)
+        rename = _renamer(full.name, names)
         what = f"snapshot {str(full)!r} of sandbox {container[:12]}"
         async with self._api.stream("GET", archive, what, params={"path": str(full)}) as reply:
             entries = TarEntries(reply.aiter_raw(), f"the daemon's archive of {str(full)!r}")
@@ -461,10 +458,9 @@ class Snapshots:
         try:
             for key in record.parts:
                 what = f"restore snapshot {snapshot_id[:12]} into {container[:12]}:{mounts[key]}"
-                params = {"path": str(STATE / key)}
+                params = {"path": f"{STATE / key}/."}  # its entries, named as below it (no renaming)
                 async with self._api.stream("GET", f"/containers/{reader}/archive", what, params=params) as reply:
-                    entries = TarEntries(reply.aiter_raw(), f"the archive of snapshot {snapshot_id[:12]}")
-                    content = _rewritten(entries, _renamer(key, [], keep_root=False), owner, _Sizes())
+                    content = owned_stream(reply.aiter_raw(), owner, f"the archive of snapshot {snapshot_id[:12]}")
                     target = {"path": str(mounts[key]), "noOverwriteDirNonDir": "true"}
                     await self._api.call(
                         "PUT", f"/containers/{container}/archive", what, params=target, content=content

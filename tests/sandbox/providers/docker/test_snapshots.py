@@ -422,9 +422,7 @@ async def _rewrite(archive: bytes, source: str, prefix: list[str]) -> list[tarfi
             yield archive[start : start + 333]
 
     entries = TarEntries(chunks(), "the test's archive")
-    out = b"".join(
-        [piece async for piece in _rewritten(entries, _renamer(source, prefix, keep_root=True), (7, 8), _Sizes())]
-    )
+    out = b"".join([piece async for piece in _rewritten(entries, _renamer(source, prefix), (7, 8), _Sizes())])
     with tarfile.open(fileobj=io.BytesIO(out)) as archive_out:
         return archive_out.getmembers()
 

@@ -19,7 +19,7 @@ import pytest
 
 from sandbox_middleware import SandboxError, SandboxPathError, SandboxTransferLimitError
 from sandbox_middleware.providers._common._limits import Limits
-from sandbox_middleware.providers.docker._archive import TarReader, check_stat, located
+from sandbox_middleware.providers.docker._archive import TarReader, check_stat, located, owned_stream
 from sandbox_middleware.providers.docker._container import UID, Plan, create_body
 from sandbox_middleware.providers.docker._daemons import Daemon
 from sandbox_middleware.providers.docker._exec import PidReader
@@ -330,3 +330,87 @@ async def test_inspect_takes_podmans_no_such_container_as_gone(
         finally:
             await api.aclose()
             tasks.cancel_scope.cancel()
+
+
+# --- a snapshot's archive restored with its owner set (owned_stream) ------------------------------
+
+
+def _tar(*members: tuple[tarfile.TarInfo, bytes], fmt: int = tarfile.PAX_FORMAT) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=fmt) as archive:
+        for info, data in members:
+            archive.addfile(info, io.BytesIO(data) if data else None)
+    return buffer.getvalue()
+
+
+def _entry(
+    name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", link: str = ""
+) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.mode, info.linkname = kind, len(data), 0o640, link
+    info.uname = info.gname = "root"
+    return info, data
+
+
+async def _owned(archive: bytes, piece: int, owner: tuple[int, int] = (1_509_320_808, 1_509_320_808)) -> bytes:
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(archive), piece):
+            yield archive[start : start + piece]
+
+    return b"".join([out async for out in owned_stream(chunks(), owner, "the test's archive", batch=4096)])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("piece", [1, 100, 512, 333, 1 << 20])
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+async def test_an_archive_restored_keeps_every_byte_and_takes_the_new_owner(piece: int, fmt: int) -> None:
+    """Docker's archive of ``<dir>/.``: its root ``./`` and devices are left out; every other entry keeps its
+    name (long ones too: PAX or GNU headers), kind, link, mode and data, and is the new owner's (a uid
+    of the host pool, past the octal field: base-256), however the stream is cut."""
+    long = "./" + "d" * 60 + "/" + "e" * 70 + "/f" if fmt != tarfile.USTAR_FORMAT else "./" + "d" * 90 + "/f"
+    blob = os.urandom(5000)
+    members = [
+        _entry("./", tarfile.DIRTYPE),
+        _entry("./" + long.split("/")[1], tarfile.DIRTYPE),
+        *([_entry("./" + "/".join(long.split("/")[1:3]), tarfile.DIRTYPE)] if long.count("/") > 2 else []),
+        _entry(long, data=blob),
+        _entry("./empty"),
+        _entry("./link", tarfile.SYMTYPE, link="/etc/passwd"),
+        _entry("./hard", tarfile.LNKTYPE, link=long),
+        _entry("./null", tarfile.CHRTYPE),
+        _entry("./fifo", tarfile.FIFOTYPE),
+    ]
+    out = await _owned(_tar(*members, fmt=fmt), piece)
+    with tarfile.open(fileobj=io.BytesIO(out)) as archive:  # checksums checked as it reads
+        got = archive.getmembers()
+        data = archive.extractfile(long)
+        assert data is not None and data.read() == blob
+    expected = [info.name for info, _ in members if info.name != "./" and info.type != tarfile.CHRTYPE]
+    assert [member.name for member in got] == [name.rstrip("/") for name in expected]
+    assert all((m.uid, m.gid, m.uname, m.gname) == (1_509_320_808, 1_509_320_808, "", "") for m in got)
+    assert [m.type for m in got][-3:] == [tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.FIFOTYPE]
+    assert got[-3].linkname == "/etc/passwd" and got[-2].linkname == long
+    assert all(member.mode == 0o640 for member in got)
+    assert out.endswith(b"\0" * 1024)
+
+
+@pytest.mark.anyio
+async def test_podmans_archive_without_a_root_entry_passes_and_small_ids_stay_octal() -> None:
+    out = await _owned(_tar(_entry("sub", tarfile.DIRTYPE), _entry("sub/f", data=b"x")), 7, owner=(1000, 1001))
+    with tarfile.open(fileobj=io.BytesIO(out)) as archive:
+        assert [(m.name, m.uid, m.gid) for m in archive.getmembers()] == [("sub", 1000, 1001), ("sub/f", 1000, 1001)]
+
+
+@pytest.mark.anyio
+async def test_what_a_restore_does_not_expect_is_refused() -> None:
+    owned = _entry("./f", data=b"x")
+    owned[0].pax_headers = {"uid": "0"}  # an extended header naming an owner would override the one set
+    with pytest.raises(SandboxError, match="naming an owner"):
+        await _owned(_tar(owned), 512)
+    sparse = _entry("./s")
+    sparse[0].type = tarfile.GNUTYPE_SPARSE
+    with pytest.raises(SandboxError, match="kind a snapshot cannot keep"):
+        await _owned(_tar(sparse, fmt=tarfile.GNU_FORMAT), 512)
+    whole = _tar(_entry("./f", data=b"y" * 2000))
+    with pytest.raises(SandboxError, match="ended early"):
+        await _owned(whole[:1024], 512)
