@@ -23,8 +23,8 @@ INSTALL = "apt-get install postgresql (PostgreSQL 15 server binaries) and pip in
 
 def postgres_problem() -> str | None:
     """Why a cluster cannot be started here (the skip reason), or None."""
-    if not (PG_BIN / "initdb").exists() or not (PG_BIN / "pg_ctl").exists():
-        return f"PostgreSQL server binaries are not in {PG_BIN}: {INSTALL}"
+    if not all(os.access(PG_BIN / name, os.X_OK) for name in ("initdb", "pg_ctl")):
+        return f"PostgreSQL server binaries are not in {PG_BIN} (or cannot run): {INSTALL}"
     if importlib.util.find_spec("psycopg") is None:
         return f"psycopg 3 is not installed: {INSTALL}"
     try:
