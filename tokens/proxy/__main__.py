@@ -19,7 +19,13 @@ from .._http import DEFAULT_MAX_RESPONSE_BYTES
 from ..records import RecordsError, RecordStore, open_store
 from ._app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from ._credentials import ROLLOUT_KEY_ENV
-from ._history import DEFAULT_PREVIOUS_BYTES, DEFAULT_PREVIOUS_RESPONSES, DEFAULT_TTL_S
+from ._history import (
+    DEFAULT_PREVIOUS_BYTES,
+    DEFAULT_PREVIOUS_RESPONSES,
+    DEFAULT_STORE_BYTES,
+    DEFAULT_STORE_RESPONSES,
+    DEFAULT_TTL_S,
+)
 from ._limits import DEFAULT_MAX_QUEUED, DEFAULT_MAX_REQUESTS, DEFAULT_MAX_ROLLOUT_REQUESTS, DEFAULT_QUEUE_TIMEOUT
 from ._server import bound_url, listen, serve, server_config
 
@@ -84,17 +90,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--previous-responses",
         type=int,
-        default=DEFAULT_PREVIOUS_RESPONSES,
         metavar="N",
-        help=f"turns kept in memory (without --store) for previous_response_id (default {DEFAULT_PREVIOUS_RESPONSES}; "
-        "0: none)",
+        help="turns kept for previous_response_id: in memory (default "
+        f"{DEFAULT_PREVIOUS_RESPONSES}), or with --store in the store, for every proxy over it together (default "
+        f"{DEFAULT_STORE_RESPONSES}); 0: none",
     )
     parser.add_argument(
         "--previous-bytes",
         type=int,
-        default=DEFAULT_PREVIOUS_BYTES,
         metavar="BYTES",
-        help=f"those turns' size together at most (default {DEFAULT_PREVIOUS_BYTES})",
+        help=f"those turns' size together at most (default {DEFAULT_PREVIOUS_BYTES} in memory, "
+        f"{DEFAULT_STORE_BYTES} in a store)",
     )
     parser.add_argument(
         "--max-response-bytes",

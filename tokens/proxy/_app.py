@@ -39,7 +39,7 @@ from ._answers import serve
 from ._credentials import RolloutKey
 from ._dialects import Dialect, dialects
 from ._errors import ProxyError
-from ._history import DEFAULT_PREVIOUS_BYTES, DEFAULT_PREVIOUS_RESPONSES, DEFAULT_TTL_S, ResponseHistory, history_for
+from ._history import DEFAULT_TTL_S, ResponseHistory, history_for
 from ._intake import Intake
 from ._limits import (
     DEFAULT_MAX_QUEUED,
@@ -142,8 +142,8 @@ def create_app(
     upstream_timeout: float = 600.0,
     connect_timeout: float = 10.0,
     client_timeout: float = 60.0,
-    previous_responses: int = DEFAULT_PREVIOUS_RESPONSES,
-    previous_bytes: int = DEFAULT_PREVIOUS_BYTES,
+    previous_responses: int | None = None,
+    previous_bytes: int | None = None,
     previous_ttl: float = DEFAULT_TTL_S,
     max_requests: int = DEFAULT_MAX_REQUESTS,
     max_rollout_requests: int = DEFAULT_MAX_ROLLOUT_REQUESTS,
@@ -174,10 +174,11 @@ def create_app(
     read (a stream's silence between events too), ``connect_timeout`` its connection, and a client
     that does not take an event within ``client_timeout`` is dropped. For ``previous_response_id``,
     the last ``previous_responses`` turns (0: none) of at most ``previous_bytes`` together are kept
-    in memory, each turn its own input and output only (and the answer it was, for
-    ``GET /v1/responses/{id}``); with a ``store`` that keeps them (a ``RecordStore``) they are kept
-    there instead, each for ``previous_ttl`` seconds, so that every proxy over the same store
-    continues every conversation.
+    in memory (default 1,024 turns, 256 MiB), each turn its own input and output only (and the
+    answer it was, for ``GET /v1/responses/{id}``); with a ``store`` that keeps them (a
+    ``RecordStore``) they are kept there instead, each for ``previous_ttl`` seconds, so that every
+    proxy over the same store continues every conversation, and the bounds are the store's, for
+    every proxy over it together (default a million turns, 16 GiB; the oldest evicted first).
 
     At most ``max_requests`` requests are served at once, ``max_rollout_requests`` of one rollout;
     up to ``max_queued`` more wait for a place (``queue_timeout`` seconds at most), the rest get 429
@@ -190,8 +191,8 @@ def create_app(
     max_response_bytes = check_limit("create_app", max_response_bytes)
     for name, value in (
         ("max_request_bytes", max_request_bytes),
-        ("previous_responses", previous_responses + 1),
-        ("previous_bytes", previous_bytes),
+        ("previous_responses", 1 if previous_responses is None else previous_responses + 1),
+        ("previous_bytes", 1 if previous_bytes is None else previous_bytes),
         ("max_requests", max_requests),
         ("max_rollout_requests", max_rollout_requests),
         ("max_queued", max_queued + 1),

@@ -12,9 +12,10 @@ so eviction takes a chain's latest turns before those they continue, and an evic
 later turn holds it);
 ``StoreHistory`` keeps them in a ``RecordStore`` (its ``token_responses`` table), so that every proxy
 over the same store (SQLite on one machine, PostgreSQL across several) continues every conversation,
-each turn for ``ttl_s`` seconds and at most ``max_turn_bytes``, a chain served up to ``max_chain_bytes``
-together; a turn past its time is gone for every proxy, and a chain with a turn gone (or over its
-bound) is refused (404), never served short.
+each turn for ``ttl_s`` seconds and at most ``max_turn_bytes``, the store's turns together at most
+``max_turns`` and ``max_bytes`` (the oldest evicted first), a chain served up to ``max_chain_bytes``
+together; a turn past its time or evicted is gone for every proxy, and a chain with a turn gone (or
+over its bound) is refused (404), never served short.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from ._errors import ProxyError, RequestRejectedError
 __all__ = [
     "DEFAULT_PREVIOUS_BYTES",
     "DEFAULT_PREVIOUS_RESPONSES",
+    "DEFAULT_STORE_BYTES",
+    "DEFAULT_STORE_RESPONSES",
     "DEFAULT_TTL_S",
     "MemoryHistory",
     "ResponseHistory",
@@ -43,6 +46,10 @@ logger = logging.getLogger("tokens.proxy")
 DEFAULT_PREVIOUS_RESPONSES = 1024
 DEFAULT_PREVIOUS_BYTES = 256 * 2**20
 """256 MiB of turns kept in memory (each its own input and output, encoded): a thousand turns of a few hundred KiB."""
+DEFAULT_STORE_RESPONSES = 1_000_000
+DEFAULT_STORE_BYTES = 16 * 2**30
+"""What a record store keeps of turns at most, for every proxy over it together: a million turns, 16 GiB
+(a store serves a cluster's rollouts; the oldest turns go first)."""
 DEFAULT_TTL_S = 86_400.0
 """A day: a store keeps each turn that long (an agent's episode is minutes to hours)."""
 MAX_TURN_BYTES = 16 * 2**20
@@ -134,18 +141,23 @@ class MemoryHistory:
 
 class StoreHistory:
     """Turns kept in a record store (``RecordStore.keep_response`` / ``response_chain``), each for
-    ``ttl_s`` seconds and at most ``max_turn_bytes``, a chain up to ``max_chain_bytes`` together; every
-    proxy over the store serves them."""
+    ``ttl_s`` seconds and at most ``max_turn_bytes``, ``max_turns`` and ``max_bytes`` of them together in
+    the store (every proxy's), a chain up to ``max_chain_bytes`` together; every proxy over the store
+    serves them."""
 
     def __init__(
         self,
         store: Any,
         ttl_s: float = DEFAULT_TTL_S,
+        max_turns: int = DEFAULT_STORE_RESPONSES,
+        max_bytes: int = DEFAULT_STORE_BYTES,
         max_turn_bytes: int = MAX_TURN_BYTES,
         max_chain_bytes: int = MAX_CHAIN_BYTES,
     ) -> None:
         self.store = store
         self.ttl_s = ttl_s
+        self.max_turns = max_turns
+        self.max_bytes = max_bytes
         self.max_turn_bytes = max_turn_bytes
         self.max_chain_bytes = max_chain_bytes
 
@@ -174,7 +186,16 @@ class StoreHistory:
             )
             return
         try:
-            await self.store.keep_response(response_id, encoded, previous, call_id, kept, ttl_s=self.ttl_s)
+            await self.store.keep_response(
+                response_id,
+                encoded,
+                previous,
+                call_id,
+                kept,
+                ttl_s=self.ttl_s,
+                max_turns=self.max_turns,
+                max_bytes=self.max_bytes,
+            )
         except RecordsError as exc:  # the answer still goes out (its record is written); a continuation gets 404
             logger.warning("tokens.proxy: keeping response %r in the record store failed: %s", response_id[:80], exc)
 
@@ -188,13 +209,22 @@ class StoreHistory:
         return _ANSWER.decode(kept)
 
 
-def history_for(store: Any, entries: int, max_bytes: int, ttl_s: float) -> ResponseHistory:
-    """The store's history when ``store`` keeps turns (a ``RecordStore``), else this process's memory
-    (``entries`` turns, ``max_bytes`` together)."""
+def history_for(store: Any, entries: int | None, max_bytes: int | None, ttl_s: float) -> ResponseHistory:
+    """The store's history when ``store`` keeps turns (a ``RecordStore``), else this process's memory:
+    ``entries`` turns at most (0: none kept anywhere), ``max_bytes`` together; None, the default of
+    where they are kept (``DEFAULT_STORE_*``, ``DEFAULT_PREVIOUS_*``)."""
     keeps = all(callable(getattr(store, name, None)) for name in ("keep_response", "response_chain", "kept_answer"))
-    if entries and keeps:
-        return StoreHistory(store, ttl_s)
-    return MemoryHistory(entries, max_bytes)
+    if entries != 0 and keeps:
+        return StoreHistory(
+            store,
+            ttl_s,
+            DEFAULT_STORE_RESPONSES if entries is None else entries,
+            DEFAULT_STORE_BYTES if max_bytes is None else max_bytes,
+        )
+    return MemoryHistory(
+        DEFAULT_PREVIOUS_RESPONSES if entries is None else entries,
+        DEFAULT_PREVIOUS_BYTES if max_bytes is None else max_bytes,
+    )
 
 
 def _size(turn: _Turn) -> int:

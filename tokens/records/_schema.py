@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["LATEST", "ddl"]
 
-LATEST = "token_responses"
+LATEST = "token_responses_usage"
 """The newest table: a store without it is migrated (every statement below run) on connect."""
 
 _DDL = (
@@ -31,6 +31,12 @@ _DDL = (
     "CREATE TABLE IF NOT EXISTS token_responses (response_id TEXT PRIMARY KEY, previous_id TEXT, "
     "model_call_id TEXT NOT NULL, items {blob} NOT NULL, answer {blob} NOT NULL, expires_at {float} NOT NULL)",
     "CREATE INDEX IF NOT EXISTS token_responses_expiry ON token_responses (expires_at)",
+    # What token_responses holds (its turns and their bytes), kept with every change so that the bound on
+    # the whole table is checked in one read: one row, counted from the table when it is made.
+    "CREATE TABLE IF NOT EXISTS token_responses_usage (id {int} PRIMARY KEY, turns {int} NOT NULL, "
+    "bytes {int} NOT NULL)",
+    "INSERT INTO token_responses_usage (id, turns, bytes) SELECT 1, COUNT(*), "
+    "COALESCE(SUM(LENGTH(items) + LENGTH(answer)), 0) FROM token_responses WHERE true ON CONFLICT (id) DO NOTHING",
 )
 
 

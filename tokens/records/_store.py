@@ -446,18 +446,49 @@ class RecordStore:
         answer: bytes,
         *,
         ttl_s: float,
+        max_turns: int = 1 << 62,
+        max_bytes: int = 1 << 62,
     ) -> None:
         """Keep one Responses turn (``items``: its own input and output, encoded; ``answer``: the
-        answer it was, encoded) continuing ``previous_id``, for ``ttl_s`` seconds; turns past their
-        time are deleted here."""
+        answer it was, encoded) continuing ``previous_id``, for ``ttl_s`` seconds. Turns past their
+        time are deleted here, and so are the oldest while the store keeps more than ``max_turns``
+        turns or ``max_bytes`` bytes (items and answers) together, the new one included: a chain
+        through an evicted turn ends there (``response_chain`` gives the turns after it)."""
         now = time.time()
 
         def work(cursor: Cursor) -> None:
-            cursor.execute("DELETE FROM token_responses WHERE expires_at < ?", (now,))
-            cursor.execute(
+            ((turns, size),) = cursor.execute(  # its row locked: the keeps of every client take turns
+                "SELECT turns, bytes FROM token_responses_usage WHERE id = 1" + self._backend.lock_suffix()
+            )
+            turns, size = int(turns), int(size)
+            for (freed,) in cursor.execute(
+                "DELETE FROM token_responses WHERE expires_at < ? RETURNING LENGTH(items) + LENGTH(answer)", (now,)
+            ):
+                turns, size = turns - 1, size - int(freed)
+            if cursor.execute(
                 "INSERT INTO token_responses (response_id, previous_id, model_call_id, items, answer, expires_at) "
-                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (response_id) DO NOTHING",
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (response_id) DO NOTHING RETURNING 1",
                 (response_id, previous_id, model_call_id, items, answer, now + ttl_s),
+            ):
+                turns, size = turns + 1, size + len(items) + len(answer)
+            while turns > max_turns or size > max_bytes:
+                oldest = cursor.execute(
+                    "SELECT response_id, LENGTH(items) + LENGTH(answer) FROM token_responses "
+                    "ORDER BY expires_at, response_id LIMIT 256"
+                )
+                if not oldest:  # nothing left to evict: the counts had drifted (a client that kept none)
+                    turns = size = 0
+                    break
+                evicted = []
+                for evicted_id, length in oldest:
+                    if turns <= max_turns and size <= max_bytes:
+                        break
+                    evicted.append(evicted_id)
+                    turns, size = turns - 1, size - int(length)
+                marks = ", ".join("?" * len(evicted))
+                cursor.execute(f"DELETE FROM token_responses WHERE response_id IN ({marks})", evicted)
+            cursor.execute(
+                "UPDATE token_responses_usage SET turns = ?, bytes = ? WHERE id = 1", (max(turns, 0), max(size, 0))
             )
 
         await self._run(work, f"keep_response {response_id[:80]!r}")

@@ -11,6 +11,7 @@ import socket
 import tracemalloc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,6 +21,7 @@ from anyio.abc import TaskGroup
 
 from tokens.proxy import create_app
 from tokens.proxy._server import listen
+from tokens.records import open_store
 
 from .test_hostile import call, exchange
 
@@ -121,6 +123,28 @@ async def test_the_turns_kept_are_bounded_in_bytes_and_hold_no_echoed_bundle() -
         assert status == 200 and follow["output"][-1]["generation_token_ids"] == [7]
     finally:
         await app.state.proxy.aclose()
+
+
+@pytest.mark.anyio
+async def test_with_a_store_the_bounds_are_the_store_s(tmp_path: Path) -> None:
+    """With a record store the turns live there, bounded there (``previous_responses`` for every proxy
+    over the store together): a third turn evicts the first, whose continuation is a 404, while the
+    latest chain is served."""
+    store = open_store(f"sqlite:///{tmp_path / 'records.db'}")
+    app = app_of(Canned(), store=store, previous_responses=2)
+    try:
+        ids = []
+        for _ in range(3):
+            status, answer = await respond(app, {"model": "tiny", "input": "q"})
+            assert status == 200
+            ids.append(answer["id"])
+        rows = await store._run(lambda cursor: cursor.execute("SELECT response_id FROM token_responses"), "ids")
+        assert sorted(row[0] for row in rows) == sorted(ids[1:])
+        assert (await respond(app, {"model": "tiny", "input": "z", "previous_response_id": ids[0]}))[0] == 404
+        assert (await respond(app, {"model": "tiny", "input": "z", "previous_response_id": ids[2]}))[0] == 200
+    finally:
+        await app.state.proxy.aclose()
+        await store.close()
 
 
 # -- requests at once ----------------------------------------------------------------------------

@@ -4,6 +4,8 @@ and a store made before the table existed gets it (the schema migration) with it
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.tokens.records.helpers import make_record
@@ -57,3 +59,43 @@ async def test_a_store_made_before_the_table_gets_it_and_keeps_its_records(store
         await store.keep_response("resp_a", b"[]", None, "c1", b"{}", ttl_s=60)
         assert await store.response_chain("resp_a", max_turns=1, max_bytes=2**20) == [("resp_a", None, b"[]", "c1")]
         assert [record_payload(entry) for entry in (await store.freeze("r1")).entries] == [record_payload(record)]
+
+
+async def test_the_store_keeps_at_most_its_bounds_of_turns_for_every_client_together(store_url: str) -> None:
+    """The oldest turns go first once the store holds more than ``max_turns`` turns or ``max_bytes``
+    bytes together (every client's); a chain through an evicted turn ends there, and the counts the
+    bound is checked against stay the table's own through expiry and eviction."""
+
+    async def kept(store: Any) -> list[str]:
+        rows = await store._run(lambda c: c.execute("SELECT response_id FROM token_responses"), "ids")
+        return sorted(row[0] for row in rows)
+
+    async def usage(store: Any) -> tuple[int, int]:
+        ((turns, size),) = await store._run(
+            lambda c: c.execute("SELECT turns, bytes FROM token_responses_usage WHERE id = 1"), "usage"
+        )
+        counted = await store._run(
+            lambda c: c.execute(
+                "SELECT COUNT(*), COALESCE(SUM(LENGTH(items) + LENGTH(answer)), 0) FROM token_responses"
+            ),
+            "count",
+        )
+        assert (int(turns), int(size)) == (int(counted[0][0]), int(counted[0][1]))
+        return int(turns), int(size)
+
+    async with open_store(store_url) as one, open_store(store_url) as two:
+        for turn in range(5):  # 10 bytes each (8 of items, 2 of answer), kept by two clients in turn
+            client = (one, two)[turn % 2]
+            previous = f"resp_{turn - 1}" if turn else None
+            await client.keep_response(f"resp_{turn}", b'["item"]', previous, f"c{turn}", b"{}", ttl_s=60, max_turns=3)
+        assert await kept(one) == ["resp_2", "resp_3", "resp_4"] and await usage(one) == (3, 30)
+        assert [t[0] for t in await two.response_chain("resp_4", max_turns=10, max_bytes=2**20)] == [
+            "resp_4",
+            "resp_3",
+            "resp_2",
+        ]  # the chain ends where the evicted turn was: its earliest kept turn still names it
+        await one.keep_response("resp_big", b"x" * 25, "resp_4", "cb", b"{}", ttl_s=60, max_bytes=40)  # 27 bytes
+        assert await kept(one) == ["resp_4", "resp_big"] and await usage(two) == (2, 37)
+        await two.keep_response("resp_gone", b"[]", None, "cg", b"{}", ttl_s=0.0)
+        await one.keep_response("resp_next", b"[]", None, "cn", b"{}", ttl_s=60)  # the expired one is deleted
+        assert await kept(two) == ["resp_4", "resp_big", "resp_next"] and await usage(one) == (3, 41)
