@@ -460,6 +460,7 @@ def remap_ranges() -> Iterator[str]:
                 path.write_text(path.read_text().replace(line, ""))
 
 
+@pytest.mark.xdist_group("userns-remap")  # its two backends in one worker: each adds and removes nobody's ranges
 async def test_a_daemon_remapping_uids_runs_each_sandbox_as_its_range_base_plus_its_own_uid(
     remap_ranges: str, make: Callable[..., DockerProvider]
 ) -> None:
