@@ -25,7 +25,7 @@ from ._exchange import Exchange, TokenizeFn
 from ._telemetry import SCOPE, SOURCE_ATTR, TokenInstruments
 from ._typed import decode_typed
 
-__all__ = ["Capture", "Post", "attach_bundles", "prepare_request", "server_root"]
+__all__ = ["Capture", "Post", "attach_bundles", "prepare_request", "server_root", "usage_asked"]
 
 SPAN_NAME = "tokens.chat_completion"
 
@@ -56,8 +56,7 @@ def prepare_request(body: Mapping[str, Any], *, request_token_ids: bool, streami
                 "stream=true: this call returns whole completions; send stream=false (or omit it), or stream "
                 "through TokenCaptureTransport"
             )
-        options = body.get("stream_options")
-        sent["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        sent["stream_options"] = usage_asked(body)
     sent.pop("prompt_logprobs", None)
     sent["logprobs"] = True
     sent["top_logprobs"] = 0
@@ -65,6 +64,12 @@ def prepare_request(body: Mapping[str, Any], *, request_token_ids: bool, streami
     if request_token_ids:
         sent["return_token_ids"] = True
     return sent
+
+
+def usage_asked(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A streamed request's ``stream_options`` with the final usage chunk asked (the chunk the bundles ride on)."""
+    options = body.get("stream_options")
+    return {**(options if isinstance(options, dict) else {}), "include_usage": True}
 
 
 def attach_bundles(body: dict[str, Any], bundles: Sequence[TokenBundle]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from _shared_telemetry import error_type
 
 from .._bundle import TokenCompletion
+from .._capture import usage_asked
 from .._errors import TokensError
 from .._http import read_body
 from .._stream import CapturedStream, open_stream
@@ -178,9 +179,8 @@ class Side:
             raise RequestRejectedError(f"n={n!r} with a rollout id: a record holds one choice; send n=1", param="n")
         logprobs = body.get("logprobs")
         sent = {**body, "return_token_ids": True, "logprobs": logprobs if isinstance(logprobs, int) else 0}
-        if stream:  # the usage chunk carries the bundles
-            options = body.get("stream_options")
-            sent["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        if stream:
+            sent["stream_options"] = usage_asked(body)
 
         async def finish(data: bytes) -> TokenCompletion:
             return extract_token_in(sent, data)
