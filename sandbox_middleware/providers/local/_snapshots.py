@@ -77,23 +77,22 @@ class Budget:
 
     def __init__(self, size: int | None) -> None:
         self.size = size
-        self.bytes = size
-        self.entries = None if size is None else entry_bound(size)
+        self.most = None if size is None else entry_bound(size)
+        self.entries = 0
         self.copied = 0
 
     def entry(self) -> None:
-        if self.entries is not None:
-            self.entries -= 1
-            if self.entries < 0:
-                raise SandboxSnapshotError(
-                    f"the files to snapshot are more than {entry_bound(self.size or 0)} entries, more than the "
-                    "sandbox's disk (disk_gib) holds at once; nothing was kept: snapshot fewer paths"
-                )
+        self.entries += 1
+        if self.most is not None and self.entries > self.most:
+            raise SandboxSnapshotError(
+                f"the files to snapshot are more than {self.most} entries, more than the sandbox's disk "
+                "(disk_gib) holds at once; nothing was kept: snapshot fewer paths"
+            )
 
     def took(self, size: int) -> None:
         self.copied += size
-        if self.bytes is not None:
-            self.bytes -= size
+        if self.size is not None and self.copied > self.size:
+            raise _over(self.size)
 
 
 def _copy_file(source: int, target: int, name: str, budget: Budget) -> None:
@@ -114,8 +113,6 @@ def _copy_file(source: int, target: int, name: str, budget: Budget) -> None:
         try:
             while sent := os.sendfile(out, fd, None, _CHUNK):
                 budget.took(sent)
-                if budget.bytes is not None and budget.bytes < 0:
-                    raise _over(budget.size or 0)
             os.fchmod(out, stat.S_IMODE(info.st_mode) & 0o1777)
             os.utime(out, ns=(info.st_atime_ns, info.st_mtime_ns))
         finally:
