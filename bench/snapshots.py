@@ -212,7 +212,8 @@ class Bench:
         args = self.args
         load = os.getloadavg()[0]
         cold, spare = await self.empty_creates()
-        provider = stack(self.provider(), recommended_middleware())
+        spares = {"spares": args.spares} if args.provider == "local" else {}
+        provider = stack(self.provider(**spares), recommended_middleware())
         try:
             prepared, snapshot, forked, one_copy, forks_held = await self.fork(provider)
             prepare_time, prepare_held = await self.every_time(provider, self.prepare)
@@ -251,6 +252,7 @@ class Bench:
         print(
             f"snapshots, {args.provider} provider: a state of {args.megabytes} MB in {args.files:,} files, {n} "
             f"sandboxes holding it (load {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)"
+            + (f"; the provider keeps {args.spares} spares" if args.provider == "local" else "")
         )
         for label, value, rest in rows:
             print(f"  {label + ':':<34} {value:>10}   {rest}")
@@ -266,7 +268,12 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=10_000)
     parser.add_argument("--megabytes", type=int, default=200)
     parser.add_argument("--forks", type=int, default=8)
+    parser.add_argument(
+        "--spares", type=int, default=None, help="LocalProvider's spares (default: --forks, the group recipe's)"
+    )
     args = parser.parse_args()
+    if args.spares is None:
+        args.spares = args.forks
     with tempfile.TemporaryDirectory(prefix="bench-snapshots-") as scratch:
         anyio.run(Bench(args, Path(scratch)).run)
 

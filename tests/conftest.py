@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from sandbox_middleware.providers.local._mounts import mounts_under, unmount
+
 from .bwrap import bwrap_problem, only_bwrap_unavailable, required, unavailable
 from .vllm.server import require_vllm_python, running_server
 
@@ -117,4 +119,6 @@ def sandbox_base() -> Iterator[Path]:
     yield base / "boxes"
     if (base / "boxes").is_dir() and any((base / "boxes").iterdir()):
         gc.collect()  # a provider the test dropped without aclose removes its spare (its finalizer)
+    for point in mounts_under(base):  # the layers of a snapshot a test kept (a sandbox's tmpfs goes with it)
+        unmount(point)
     shutil.rmtree(base, ignore_errors=True)

@@ -1,9 +1,10 @@
-"""Spares: one sandbox of the shape the last create asked for, made ahead in one background thread.
+"""Spares: sandboxes of the shape the last create asked for, made ahead in one background thread.
 
 A provider whose create spends most of its time in something a sandbox needs before anything runs
 in it (LocalProvider: its command starter's start; DockerProvider: the container's create and
-start) keeps one of the shape last asked for ready, so the next create of that shape takes it; the
-next spare is made behind it (``refill_after_s`` later), one at a time, in one thread that serves
+start) keeps ``count`` of the shape last asked for ready (one by default), so the next creates of
+that shape take them; the next are made behind them (``refill_after_s`` later), one at a time, in one
+thread that serves
 every provider of the process. What makes sandboxes interchangeable (the ``Shape``), how one is
 made, told usable and removed, and what keeps an untaken spare out of ``list`` are the provider's
 (``local/_spares.py``, ``docker/_spares.py``). A spare has run nothing the caller asked for.
@@ -46,13 +47,16 @@ class Spares(Generic[Shape, Item]):
         make: weakref.WeakMethod[Callable[[Shape], Item]],
         discard: Callable[[Item], None],
         *,
+        count: int = 1,
         refill_after_s: float = 0.2,
     ) -> None:
         self._make = make
         self._discard = discard
+        self._count = count
         self._refill_after_s = refill_after_s
         self._lock = threading.Condition()
-        self._ready: tuple[Shape, Item] | None = None
+        self._shape: Shape | None = None  # the shape of the spares kept
+        self._ready: list[Item] = []
         self._making = False
         self._closed = threading.Event()  # set by close: no spare is kept any more, a refill waiting gives up
         self._filler = 0  # the maker thread's ident, once it made one
@@ -62,36 +66,47 @@ class Spares(Generic[Shape, Item]):
         return True
 
     def offer(self, shape: Shape, item: Item) -> None:
-        """Keep ``item`` as the spare of ``shape``; it is removed instead once closed or when one is kept."""
+        """Keep ``item`` as a spare of ``shape``; it is removed instead once closed, when ``count`` are
+        kept, or when those kept have another shape."""
         with self._lock:
-            keep = not self._closed.is_set() and self._ready is None
+            keep = not self._closed.is_set() and len(self._ready) < self._count
+            keep = keep and (not self._ready or self._shape == shape)
             if keep:
-                self._ready = (shape, item)
+                self._shape = shape
+                self._ready.append(item)
         if not keep:
             self._discard(item)
 
     def take(self, shape: Shape) -> Item | None:
-        """The spare, if it has ``shape`` and is usable (else None: one of another shape is removed)."""
-        with self._lock:
-            ready, self._ready = self._ready, None
-        if ready is None:
-            return None
-        if ready[0] == shape and self.usable(ready[1]):
-            return ready[1]
-        self.discard(ready[1])
-        return None
+        """A spare, if those kept have ``shape`` and one is usable (else None: those of another shape,
+        and unusable ones, are removed)."""
+        while True:
+            with self._lock:
+                if not self._ready:
+                    return None
+                fits = self._shape == shape
+                unfit = [self._ready.pop(0)] if fits else self._ready
+                if not fits:
+                    self._ready = []
+            if fits and self.usable(unfit[0]):
+                return unfit[0]
+            for item in unfit:
+                self.discard(item)
+            if not fits:
+                return None
 
     def discard(self, item: Item) -> None:
         """Remove a spare taken but found unfit, in the maker thread."""
         self._submit(self._discard, item)
 
     def refill(self, shape: Shape) -> None:
-        """After a create of ``shape`` succeeded: make a spare of that shape, unless one is kept or being made."""
+        """After a create of ``shape`` succeeded: make spares of that shape until ``count`` are kept,
+        unless they are being made."""
         with self._lock:
-            if self._closed.is_set() or self._making or self._ready is not None:
+            if self._closed.is_set() or self._making or (self._shape == shape and len(self._ready) >= self._count):
                 return
             self._making = True
-        if not self._submit(self._fill, shape):
+        if not self._submit(self._fill, shape, self._refill_after_s):
             with self._lock:
                 self._making = False
                 self._lock.notify_all()
@@ -105,15 +120,26 @@ class Spares(Generic[Shape, Item]):
             return False
         return True
 
-    def _fill(self, shape: Shape) -> None:
+    def _fill(self, shape: Shape, after_s: float) -> None:
+        """Make spares of ``shape`` after ``after_s``, one after another, until ``count`` are kept."""
         self._filler = threading.get_ident()
         try:
-            make = None if self._closed.wait(self._refill_after_s) else self._make()
-            if make is None:  # closed meanwhile, or the provider is gone
+            if self._closed.wait(after_s):
                 return
-            item = make(shape)
-            del make  # the provider's last reference may be this one: its finalizer closes us here
-            self.offer(shape, item)
+            while True:
+                with self._lock:
+                    if (
+                        self._closed.is_set()
+                        or (self._ready and self._shape != shape)
+                        or len(self._ready) >= self._count
+                    ):
+                        return
+                make = self._make()
+                if make is None:  # the provider is gone
+                    return
+                item = make(shape)
+                del make  # the provider's last reference may be this one: its finalizer closes us here
+                self.offer(shape, item)
         finally:
             with self._lock:
                 self._making = False
@@ -123,7 +149,7 @@ class Spares(Generic[Shape, Item]):
         """Wait until no spare is being made (at most ``timeout_s``): whether one is kept now."""
         with self._lock:
             self._lock.wait_for(lambda: not self._making, timeout=timeout_s)
-            return self._ready is not None
+            return bool(self._ready)
 
     def close(self) -> None:
         """Make no more spares and remove the one kept, after the one being made, if any (blocking)."""
@@ -131,9 +157,9 @@ class Spares(Generic[Shape, Item]):
         with self._lock:
             if threading.get_ident() != self._filler:  # in the maker thread, the spare made is removed by offer
                 self._lock.wait_for(lambda: not self._making, timeout=_MAKE_TIMEOUT_S)
-            ready, self._ready = self._ready, None
-        if ready is not None:
-            self._discard(ready[1])
+            ready, self._ready = self._ready, []
+        for item in ready:
+            self._discard(item)
 
     def _logged(self, work: Callable[..., None], *args: object) -> None:
         """Run background work; a failure is logged (a create of that shape fails the same way, and says why)."""

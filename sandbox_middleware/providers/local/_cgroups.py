@@ -16,7 +16,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,7 @@ __all__ = ["MEMORY_RESERVE", "CgroupBackend", "MemoryBudget", "file_max"]
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _PARENT = "sandbox-middleware"
 _UNLIMITED = 2**62
+_FREEZE_S = 1.0  # how long a freeze may take before a snapshot gives up on it (idle processes take microseconds)
 _KILL_ROUND_S = 0.005  # one round of kill: the processes read are waited for this long at most
 _MiB = 1 << 20
 MEMORY_RESERVE = (256 * _MiB, 10)  # kept free for the trainer: the larger of 256 MiB and 1/10 of the tightest limit
@@ -37,9 +38,9 @@ MEMORY_RESERVE = (256 * _MiB, 10)  # kept free for the trainer: the larger of 25
 class _Controller:
     """Where one resource's limit is written, per cgroup version."""
 
-    resource: str  # memory | pids | cpu
+    resource: str  # memory | pids | cpu | freezer (no limit: it stops the sandbox still for a snapshot)
     v1_hierarchy: str
-    write: Callable[[Path, Limits], None]
+    write: Callable[[Path, Limits], None] | None
 
 
 def _write(path: Path, value: str) -> None:
@@ -80,6 +81,7 @@ _V1 = (
     _Controller("memory", "memory", _memory_v1),
     _Controller("pids", "pids", _pids),
     _Controller("cpu", "cpu", _cpu_v1),
+    _Controller("freezer", "freezer", None),  # v2 freezes every group (cgroup.freeze)
 )
 _V2 = (
     _Controller("memory", "", _memory_v2),
@@ -171,8 +173,8 @@ class CgroupBackend:
             except OSError:
                 continue
             self._parents[controller.resource] = parent
-        self.resources = frozenset(self._parents)
-        self.version = "v1" if self._parents else None
+        self.resources = frozenset(self._parents) - {"freezer"}
+        self.version = "v1" if self.resources else None
         self._cap_pids()
 
     def _init_v2(self, root: Path, own: str) -> None:
@@ -281,7 +283,7 @@ class CgroupBackend:
                     parent.mkdir(exist_ok=True)  # another process may have removed an empty one
                     group.mkdir()
                     groups[group] = None
-                if _limit_of(controller.resource, limits) is not None:
+                if controller.write is not None and _limit_of(controller.resource, limits) is not None:
                     controller.write(group, limits)
         except OSError as exc:
             self.remove(list(groups))
@@ -297,6 +299,62 @@ class CgroupBackend:
         """The existing groups of sandbox ``sandbox_id`` (derived from its id, never taken from a record)."""
         return [group for group in dict.fromkeys(p / sandbox_id for p in self._parents.values()) if group.is_dir()]
 
+    @contextlib.contextmanager
+    def frozen(self, groups: Sequence[Path]) -> Iterator[bool]:
+        """Freeze every process of the sandbox whose groups are ``groups`` (none runs until the block
+        ends; what was in a system call finishes it first); yields whether they were frozen (False:
+        no freezer here, or not frozen within ``_FREEZE_S``). They are thawed on the way out."""
+        if self.version == "v2":
+            group, control, on, off = (groups[0] if groups else None), "cgroup.freeze", "1", "0"
+        else:
+            parent = self._parents.get("freezer")
+            group = next((g for g in groups if g.parent == parent), None)
+            control, on, off = "freezer.state", "FROZEN", "THAWED"
+        if group is None:
+            yield False
+            return
+        try:
+            _write(group / control, on)
+        except OSError:
+            yield False
+            return
+        try:
+            yield self._wait_frozen(group)
+        finally:
+            with contextlib.suppress(OSError):  # a group removed meanwhile has nothing left to thaw
+                _write(group / control, off)
+
+    def _wait_frozen(self, group: Path) -> bool:
+        deadline = time.monotonic() + _FREEZE_S
+        while True:
+            try:
+                if self.version == "v2":
+                    done = "frozen 1" in (group / "cgroup.events").read_text().splitlines()
+                else:
+                    done = (group / "freezer.state").read_text().strip() == "FROZEN"
+            except OSError:
+                return False
+            if done or time.monotonic() > deadline:
+                return done
+            time.sleep(0.0002)
+
+    @staticmethod
+    def commands_running(groups: Sequence[Path]) -> bool:
+        """Whether a command (or something it started) is alive in the sandbox of ``groups``: a process
+        three PID namespaces deep (ours, the sandbox's, its command's) that is not its command's init.
+        The starter, bwrap and idle command inits are not commands."""
+        for pid in _read_procs(groups[0]) if groups else []:
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            for line in status.splitlines():
+                if line.startswith("NSpid:"):
+                    levels = line.split()[1:]
+                    if len(levels) >= 3 and levels[-1] != "1":
+                        return True
+        return False
+
     @staticmethod
     def kill(groups: list[Path]) -> None:
         """SIGKILL every process in ``groups``, repeating until none is left (forks race the reads).
@@ -306,6 +364,8 @@ class CgroupBackend:
         for group in groups:
             with contextlib.suppress(OSError):
                 (group / "cgroup.kill").write_text("1")
+            with contextlib.suppress(OSError):  # v1: a frozen process takes no signal (its snapshot's maker died)
+                (group / "freezer.state").write_text("THAWED")
         for _ in range(100):
             pids = {int(pid) for group in groups for pid in _read_procs(group)}
             if not pids:

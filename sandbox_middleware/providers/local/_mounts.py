@@ -12,16 +12,28 @@ import struct
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .._common._limits import entry_bound
 from ._bwrap import HOST_ENV
 
-__all__ = ["bind_nosuid", "is_mount_point", "mount_overlay", "mount_tmpfs", "probe_tmpfs", "unmount"]
+__all__ = [
+    "bind_nosuid",
+    "clone_readonly",
+    "is_mount_point",
+    "mount_overlay",
+    "mount_tmpfs",
+    "mounts_under",
+    "probe_tmpfs",
+    "share",
+    "unmount",
+]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MNT_DETACH = 2, 4, 32, 4096, 2
+_MS_PRIVATE, _MS_SHARED = 1 << 18, 1 << 20
 # The new mount API (Linux 5.12+ for idmapped mounts; one syscall number on every architecture).
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
 _OPEN_TREE_CLONE, _OPEN_TREE_CLOEXEC, _AT_EMPTY_PATH, _AT_FDCWD = 1, os.O_CLOEXEC, 0x1000, -100
@@ -65,9 +77,9 @@ def _check(result: int, what: str, target: Path) -> None:
         raise OSError(code, f"{what}: {os.strerror(code)}", str(target))
 
 
-def _userns_mapping(uid: int) -> int:
-    """A descriptor of a user namespace mapping uid and gid 0 (root's, this process's) to ``uid``, nothing else:
-    made by a short-lived ``unshare --user`` (this process has threads: it cannot unshare itself)."""
+def _userns_mapping(owner: int, uid: int) -> int:
+    """A descriptor of a user namespace mapping uid and gid ``owner`` to ``uid``, nothing else: made by a
+    short-lived ``unshare --user`` (this process has threads: it cannot unshare itself)."""
     child = subprocess.Popen(
         ["unshare", "--user", "cat"],
         stdin=subprocess.PIPE,
@@ -82,7 +94,7 @@ def _userns_mapping(uid: int) -> int:
             if child.poll() is not None or time.monotonic() > deadline:
                 raise OSError(f"unshare --user did not make a user namespace (exit status {child.returncode})")
             time.sleep(0.0005)
-        for name, text in (("uid_map", f"0 {uid} 1"), ("setgroups", "deny"), ("gid_map", f"0 {uid} 1")):
+        for name, text in (("uid_map", f"{owner} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{owner} {uid} 1")):
             with open(f"/proc/{child.pid}/{name}", "w") as file:
                 file.write(text)
         return os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
@@ -91,12 +103,17 @@ def _userns_mapping(uid: int) -> int:
         child.wait()
 
 
-def _mount_idmapped(source: Path, target: Path, uid: int) -> None:
-    """Mount ``source`` at ``target`` read-only (nosuid, nodev), every file of root's (ours) seen as ``uid``'s."""
-    flags = _MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
-    userns = _userns_mapping(uid)
+def clone_readonly(source: Path, target: Path, owner: int | None = None, uid: int | None = None) -> None:
+    """Mount the tree at ``source`` (the mount there, or a directory of one) again at ``target``: read-only,
+    nosuid, nodev and private (nothing mounted on ``source`` later shows at ``target``). With ``uid``,
+    idmapped: every file of ``owner``'s seen as ``uid``'s."""
+    flags = _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
+    userns = None
+    if uid is not None and owner is not None and owner != uid:
+        userns = _userns_mapping(owner, uid)
+        flags |= _MOUNT_ATTR_IDMAP
     try:
-        attr = struct.pack("=QQQQ", flags, 0, 0, userns)  # struct mount_attr
+        attr = struct.pack("=QQQQ", flags, 0, _MS_PRIVATE, 0 if userns is None else userns)  # struct mount_attr
         tree = _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC)
         _check(tree, "open_tree", source)
         try:
@@ -107,33 +124,49 @@ def _mount_idmapped(source: Path, target: Path, uid: int) -> None:
         finally:
             os.close(tree)
     finally:
-        os.close(userns)
+        if userns is not None:
+            os.close(userns)
 
 
-def mount_overlay(lower: Path, outer: Path, uid: int | None) -> None:
-    """Mount a copy-on-write view of the tree ``lower`` at ``outer/box`` (nosuid, nodev): reads come from
-    ``lower``, which is never written, and writes go to ``outer/upper`` (``outer``'s filesystem: the
-    sandbox's own tmpfs). With ``uid``, the lower tree (this process's files) is seen through an idmapped
-    mount at ``outer/lower`` as ``uid``'s, so the sandbox owns every file it starts with."""
-    if uid is not None:
-        _mount_idmapped(lower, outer / "lower", uid)
-        lower = outer / "lower"
-    options = f"lowerdir={lower},upperdir={outer / 'upper'},workdir={outer / 'work'}".encode()
-    _mount(b"overlay", outer / "box", b"overlay", _MS_NOSUID | _MS_NODEV, options)
+def share(target: Path) -> None:
+    """Make directory ``target`` a shared mount of its own (nosuid, nodev): a sandbox's view of it (bwrap's
+    bind, a slave) then shows what is mounted on it later, as a fork's or a snapshot's files are."""
+    bind_nosuid(target)
+    try:
+        _mount(None, target, None, _MS_SHARED, None)
+    except OSError:
+        unmount(target)
+        raise
+
+
+def mount_overlay(lowers: Sequence[Path], upper: Path, work: Path, target: Path) -> None:
+    """Mount a copy-on-write view at ``target`` (nosuid, nodev): reads from the read-only trees ``lowers``
+    (the first on top), never written, and writes to ``upper`` (``work``: overlayfs's own, beside it)."""
+    lowerdir = ":".join(str(lower) for lower in lowers)
+    options = f"lowerdir={lowerdir},upperdir={upper},workdir={work}".encode()
+    _mount(b"overlay", target, b"overlay", _MS_NOSUID | _MS_NODEV, options)
+
+
+def _mount_points() -> Iterator[bytes]:
+    """Every mount point of this process's mount namespace, in the order mounted (``/proc/self/mountinfo``)."""
+    with open("/proc/self/mountinfo", "rb") as mountinfo:
+        for line in mountinfo:
+            yield line.split(b" ", 5)[4].replace(b"\\040", b" ").replace(b"\\011", b"\t").replace(b"\\012", b"\n")
+
+
+def mounts_under(top: Path) -> list[Path]:
+    """The mount points strictly below ``top``, the last mounted first (the order to unmount them in)."""
+    prefix = os.fsencode(top).rstrip(b"/") + b"/"
+    return [Path(os.fsdecode(point)) for point in _mount_points() if point.startswith(prefix)][::-1]
 
 
 def is_mount_point(path: Path) -> bool:
     """Whether ``path`` is a mount point (``os.path.ismount`` misses a bind mount of a directory onto itself)."""
     target = os.fsencode(path)
     try:
-        with open("/proc/self/mountinfo", "rb") as mountinfo:
-            for line in mountinfo:
-                point = line.split(b" ", 5)[4]
-                if point.replace(b"\\040", b" ").replace(b"\\011", b"\t").replace(b"\\012", b"\n") == target:
-                    return True
+        return any(point == target for point in _mount_points())
     except (OSError, IndexError):
         return os.path.ismount(path)
-    return False
 
 
 def probe_tmpfs() -> bool:

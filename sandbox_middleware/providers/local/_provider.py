@@ -69,7 +69,7 @@ from ._commands import run_command, run_process
 from ._descriptors import DESCRIPTOR_KEYS, sign, verified_body
 from ._enforcement import Enforcement
 from ._launch import OOM_SCORE_ADJ, STARTER_OOM_SCORE_ADJ, Launch
-from ._mounts import bind_nosuid, is_mount_point, mount_tmpfs, probe_tmpfs
+from ._mounts import bind_nosuid, is_mount_point, mount_tmpfs, probe_tmpfs, share
 from ._records import (
     RECORD,
     SANDBOX_ID,
@@ -90,7 +90,7 @@ from ._records import (
     write_maker,
     write_private,
 )
-from ._snapshots import SNAPSHOT_ID, fill, held, listed, release, retired, take
+from ._snapshots import MAX_LAYERS, SNAPSHOT_ID, fill, held, listed, release, retired, rotate, take
 from ._snapshots import delete as delete_tree
 from ._spares import Spares
 from ._supervisor import CommandStarter, find_python
@@ -143,6 +143,7 @@ class LocalProvider(ProviderBase):
         max_transfer_bytes=Bound(0, strict=True, whole=True, high=2**53),
         sandbox_uid=Bound(0, strict=True, whole=True, high=2**32 - 2, optional=True),  # never root, never -1
         nofile=Bound(16, whole=True, high=2**20),  # bwrap and bash need a few descriptors
+        spares=Bound(1, whole=True, high=64),
     )
 
     def __init__(
@@ -163,6 +164,7 @@ class LocalProvider(ProviderBase):
         sandbox_uid: int | None = None,
         nofile: int = 256,
         prestart: bool = True,
+        spares: int = 1,
     ) -> None:
         # What pickling sends (a Ray actor builds its own provider from it): options, not sandboxes.
         self._options: dict[str, Any] = {
@@ -181,6 +183,7 @@ class LocalProvider(ProviderBase):
             "sandbox_uid": sandbox_uid,
             "nofile": nofile,
             "prestart": prestart,
+            "spares": spares,
         }
         if isolation not in ("none", "bwrap"):
             raise SandboxArgumentError(f"LocalProvider: isolation must be 'none' or 'bwrap', not {isolation!r}")
@@ -229,10 +232,11 @@ class LocalProvider(ProviderBase):
         )
         self._python: str | None = None
         self._starting = threading.Lock()  # one starter per sandbox adopted from another process
+        self._rotating = threading.Lock()  # one snapshot without a copy at a time (each takes milliseconds)
         self._sweep()
         self._spares: Spares[Shape] | None = None
         if self._bwrap is not None and prestart:  # removed with this provider, if not at aclose (or at exit)
-            self._spares = Spares(weakref.WeakMethod(self._make_spare), partial(discard, self._base))
+            self._spares = Spares(weakref.WeakMethod(self._make_spare), partial(discard, self._base), count=spares)
             weakref.finalize(self, self._spares.close)
         if self._bwrap is not None:
             self._python = find_python([*SYSTEM_DIRS, *self._ro_paths])
@@ -347,15 +351,19 @@ class LocalProvider(ProviderBase):
         ports: Iterable[int],
         ttl: float | None,
         metadata: dict[str, str],
-        fork: tuple[str, Path] | None = None,
+        fork: tuple[str, list[tuple[Path, int]]] | None = None,
     ) -> Box:
-        """A sandbox of ``shape`` for a create: the spare when it has that shape, else a new one; then the
-        next spare of that shape is made in the background. A ``fork`` (its snapshot's id and tree) is
-        always a new one, its files the tree's, and makes no spare."""
-        box = self._spares.take(shape) if self._spares is not None and fork is None else None
+        """A sandbox of ``shape`` for a create: a spare when one has that shape, else a new one; then the
+        next spare of that shape is made in the background. A ``fork`` (its snapshot's id and layers)
+        gets the snapshot's files mounted on its (empty) files once it runs."""
+        box = self._spares.take(shape) if self._spares is not None else None
         if box is None:
-            box = self._prepare(shape, fork)
+            box = self._prepare(shape)
         try:
+            if fork is not None:  # on the running sandbox: its view of box/ shows what is mounted there
+                box.snapshot = fork[0]
+                box.layers = fill(box.outer, fork[1], box.uid, self._tmpfs)
+                box.upper = "upper" if box.layers is not None else None
             box.env, box.cwd, box.ports, box.metadata = env, cwd, tuple(ports), metadata
             box.created = time.time()
             box.deadline = None if ttl is None else time.monotonic() + ttl
@@ -371,24 +379,24 @@ class LocalProvider(ProviderBase):
                 suffix = f"; could not remove {leftovers}" if leftovers else ""
                 raise SandboxCreateError(f"LocalProvider: cannot create a sandbox: {exc}{suffix}") from exc
             raise
-        if self._spares is not None and fork is None:
+        if self._spares is not None:
             self._spares.refill(shape)
         return box
 
     def _make_fork(self, make: Callable[..., Box], snapshot: SandboxSnapshot, limits: Limits) -> Box:
         """``make`` a sandbox whose files start as ``snapshot``'s (blocking), the snapshot kept from
         deletion until the fork has its record, which names it."""
-        with held(self._base, snapshot, self.name) as tree:
+        with held(self._base, snapshot, self.name) as layers:
             if limits.disk_bytes is not None and snapshot.size_bytes > limits.disk_bytes:
                 raise SandboxSnapshotError(
                     f"LocalProvider: snapshot {snapshot.snapshot_id!r} holds {snapshot.size_bytes} bytes, more than "
                     f"this sandbox's disk limit of {limits.disk_bytes} bytes (disk_gib); give it a larger disk_gib"
                 )
-            return make((snapshot.snapshot_id, tree))
+            return make((snapshot.snapshot_id, layers))
 
-    def _prepare(self, shape: Shape, fork: tuple[str, Path] | None = None) -> Box:
-        """A new sandbox of ``shape``: its directory, cgroups, mount, uid, files (a ``fork``'s: its
-        snapshot's) and starter (blocking)."""
+    def _prepare(self, shape: Shape) -> Box:
+        """A new sandbox of ``shape``: its directory, cgroups, mount (box/ a shared mount of its own, for
+        a fork's files to be mounted on), uid and starter (blocking)."""
         limits, view_root = shape
         sandbox_id = f"local-{uuid.uuid4().hex[:12]}"
         cgroups: list[Path] = []
@@ -408,8 +416,8 @@ class LocalProvider(ProviderBase):
                 bind_nosuid(outer)
                 mounted = True
             lay_out(outer, uid)
-            if fork is not None:  # before its starter, whose bwrap shows box/ as it is then
-                fill(outer, fork[1], uid, self._tmpfs)
+            if mounted:
+                share(outer / "box")
             box = Box(
                 outer=outer,
                 view_root=view_root,
@@ -425,7 +433,6 @@ class LocalProvider(ProviderBase):
                 created=time.time(),
                 launch=self._enforcement.launch(limits, cgroups, uid),
                 lease=lease,
-                snapshot=None if fork is None else fork[0],
             )
             if self._bwrap is not None:
                 try:
@@ -711,6 +718,8 @@ class LocalProvider(ProviderBase):
                 limits, cgroups, uid if self._bwrap is not None and self._bwrap.drops_privileges else None
             ),
             snapshot=snapshot,
+            # box/ alone, or an overlay whose layers another process knows (a snapshot of it is a copy here)
+            layers=[] if os.stat(outer / "box").st_dev == os.stat(outer).st_dev else None,
         )
         self._boxes[sandbox_id] = box
         if box.deadline is not None:
@@ -768,7 +777,7 @@ class LocalProvider(ProviderBase):
                 )
                 for path in paths
             ]
-        take_it = partial(take, self._base, box.root, selections, box.limits.disk_bytes, metadata, handle.sandbox_id)
+        take_it = partial(self._take, box, selections, metadata, handle.sandbox_id)
         try:
             return await anyio.to_thread.run_sync(take_it)
         except SandboxError as exc:
@@ -777,6 +786,31 @@ class LocalProvider(ProviderBase):
             raise
         except OSError as exc:
             raise SandboxSnapshotError(f"LocalProvider: cannot snapshot {handle.sandbox_id!r}: {exc}") from exc
+
+    def _take(
+        self, box: Box, selections: builtins.list[tuple[tuple[str, ...], str]], metadata: dict[str, str], source: str
+    ) -> SandboxSnapshot:
+        """A snapshot of ``selections`` of the box's files (blocking): of the whole of them, where it can,
+        without a copy (``_snapshots.rotate``: under bwrap, on its tmpfs, its processes frozen and no
+        command running, as of that moment); else a copy, made while it runs."""
+        cgroups, size = self._cgroups, box.limits.disk_bytes
+        if (
+            self._bwrap is not None
+            and cgroups is not None
+            and box.cgroups
+            and box.mounted
+            and size is not None
+            and box.layers is not None
+            and len(box.layers) < MAX_LAYERS
+            and [parts for parts, _ in selections] == [()]
+        ):
+            with self._rotating, cgroups.frozen(box.cgroups) as frozen:
+                if frozen and not cgroups.commands_running(box.cgroups):
+                    snapshot, box.layers, box.upper = rotate(
+                        self._base, box.outer, box.layers, box.upper, box.uid, size, metadata, source, selections[0][1]
+                    )
+                    return snapshot
+        return take(self._base, box.root, selections, box.limits.disk_bytes, metadata, source)
 
     async def delete_snapshot(self, snapshot: SandboxSnapshot) -> None:
         """Delete ``snapshot`` (checked against its record): at once for every process; its files go once

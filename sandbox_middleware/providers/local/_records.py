@@ -26,7 +26,7 @@ from .._common._uids import UidLease
 from ._bwrap import OWN_ETC
 from ._cgroups import CgroupBackend
 from ._launch import Launch
-from ._mounts import is_mount_point, unmount
+from ._mounts import is_mount_point, mounts_under, unmount
 from ._process import kill_group
 from ._supervisor import CommandStarter
 from ._transfers import open_directory
@@ -56,12 +56,25 @@ __all__ = [
 
 SANDBOX_ID = re.compile(r"local-[0-9a-f]{12}")
 RECORD = "meta.json"  # beside box/, out of the sandbox's view
+PINNED = "pinned"  # in a sandbox's directory: a snapshot holds its tmpfs (``_snapshots.rotate``)
 SPARE_RECORD = "spare.json"  # instead of RECORD while the sandbox is a spare (``_spares.py``): its maker
 # base_dir/<sandbox id>.maker: the process making (or removing) that sandbox (``Owner`` metadata), written
 # before anything else of it and removed once it has a record (or is gone), so a maker killed in between
 # leaves a trail: the next provider on base_dir, or reap, removes what it left once it is found dead.
 MAKER = ".maker"
 _MAKER: tuple[int, bytes] | None = None  # this process's pid and maker record
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One read-only layer under a sandbox's files (a fork's, or what a snapshot froze): ``name`` is its
+    mount in the sandbox's directory (read-only, private), ``owner`` the uid owning its files on disk,
+    ``view`` the mount its overlay reads (``name`` itself, or an idmapped mount of it showing the files
+    as the sandbox's uid's)."""
+
+    name: str
+    owner: int
+    view: str
 
 
 @dataclass
@@ -83,6 +96,10 @@ class Box:
     launch: Launch  # how its commands start: rlimits, cgroups joined, PTY or not, host uid
     lease: UidLease | None = None  # the host-wide lease of its uid, held while it lives here
     snapshot: str | None = None  # the id of the snapshot its files started as (a fork's; ``_snapshots.py``)
+    # Its files: box/ alone (no layers), or an overlay on box/ of ``layers`` (top first) with its writes in
+    # ``upper`` (below outer); None: not known here (a sandbox adopted whose box/ is an overlay).
+    layers: list[Layer] | None = field(default_factory=list)
+    upper: str | None = None
     starter: CommandStarter | None = None  # under bwrap: what starts its commands (see _starter.py)
     groups: dict[int, int] = field(default_factory=dict)  # process group -> alive_ticks() when last seen alive
     expired: bool = False
@@ -323,6 +340,9 @@ def teardown(box: Box, base: Path) -> list[str]:
     kill_box(box)
     if not box.outer.is_relative_to(base):
         return [f"{box.outer} (outside base_dir {base}; not touched)"]
+    if os.path.lexists(box.outer / PINNED):  # its tmpfs outlives it in a snapshot: its /tmp and /dev/shm go now
+        for name in ("tmp", "shm"):
+            remove_tree(box.outer / name)
     try:
         with contextlib.suppress(OSError):  # base_dir gone, say: nothing of it is left to remove
             write_maker(base, box.sandbox_id)  # killed while removing it, the next sweep ends the work
@@ -341,6 +361,12 @@ def remove_box(outer: Path, mounted: bool, cgroups: list[Path]) -> list[str]:
             unmount(outer)  # frees the tmpfs (and its memory) at once
         except OSError as exc:
             failed.append(f"{outer} (unmount: {exc.strerror})")
+    elif not mounted:  # a snapshot's directory: its layers, read-only mounts, first
+        for point in mounts_under(outer):
+            try:
+                unmount(point)
+            except OSError as exc:
+                failed.append(f"{point} (unmount: {exc.strerror})")
     if os.path.lexists(outer):
         failed += remove_tree(outer)
     failed = (CgroupBackend.remove(cgroups) if cgroups else []) + failed

@@ -33,12 +33,23 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..._errors import SandboxSnapshotError, SandboxSnapshotNotFoundError, SandboxValueError
 from ..._protocol import SandboxSnapshot
 from .._common._limits import entry_bound
-from ._mounts import mount_overlay
-from ._records import directories_of, drop_maker, read_record, remove_tree, scan, write_maker, write_private
+from ._mounts import clone_readonly, mount_overlay, mount_tmpfs, unmount
+from ._records import (
+    PINNED,
+    Layer,
+    directories_of,
+    drop_maker,
+    read_record,
+    remove_box,
+    scan,
+    write_maker,
+    write_private,
+)
 from ._transfers import open_directory
 
 __all__ = [
@@ -50,16 +61,25 @@ __all__ = [
     "listed",
     "release",
     "retired",
+    "rotate",
     "take",
 ]
 
 SNAPSHOT_ID = re.compile(r"snap-[0-9a-f]{13}")
 SNAPSHOT_RECORD = "snapshot.json"
-_TREE = "tree"
+_TREE = "tree"  # a copied snapshot's one layer
+_LAYER = re.compile(r"layer-[0-9]{1,3}")  # a rotated snapshot's layers: read-only mounts
+MAX_LAYERS = 16  # a sandbox whose files are this many layers deep is copied instead (overlayfs's options fit a page)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_DEPTH = 256  # directories held open at once while copying: a deeper tree is refused
 _CHUNK = 1 << 24
 _FIELDS = ("snapshot_id", "provider", "created", "size_bytes", "metadata")  # a record's descriptor
+
+
+def _too_deep() -> SandboxSnapshotError:
+    return SandboxSnapshotError(
+        f"the files to snapshot nest more than {_MAX_DEPTH} directories deep; snapshot a shallower tree"
+    )
 
 
 def _over(limit: int) -> SandboxSnapshotError:
@@ -150,10 +170,7 @@ def copy_names(source: int, target: int, names: Sequence[str], budget: Budget) -
                     _copy_file(src, dst, name, budget)
                 elif stat.S_ISDIR(info.st_mode):
                     if len(stack) > _MAX_DEPTH:
-                        raise SandboxSnapshotError(
-                            f"the files to snapshot nest more than {_MAX_DEPTH} directories deep; "
-                            "snapshot a shallower tree"
-                        )
+                        raise _too_deep()
                     child = os.open(name, _DIR, dir_fd=src)
                     try:
                         os.mkdir(name, 0o700, dir_fd=dst)
@@ -207,14 +224,118 @@ def take(
                     names = [parts[-1]]
                 copy_names(src, dst, names, budget)
         snapshot = SandboxSnapshot(snapshot_id, "local", time.time(), budget.copied, dict(metadata))
-        record = {**snapshot.to_dict(), "source": source, "paths": [path for _, path in chosen]}
-        write_private(outer, SNAPSHOT_RECORD, json.dumps(record).encode())
-        drop_maker(outer)
+        _keep(outer, snapshot, source, [path for _, path in chosen], [(_TREE, os.geteuid())])
         return snapshot
     except BaseException:
-        if outer is None or not remove_tree(outer):  # what could not be removed, the next sweep finds by its maker
-            drop_maker(base / snapshot_id)
+        _abandon(base, snapshot_id, outer)
         raise
+
+
+def _keep(outer: Path, snapshot: SandboxSnapshot, source: str, paths: list[str], layers: list[tuple[str, int]]) -> None:
+    """Write the snapshot's record (last: from here on it exists) and drop its maker file."""
+    record = {
+        **snapshot.to_dict(),
+        "source": source,
+        "paths": paths,
+        "layers": [{"name": name, "uid": owner} for name, owner in layers],
+    }
+    write_private(outer, SNAPSHOT_RECORD, json.dumps(record).encode())
+    drop_maker(outer)
+
+
+def _abandon(base: Path, snapshot_id: str, outer: Path | None) -> None:
+    """Remove a half-made snapshot; what cannot be removed, the next sweep finds by its maker file."""
+    if outer is None:
+        drop_maker(base / snapshot_id)
+    else:
+        remove_box(outer, False, [])  # drops the maker once nothing is left
+
+
+def rotate(
+    base: Path,
+    outer: Path,
+    layers: Sequence[Layer],
+    upper: str | None,
+    uid: int | None,
+    size: int,
+    metadata: Mapping[str, str],
+    source: str,
+    path: str,
+) -> tuple[SandboxSnapshot, list[Layer], str]:
+    """A snapshot of the whole of a sandbox's files without a copy (blocking; its processes frozen, no
+    command running): what it writes to now (``upper``, or box/ itself) becomes a read-only layer,
+    kept by the snapshot (read-only mounts in its directory, with the layers below it) and put under
+    the sandbox's files, which go on in a new tmpfs of ``size`` bytes of their own, an overlay mounted
+    on box/ (the sandbox's view, a slave of box/, shows it). Returns the snapshot, and the sandbox's
+    new layers and upper."""
+    snapshot_id = f"snap-{uuid.uuid4().hex[:13]}"
+    owner = os.geteuid() if uid is None else uid
+    written = outer / (upper or "box")
+    frozen = [(written, owner), *((outer / layer.name, layer.owner) for layer in layers)]
+    budget = Budget(size)
+    measure(outer / "box", budget)  # what a fork will see: its size_bytes, bounded as a copy's would be
+    write_maker(base, snapshot_id)  # first: killed from here on, the next sweep removes what is left
+    kept: Path | None = None
+    mounted: list[Path] = []  # the sandbox's new mounts, the last first: undone on failure
+    try:
+        kept = Path(tempfile.mkdtemp(prefix=f"{snapshot_id}-", dir=base))
+        for number, (tree, _) in enumerate(frozen):
+            os.mkdir(kept / f"layer-{number}", 0o700)
+            clone_readonly(tree, kept / f"layer-{number}")
+        new = Layer(f"layer-{len(layers)}", owner, f"layer-{len(layers)}")
+        space = outer / f"gen-{len(layers)}"
+        os.mkdir(outer / new.name, 0o700)
+        clone_readonly(written, outer / new.name)
+        mounted.insert(0, outer / new.name)
+        os.mkdir(space, 0o700)
+        mount_tmpfs(space, size)
+        mounted.insert(0, space)
+        os.mkdir(space / "upper", 0o700)
+        os.mkdir(space / "work", 0o700)
+        if uid is not None:
+            os.chown(space / "upper", uid, uid)
+        stack = [new, *layers]
+        mount_overlay([outer / layer.view for layer in stack], space / "upper", space / "work", outer / "box")
+        mounted.insert(0, outer / "box")
+        if not os.path.lexists(outer / PINNED):
+            write_private(outer, PINNED, b"")
+        snapshot = SandboxSnapshot(snapshot_id, "local", time.time(), budget.copied, dict(metadata))
+        _keep(kept, snapshot, source, [path], [(f"layer-{number}", owner) for number, (_, owner) in enumerate(frozen)])
+        return snapshot, stack, f"{space.name}/upper"
+    except BaseException:
+        for target in mounted:  # the overlay on box/ first, then the new tmpfs and layer (their directories too)
+            with contextlib.suppress(OSError):
+                unmount(target)
+                if target != outer / "box":
+                    os.rmdir(target)
+        _abandon(base, snapshot_id, kept)
+        raise
+
+
+def measure(root: Path, budget: Budget) -> None:
+    """Count the files under ``root`` (a still tree: the sandbox is frozen) into ``budget``: each entry,
+    and the bytes of regular files, following no symlink; past the budget, ``SandboxSnapshotError``."""
+    fds: list[int] = [os.open(root, _DIR)]
+    listings: list[Iterator[os.DirEntry[str]]] = []
+    try:
+        listings.append(os.scandir(fds[0]))
+        while listings:
+            entry = next(listings[-1], None)
+            if entry is None:
+                listings.pop()
+                os.close(fds.pop())
+                continue
+            budget.entry()
+            if entry.is_dir(follow_symlinks=False):
+                if len(fds) > _MAX_DEPTH:
+                    raise _too_deep()
+                fds.append(os.open(entry.name, _DIR, dir_fd=fds[-1]))
+                listings.append(os.scandir(fds[-1]))
+            elif entry.is_file(follow_symlinks=False):
+                budget.took(entry.stat(follow_symlinks=False).st_size)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _not_found(snapshot: SandboxSnapshot, base: Path, why: str) -> SandboxSnapshotNotFoundError:
@@ -224,8 +345,8 @@ def _not_found(snapshot: SandboxSnapshot, base: Path, why: str) -> SandboxSnapsh
     )
 
 
-def _find(base: Path, snapshot: object, provider: str) -> Path:
-    """The directory of ``snapshot`` in base_dir, its descriptor checked against the record there."""
+def _find(base: Path, snapshot: object, provider: str) -> tuple[Path, dict[str, Any]]:
+    """The directory of ``snapshot`` in base_dir and its record, its descriptor checked against it."""
     if not isinstance(snapshot, SandboxSnapshot):
         raise SandboxValueError(f"a snapshot must be a SandboxSnapshot, not {type(snapshot).__name__}")
     if snapshot.provider != provider:
@@ -241,7 +362,7 @@ def _find(base: Path, snapshot: object, provider: str) -> Path:
         raise _not_found(snapshot, base, "never taken there, or deleted")
     if {name: record.get(name) for name in snapshot.to_dict()} != snapshot.to_dict():
         raise _not_found(snapshot, base, "the descriptor does not match the snapshot's record")
-    return found[0]
+    return found[0], record
 
 
 @contextlib.contextmanager
@@ -255,12 +376,27 @@ def _locked(outer: Path, exclusive: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def held(base: Path, snapshot: SandboxSnapshot, provider: str) -> Iterator[Path]:
-    """The tree of ``snapshot`` (checked), kept from deletion until the fork made of it has its record."""
-    outer = _find(base, snapshot, provider)
+def held(base: Path, snapshot: SandboxSnapshot, provider: str) -> Iterator[list[tuple[Path, int]]]:
+    """The layers of ``snapshot`` (checked; top first, each with the uid owning its files), kept from
+    deletion until the fork made of it has its record."""
+    outer, _ = _find(base, snapshot, provider)
     with _locked(outer, exclusive=False):
-        _find(base, snapshot, provider)  # deleted while we waited for the lock?
-        yield outer / _TREE
+        _, record = _find(base, snapshot, provider)  # deleted while we waited for the lock?
+        yield _layers(outer, record, snapshot, base)
+
+
+def _layers(outer: Path, record: Mapping[str, Any], snapshot: SandboxSnapshot, base: Path) -> list[tuple[Path, int]]:
+    """The layers a snapshot's record names (a copy's one tree when it names none), each there."""
+    named = record.get("layers", [{"name": _TREE, "uid": os.geteuid()}])
+    layers = []
+    for entry in named if isinstance(named, list) and 0 < len(named) <= MAX_LAYERS else [None]:
+        name, owner = (entry.get("name"), entry.get("uid")) if isinstance(entry, dict) else (None, None)
+        if not (name == _TREE or (isinstance(name, str) and _LAYER.fullmatch(name))) or type(owner) is not int:
+            raise _not_found(snapshot, base, "its record names no layers a snapshot has")
+        if name != _TREE and os.stat(outer / name).st_dev == os.stat(outer).st_dev:
+            raise _not_found(snapshot, base, "its files, kept in memory, are gone (a reboot, or unmounted)")
+        layers.append((outer / name, owner))
+    return layers
 
 
 def _referenced(base: Path, snapshot_id: str) -> bool:
@@ -273,14 +409,14 @@ def _remove_unreferenced(base: Path, outer: Path, snapshot_id: str) -> list[str]
         with _locked(outer, exclusive=True):
             if not os.path.lexists(outer) or (outer / SNAPSHOT_RECORD).exists() or _referenced(base, snapshot_id):
                 return []  # removed by another fork's close meanwhile, or still in use
-            return remove_tree(outer)
+            return remove_box(outer, False, [])
     except FileNotFoundError:  # removed before we could lock it
         return []
 
 
 def delete(base: Path, snapshot: SandboxSnapshot, provider: str) -> list[str]:
     """Delete ``snapshot``: its record at once, its tree once no fork names it; what could not be removed."""
-    outer = _find(base, snapshot, provider)
+    outer, _ = _find(base, snapshot, provider)
     with _locked(outer, exclusive=True):
         _find(base, snapshot, provider)  # deleted by another process meanwhile?
         os.unlink(outer / SNAPSHOT_RECORD)
@@ -322,15 +458,28 @@ def listed(base: Path, metadata: Mapping[str, str]) -> list[SandboxSnapshot]:
     return sorted(found, key=lambda snapshot: snapshot.created)
 
 
-def fill(outer: Path, tree: Path, uid: int | None, can_mount: bool) -> None:
-    """Start a fork's files (``outer/box``, empty) as ``tree``'s: an overlay on it, or where this process
-    may not mount, a copy; the fork's uid owns them."""
+def fill(outer: Path, layers: Sequence[tuple[Path, int]], uid: int | None, can_mount: bool) -> list[Layer] | None:
+    """Make a fork's files (``outer/box``, empty; a shared mount when this process may mount) the
+    snapshot's ``layers``: an overlay on them mounted on box/ (its view shows it), its writes in
+    ``outer/upper`` (its own tmpfs), each layer mounted read-only in ``outer`` and, where its files are
+    another uid's, seen as the fork's uid's through an idmapped mount; where this process may not mount
+    (a copied snapshot's one tree then), a copy. Returns the fork's layers (None: a copy, no layers)."""
     if not can_mount:
-        with open_directory(tree, (), "snapshot") as src, open_directory(outer / "box", (), "fork") as dst:
+        with open_directory(layers[0][0], (), "snapshot") as src, open_directory(outer / "box", (), "fork") as dst:
             copy_names(src, dst, os.listdir(src), Budget(None))
-        return
-    for name in ("upper", "work", "lower"):
+        return None
+    stack = []
+    for number, (tree, owner) in enumerate(layers):
+        layer = Layer(f"layer-{number}", owner, f"layer-{number}" if uid in (None, owner) else f"lower-{number}")
+        os.mkdir(outer / layer.name, 0o700)
+        clone_readonly(tree, outer / layer.name)
+        if layer.view != layer.name:
+            os.mkdir(outer / layer.view, 0o700)
+            clone_readonly(outer / layer.name, outer / layer.view, owner, uid)
+        stack.append(layer)
+    for name in ("upper", "work"):
         os.mkdir(outer / name, 0o700)
     if uid is not None:
         os.chown(outer / "upper", uid, uid)
-    mount_overlay(tree, outer, uid)
+    mount_overlay([outer / layer.view for layer in stack], outer / "upper", outer / "work", outer / "box")
+    return stack

@@ -65,7 +65,7 @@ _MAX_FDS = 1 << 20
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _CLONE_NEWPID, _CLONE_NEWNET = 0x20000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE, _MS_SLAVE = 32, 4096, 16384, 1 << 18, 1 << 19
 _PR_SET_DUMPABLE, _PR_CAPBSET_DROP = 4, 24
 _PR_SET_CHILD_SUBREAPER, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 36, 47, 4
 _CAPABILITY_VERSION_3 = 0x20080522
@@ -167,6 +167,19 @@ class _Libc:
         data = bytes(24)  # two zeroed __user_cap_data_struct: effective, permitted, inheritable (only read)
         self._check(self["capset"](header, data), "capset")
         self._check(self.prctl(_PR_SET_DUMPABLE, 0), "PR_SET_DUMPABLE")
+
+
+def _keep_view_only(libc: _Libc) -> None:
+    """In a command's new mount namespace (a slave of the starter's): every mount private but the
+    sandbox's files (the starter's cwd, bwrap's ``--chdir``), which stay a slave of the provider's
+    box/: a fork's or a snapshot's files the provider mounts there later reach the command too."""
+    view = os.getcwdb()
+    with open("/proc/self/mountinfo", "rb") as mountinfo:
+        points = [line.split(b" ", 5)[4] for line in mountinfo]
+    for escaped in dict.fromkeys(points):
+        point = escaped.replace(b"\\040", b" ").replace(b"\\011", b"\t").replace(b"\\012", b"\n")
+        if point != view:
+            libc.mount(None, point.replace(b"\\134", b"\\"), None, _MS_PRIVATE)
 
 
 def _close_fds_except(*keep: int) -> None:
@@ -407,7 +420,8 @@ class Starter:
         try:
             _close_fds_except(sock.fileno())
             self._libc.unshare(_CLONE_NEWPID | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS)
-            self._libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE)
+            self._libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE)  # nothing mounted here reaches the starter
+            _keep_view_only(self._libc)
             init = os.fork()
             if init:
                 sock.send(CODE.pack(init))
