@@ -129,9 +129,10 @@ class LocalProvider(ProviderBase):
     with the host's whole filesystem in view: limits and the clean environment still hold, but it
     is no security boundary.
 
-    Snapshots (``SupportsSandboxSnapshot``) are copies of a sandbox's files in ``base_dir``; a sandbox
-    created from one (a fork) starts as an overlay on it, its writes in its own tmpfs (``_snapshots.py``;
-    docs/local-provider.md, "Snapshots and forks").
+    Snapshots (``SupportsSandboxSnapshot``) of a whole bwrap sandbox freeze its files in place as
+    read-only layers (no copy); others are copies in ``base_dir``. A sandbox created from one (a fork,
+    a spare when one is ready: ``spares``) has an overlay of it mounted on its files, its writes in its
+    own tmpfs (``_snapshots.py``; docs/local-provider.md, "Snapshots and forks").
     """
 
     name = "local"

@@ -1,22 +1,33 @@
-"""LocalProvider's snapshots: a sandbox's files copied once into base_dir, forks made copy-on-write on them.
+"""LocalProvider's snapshots: a sandbox's files frozen in place as read-only layers (or copied once into
+base_dir), forks made copy-on-write on them.
 
 A snapshot is a directory ``base_dir/<snapshot id>-<random>`` (``snap-`` and 13 hex digits: the length
-of a sandbox id) holding ``tree/`` (the files, this process's, as the sandbox root held them: the
-working directory, or the paths asked for, at their place below the root) and ``snapshot.json``, its
-record (the descriptor's fields, the sandbox it came from and the paths), written last: a snapshot
-without a record is half-made (its maker file names the process making it) or deleted. A fork's
-files are an overlay (``_mounts.mount_overlay``) with ``tree/`` as its read-only lower layer and an
-upper layer in the fork's own directory (its tmpfs), so a fork costs no copy and what it writes counts
-against its own ``disk_gib``; where this process may not mount (not root), the tree is copied into
-the fork instead. A fork's record names its snapshot; ``delete_snapshot`` removes the record at once
-(no listing shows it, no descriptor is accepted) and the tree once no sandbox of base_dir names it
-(the last fork's close, or the next sweep): a reference count kept on disk, under a ``flock`` of the
-snapshot's directory (shared while a fork is made, exclusive to remove it).
+of a sandbox id) holding its files and ``snapshot.json``, its record (the descriptor's fields, the
+sandbox it came from, the paths and its layers), written last: a snapshot without a record is
+half-made (its maker file names the process making it) or deleted. Its files are one of:
 
-The copy is made while the sandbox runs, by descriptor, following no symlink (links are kept as
-links), one file after another: not as of one moment (the sandbox is not frozen). It is bounded by
-the sandbox's ``disk_gib``: more bytes than that, or more entries than its tmpfs holds
-(``entry_bound``), is refused (``SandboxSnapshotError``).
+- layers (``rotate``): of the whole sandbox root under bwrap, with the sandbox frozen and no command
+  running. What the sandbox writes to (box/ itself, or the upper layer of its overlay) and the layers
+  below it become ``layer-0``, ``layer-1``, ... (top first): read-only private mounts of those trees,
+  kept alive by the mounts (the sandbox's tmpfs outlives the sandbox). The sandbox goes on in a new
+  tmpfs of its ``disk_gib``, an overlay of those layers mounted on box/, which the sandbox's view (a
+  slave of box/, ``_mounts.share``) shows at once. No copy, as of one moment; in memory (tmpfs), so
+  a reboot loses it: a fork of one whose layers are no mounts any more is refused;
+- a copy (``take``, otherwise): ``tree/``, this process's files as the sandbox root held them (the
+  working directory, or the paths asked for, at their place below the root), made while the sandbox
+  runs, by descriptor, following no symlink (links are kept as links), one file after another: not as
+  of one moment.
+
+Either is bounded by the sandbox's ``disk_gib``: more bytes than that, or more entries than its
+tmpfs holds (``entry_bound``), is refused (``SandboxSnapshotError``). A fork's files (``fill``) are an
+overlay of the snapshot's layers (or tree) mounted on the fork's box/ while it runs, each layer
+mounted read-only in the fork's directory (idmapped where its files are another uid's), its writes in
+the fork's own tmpfs: a fork costs no copy and what it writes counts against its own ``disk_gib``;
+where this process may not mount (not root), the tree is copied into the fork instead. A fork's record
+names its snapshot; ``delete_snapshot`` removes the record at once (no listing shows it, no descriptor
+is accepted) and the files once no sandbox of base_dir names it (the last fork's close, or the next
+sweep): a reference count kept on disk, under a ``flock`` of the snapshot's directory (shared while a
+fork is made, exclusive to remove it).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Spare sandboxes: under bwrap, one sandbox of the shape last asked for is made ahead, in the background.
+"""Spare sandboxes: under bwrap, ``spares`` sandboxes of the shape last asked for are made ahead, in the background.
 
 Most of a bwrap sandbox's create is its command starter's start (bwrap, then a Python interpreter:
-30-60 ms on a loaded machine). ``Spares`` (``_common/_spares.py``) keeps one sandbox of the shape
-the last create asked for (its limits and view root: what its directory, cgroups, mounts, uid and
-starter are made of) ready, so the next create of that shape takes it and only writes its record
-and makes its working directory; the next spare is made behind it. A spare has run nothing: no
+30-60 ms on a loaded machine). ``Spares`` (``_common/_spares.py``) keeps ``spares`` sandboxes (one by
+default) of the shape the last create asked for (its limits and view root: what its directory,
+cgroups, mounts, uid and starter are made of) ready, so the next creates of that shape take them and
+only write their record and make their working directory (a fork's also mounts its snapshot's files on
+it); the next spares are made behind them. A spare has run nothing: no
 command has started in it, nothing else holds it. While it is a spare its directory holds
 ``SPARE_RECORD`` (its maker: host, pid, start time, PID namespace) instead of the record ``list``
 reads, so no listing shows it. Spares are removed at ``aclose``, when the provider is collected or

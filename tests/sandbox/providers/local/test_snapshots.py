@@ -29,6 +29,7 @@ from sandbox_middleware import (
     SupportsSandboxSnapshot,
 )
 from sandbox_middleware.providers.local._cgroups import CgroupBackend
+from sandbox_middleware.providers.local._mounts import unmount
 from tests.leftovers import mounts_below, sandbox_dirs, spare_dirs
 from tests.sandbox.providers.local.containment._support import run_unprivileged
 
@@ -404,3 +405,113 @@ def test_without_the_right_to_mount_a_fork_starts_as_a_copy(sandbox_base: Path) 
     """As a user who may not mount (no overlay), a fork's files are a copy of the snapshot's: as isolated."""
     result = run_unprivileged(_UNPRIVILEGED, sandbox_base)
     assert result == {"seen": "one\nd/f\n", "after": "one\nd\nlink\n", "left": []}
+
+
+# --- a snapshot of the whole working directory under bwrap: no copy (``_snapshots.rotate``) -------------
+
+
+def layer_mounts(base: Path) -> list[str]:
+    """The snapshots' layers mounted in ``base`` (read-only mounts in their directories)."""
+    return [point for point in mounts_below(base) if Path(point).parent.name.startswith("snap-")]
+
+
+async def test_a_snapshot_freezes_the_files_in_place_and_the_parent_goes_on_with_a_space_of_its_own(
+    sandbox_base: Path,
+) -> None:
+    """No copy: the parent's files become the snapshot's read-only layer; the parent writes on in a new
+    tmpfs of its disk_gib, so it keeps its whole writable space; a fork sees what it saw then."""
+    provider = LocalProvider(base_dir=sandbox_base, memory_mib=256, disk_gib=0.05)  # about 53 MB
+    try:
+        parent = await provider.create(SandboxSpec())
+        await run(provider, parent, "head -c 40000000 /dev/zero > first && echo one > a")
+        snapshot = await provider.snapshot(parent)
+        assert snapshot.size_bytes == 40_000_004
+        [layer] = layer_mounts(sandbox_base)
+        assert os.statvfs(layer).f_flag & os.ST_RDONLY  # read-only, for this process too
+        with pytest.raises(OSError):
+            (Path(layer) / "written-after").write_text("x")
+        # 40 MB more fits (it did not before: 80 MB > 53 MB): the parent's new space is its own.
+        await run(provider, parent, "head -c 40000000 /dev/zero > second && echo changed > a && rm first")
+        assert await run(provider, parent, "cat a; ls") == "changed\na\nsecond\n"
+        fork = await provider.create(SandboxSpec(), from_snapshot=snapshot)
+        assert await run(provider, fork, "cat a; ls; stat -c %s first") == "one\na\nfirst\n40000000\n"
+        second = await provider.snapshot(parent)  # of the parent's files now: both layers, the top one first
+        assert len(layer_mounts(sandbox_base)) == 1 + 2
+        again = await provider.create(SandboxSpec(), from_snapshot=second)
+        assert await run(provider, again, "cat a; ls") == "changed\na\nsecond\n"
+        for handle in (fork, again, parent):
+            await provider.close(handle)
+        for kept in (snapshot, second):
+            await provider.delete_snapshot(kept)
+    finally:
+        await provider.aclose()
+    assert mounts_below(sandbox_base) == [] and sandbox_dirs(sandbox_base) == []
+
+
+async def test_a_snapshot_while_a_command_runs_is_a_copy_and_the_command_runs_on(local: LocalProvider) -> None:
+    """A running command could write where the layer would be frozen: the snapshot is then a copy, taken
+    while it runs, and the command is not disturbed (its sandbox is thawed before the copy)."""
+    parent = await local.create(SandboxSpec())
+    await run(local, parent, "echo before > a")
+    async with anyio.create_task_group() as group:
+        done: list[str] = []
+
+        async def long() -> None:
+            done.append(await run(local, parent, "sleep 1; echo during > b; cat a"))
+
+        group.start_soon(long)
+        await anyio.sleep(0.5)
+        snapshot = await local.snapshot(parent)
+        assert layer_mounts(local._base) == []  # a copy: its tree, no layer
+    assert done == ["before\n"]
+    fork = await local.create(SandboxSpec(), from_snapshot=snapshot)
+    assert await run(local, fork, "cat a; ls") == "before\na\n"
+    assert await run(local, parent, "cat b") == "during\n"
+
+
+async def test_closing_the_parent_frees_its_tmp_and_keeps_the_snapshot(
+    local: LocalProvider, sandbox_base: Path
+) -> None:
+    """The snapshot holds the parent's tmpfs; the parent's /tmp and /dev/shm go when it closes, so only
+    the snapshot's files stay held."""
+    parent = await local.create(SandboxSpec())
+    await run(local, parent, "head -c 20000000 /dev/zero > /tmp/scratch && head -c 30000000 /dev/zero > /dev/shm/s")
+    await run(local, parent, "echo kept > a")
+    snapshot = await local.snapshot(parent)
+    [layer] = layer_mounts(sandbox_base)
+    info = os.statvfs(layer)
+    assert (info.f_blocks - info.f_bfree) * info.f_frsize >= 50_000_000
+    await local.close(parent)
+    info = os.statvfs(layer)
+    assert (info.f_blocks - info.f_bfree) * info.f_frsize < 1_000_000
+    fork = await local.create(SandboxSpec(), from_snapshot=snapshot)
+    assert await run(local, fork, "cat a; ls -A /tmp /dev/shm") == "kept\n/dev/shm:\n\n/tmp:\n"
+
+
+async def test_a_command_cannot_uncover_the_frozen_layer(local: LocalProvider, sandbox_base: Path) -> None:
+    """Under the parent's new files lies the frozen layer: a command can neither unmount what covers it
+    (no capability; the mount is locked) nor reach it by a namespace of its own, so no fork sees a change."""
+    parent = await local.create(SandboxSpec())
+    await run(local, parent, "echo one > a")
+    snapshot = await local.snapshot(parent)
+    for attempt in ("umount /workspace", "umount -l /workspace", "unshare -rm sh -c 'umount /workspace'"):
+        result = await local.exec(parent, f"{attempt} && echo two > a")
+        assert result.return_code != 0, (attempt, result)
+    await run(local, parent, "echo parent > a")
+    fork = await local.create(SandboxSpec(), from_snapshot=snapshot)
+    assert await run(local, fork, "cat a") == "one\n"
+    assert (Path(layer_mounts(sandbox_base)[0]) / "a").read_text() == "one\n"
+
+
+async def test_a_snapshot_whose_layers_are_gone_is_not_found(local: LocalProvider, sandbox_base: Path) -> None:
+    """A snapshot without a copy lives in memory: after a reboot (here: its layer unmounted) its record
+    is there but its files are not, and a fork of it is refused, typed, instead of starting empty."""
+    parent = await local.create(SandboxSpec())
+    await run(local, parent, "echo one > a")
+    snapshot = await local.snapshot(parent)
+    [layer] = layer_mounts(sandbox_base)
+    unmount(Path(layer))
+    with pytest.raises(SandboxSnapshotNotFoundError, match="kept in memory, are gone"):
+        await local.create(SandboxSpec(), from_snapshot=snapshot)
+    await local.delete_snapshot(snapshot)
+    assert snapshot_dirs(sandbox_base) == []

@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from sandbox_middleware import LocalProvider, SandboxSpec
+from sandbox_middleware import LocalProvider, SandboxArgumentError, SandboxHandle, SandboxSpec
 from sandbox_middleware.providers.local._cgroups import CgroupBackend
 from tests.leftovers import sandbox_dirs, spare_dirs
 
@@ -102,7 +102,7 @@ async def test_aclose_removes_the_spare_and_prestart_false_makes_none(sandbox_ba
 
 _EXITS = """
 import anyio, sys
-from sandbox_middleware import LocalProvider, SandboxSpec
+from sandbox_middleware import LocalProvider, SandboxArgumentError, SandboxHandle, SandboxSpec
 from sandbox_middleware.providers.local._cgroups import CgroupBackend
 
 async def main():
@@ -152,9 +152,45 @@ async def test_a_provider_dropped_without_aclose_removes_its_spare_when_collecte
     await local.close(handle)
     spare = await one_spare(sandbox_base)
     del local
-    gc.collect()
     # The maker thread may still be finishing the spare (its directory is there before its make returns)
-    # and hold the provider's last reference: the finalizer then runs there, and the spare goes after.
+    # and hold a reference to the provider: once it drops it, the provider (in reference cycles of its
+    # own) goes at the next collection, its finalizer with it, and the spare after.
     with anyio.fail_after(30):
         while spare.exists() or cgroups_of(spare.name[:18]):
+            gc.collect()
             await anyio.sleep(0.02)
+
+
+async def test_spares_keeps_that_many_made_ahead_and_a_group_of_creates_takes_them(sandbox_base: Path) -> None:
+    """``spares=3``: three of the last shape are made ahead (one at a time, behind the creates), and three
+    creates at once take them all; the next are made behind them."""
+    local = LocalProvider(isolation="bwrap", base_dir=sandbox_base, memory_mib=256, spares=3)
+    try:
+        handle = await local.create(SandboxSpec())
+        with anyio.fail_after(60):
+            while len(spare_dirs(sandbox_base)) != 3:
+                await anyio.sleep(0.01)
+        spares = {path.name[:18] for path in spare_dirs(sandbox_base)}
+        handles: list[SandboxHandle] = []
+        async with anyio.create_task_group() as group:
+            for _ in range(3):
+
+                async def one() -> None:
+                    handles.append(await local.create(SandboxSpec()))
+
+                group.start_soon(one)
+        assert {made.sandbox_id for made in handles} == spares
+        with anyio.fail_after(60):
+            while len(spare_dirs(sandbox_base)) != 3:
+                await anyio.sleep(0.01)
+        for made in [handle, *handles]:
+            await local.close(made)
+    finally:
+        await local.aclose()
+    assert sandbox_dirs(sandbox_base) == []
+
+
+@pytest.mark.parametrize("spares", [0, 65, 1.5])
+def test_spares_out_of_bounds_is_refused(spares: object, sandbox_base: Path) -> None:
+    with pytest.raises(SandboxArgumentError, match="spares"):
+        LocalProvider(isolation="bwrap", base_dir=sandbox_base, spares=spares)  # type: ignore[arg-type]
