@@ -299,30 +299,36 @@ class CgroupBackend:
         """The existing groups of sandbox ``sandbox_id`` (derived from its id, never taken from a record)."""
         return [group for group in dict.fromkeys(p / sandbox_id for p in self._parents.values()) if group.is_dir()]
 
+    def _freezer(self, groups: Sequence[Path]) -> tuple[Path, str, str, str] | None:
+        """The group that freezes the sandbox of ``groups``, its control file, and its frozen and thawed words."""
+        if self.version == "v2":
+            return (groups[0], "cgroup.freeze", "1", "0") if groups else None
+        parent = self._parents.get("freezer")
+        group = next((g for g in groups if g.parent == parent), None)
+        return None if group is None else (group, "freezer.state", "FROZEN", "THAWED")
+
     @contextlib.contextmanager
     def frozen(self, groups: Sequence[Path]) -> Iterator[bool]:
         """Freeze every process of the sandbox whose groups are ``groups`` (none runs until the block
         ends; what was in a system call finishes it first); yields whether they were frozen (False:
         no freezer here, or not frozen within ``_FREEZE_S``). They are thawed on the way out."""
-        if self.version == "v2":
-            group, control, on, off = (groups[0] if groups else None), "cgroup.freeze", "1", "0"
-        else:
-            parent = self._parents.get("freezer")
-            group = next((g for g in groups if g.parent == parent), None)
-            control, on, off = "freezer.state", "FROZEN", "THAWED"
-        if group is None:
-            yield False
-            return
+        freezer = self._freezer(groups)
         try:
-            _write(group / control, on)
+            if freezer is not None:
+                _write(freezer[0] / freezer[1], freezer[2])
         except OSError:
-            yield False
-            return
+            freezer = None
         try:
-            yield self._wait_frozen(group)
+            yield freezer is not None and self._wait_frozen(freezer[0])
         finally:
+            self.thaw(groups)
+
+    def thaw(self, groups: Sequence[Path]) -> None:
+        """Let the sandbox of ``groups`` run again (frozen by a snapshot, maybe by a process since killed)."""
+        freezer = self._freezer(groups)
+        if freezer is not None:
             with contextlib.suppress(OSError):  # a group removed meanwhile has nothing left to thaw
-                _write(group / control, off)
+                _write(freezer[0] / freezer[1], freezer[3])
 
     def _wait_frozen(self, group: Path) -> bool:
         deadline = time.monotonic() + _FREEZE_S

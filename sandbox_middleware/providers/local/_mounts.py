@@ -24,6 +24,7 @@ __all__ = [
     "is_mount_point",
     "mount_overlay",
     "mount_tmpfs",
+    "mounted_at",
     "mounts_under",
     "probe_tmpfs",
     "share",
@@ -160,11 +161,16 @@ def mounts_under(top: Path) -> list[Path]:
     return [Path(os.fsdecode(point)) for point in _mount_points() if point.startswith(prefix)][::-1]
 
 
+def mounted_at(path: Path) -> int:
+    """How many mounts are stacked at ``path`` (0: it is no mount point)."""
+    target = os.fsencode(path)
+    return sum(point == target for point in _mount_points())
+
+
 def is_mount_point(path: Path) -> bool:
     """Whether ``path`` is a mount point (``os.path.ismount`` misses a bind mount of a directory onto itself)."""
-    target = os.fsencode(path)
     try:
-        return any(point == target for point in _mount_points())
+        return mounted_at(path) > 0
     except (OSError, IndexError):
         return os.path.ismount(path)
 

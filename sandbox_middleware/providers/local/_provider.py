@@ -90,7 +90,7 @@ from ._records import (
     write_maker,
     write_private,
 )
-from ._snapshots import MAX_LAYERS, SNAPSHOT_ID, fill, held, listed, release, retired, rotate, take
+from ._snapshots import SNAPSHOT_ID, fill, held, listed, release, repair, retired, rotate, take, uploading
 from ._snapshots import delete as delete_tree
 from ._spares import Spares
 from ._supervisor import CommandStarter, find_python
@@ -233,7 +233,6 @@ class LocalProvider(ProviderBase):
         )
         self._python: str | None = None
         self._starting = threading.Lock()  # one starter per sandbox adopted from another process
-        self._rotating = threading.Lock()  # one snapshot without a copy at a time (each takes milliseconds)
         self._sweep()
         self._spares: Spares[Shape] | None = None
         if self._bwrap is not None and prestart:  # removed with this provider, if not at aclose (or at exit)
@@ -363,8 +362,7 @@ class LocalProvider(ProviderBase):
         try:
             if fork is not None:  # on the running sandbox: its view of box/ shows what is mounted there
                 box.snapshot = fork[0]
-                box.layers = fill(box.outer, fork[1], box.uid, self._tmpfs)
-                box.upper = "upper" if box.layers is not None else None
+                fill(box.outer, fork[1], box.uid, self._tmpfs)
             box.env, box.cwd, box.ports, box.metadata = env, cwd, tuple(ports), metadata
             box.created = time.time()
             box.deadline = None if ttl is None else time.monotonic() + ttl
@@ -496,6 +494,8 @@ class LocalProvider(ProviderBase):
         if not dry_run:  # deleted snapshots whose last fork went without releasing them (its process died)
             for snapshot_id in retired(self._base):
                 release(self._base, snapshot_id)
+            for sandbox_id, outer, _ in scan(self._base):  # sandboxes left frozen by a snapshot's killed maker
+                repair(outer, self._cgroups, self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else [])
         return removed, unknown
 
     def _remove_leftover(self, sandbox_id: str, outer: Path, owner: str, why: str, dry_run: bool) -> ReapedSandbox:
@@ -629,7 +629,7 @@ class LocalProvider(ProviderBase):
         box = self._box(handle)
         what = f"upload {source_path} to {target_path!r} in sandbox {handle.sandbox_id!r}"
         inside, outside = ("target_path", target_path), ("source_path", source_path)
-        await _transfer(handle, box, what, upload, inside, outside, box.uid)
+        await _transfer(handle, box, what, partial(_upload, box.outer), inside, outside, box.uid)
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
         box = self._box(handle)
@@ -697,6 +697,7 @@ class LocalProvider(ProviderBase):
         if snapshot is not None and not (isinstance(snapshot, str) and SNAPSHOT_ID.fullmatch(snapshot)):
             raise SandboxArgumentError(f"recorded snapshot {snapshot!r} is not a snapshot id")
         cgroups = self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else []
+        repair(outer, self._cgroups, cgroups)  # left frozen by a snapshot's killed maker: its commands would hang
         box = Box(
             outer=outer,
             view_root=checked_view_root(check_text(record.get("view_root", DEFAULT_VIEW_ROOT), "recorded view_root")),
@@ -719,8 +720,6 @@ class LocalProvider(ProviderBase):
                 limits, cgroups, uid if self._bwrap is not None and self._bwrap.drops_privileges else None
             ),
             snapshot=snapshot,
-            # box/ alone, or an overlay whose layers another process knows (a snapshot of it is a copy here)
-            layers=[] if os.stat(outer / "box").st_dev == os.stat(outer).st_dev else None,
         )
         self._boxes[sandbox_id] = box
         if box.deadline is not None:
@@ -794,23 +793,19 @@ class LocalProvider(ProviderBase):
         """A snapshot of ``selections`` of the box's files (blocking): of the whole of them, where it can,
         without a copy (``_snapshots.rotate``: under bwrap, on its tmpfs, its processes frozen and no
         command running, as of that moment); else a copy, made while it runs."""
-        cgroups, size = self._cgroups, box.limits.disk_bytes
+        size, cgroups, whole = box.limits.disk_bytes, self._cgroups, [parts for parts, _ in selections] == [()]
         if (
-            self._bwrap is not None
+            whole
+            and self._bwrap is not None
             and cgroups is not None
             and box.cgroups
             and box.mounted
             and size is not None
-            and box.layers is not None
-            and len(box.layers) < MAX_LAYERS
-            and [parts for parts, _ in selections] == [()]
         ):
-            with self._rotating, cgroups.frozen(box.cgroups) as frozen:
-                if frozen and not cgroups.commands_running(box.cgroups):
-                    snapshot, box.layers, box.upper = rotate(
-                        self._base, box.outer, box.layers, box.upper, box.uid, size, metadata, source, selections[0][1]
-                    )
-                    return snapshot
+            path = selections[0][1]
+            rotated = rotate(self._base, box.outer, cgroups, box.cgroups, box.uid, size, metadata, source, path)
+            if rotated is not None:
+                return rotated
         return take(self._base, box.root, selections, box.limits.disk_bytes, metadata, source)
 
     async def delete_snapshot(self, snapshot: SandboxSnapshot) -> None:
@@ -837,6 +832,12 @@ def discard(base: Path, box: Box) -> None:
 
 def _restore(options: dict[str, Any]) -> LocalProvider:
     return LocalProvider(**options)
+
+
+def _upload(outer: Path, *args: Any) -> None:
+    """``upload``, no snapshot freezing the sandbox's files meanwhile (a write it would carry on after)."""
+    with uploading(outer):
+        upload(*args)
 
 
 async def _transfer(

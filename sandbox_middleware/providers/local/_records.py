@@ -57,24 +57,14 @@ __all__ = [
 SANDBOX_ID = re.compile(r"local-[0-9a-f]{12}")
 RECORD = "meta.json"  # beside box/, out of the sandbox's view
 PINNED = "pinned"  # in a sandbox's directory: a snapshot holds its tmpfs (``_snapshots.rotate``)
+VIEW = "view.json"  # beside box/: how its files are made, once they are layers (``_snapshots.View``)
+ROTATING = "rotating.json"  # beside box/ while a snapshot freezes its files: the process taking it
 SPARE_RECORD = "spare.json"  # instead of RECORD while the sandbox is a spare (``_spares.py``): its maker
 # base_dir/<sandbox id>.maker: the process making (or removing) that sandbox (``Owner`` metadata), written
 # before anything else of it and removed once it has a record (or is gone), so a maker killed in between
 # leaves a trail: the next provider on base_dir, or reap, removes what it left once it is found dead.
 MAKER = ".maker"
 _MAKER: tuple[int, bytes] | None = None  # this process's pid and maker record
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One read-only layer under a sandbox's files (a fork's, or what a snapshot froze): ``name`` is its
-    mount in the sandbox's directory (read-only, private), ``owner`` the uid owning its files on disk,
-    ``view`` the mount its overlay reads (``name`` itself, or an idmapped mount of it showing the files
-    as the sandbox's uid's)."""
-
-    name: str
-    owner: int
-    view: str
 
 
 @dataclass
@@ -96,10 +86,6 @@ class Box:
     launch: Launch  # how its commands start: rlimits, cgroups joined, PTY or not, host uid
     lease: UidLease | None = None  # the host-wide lease of its uid, held while it lives here
     snapshot: str | None = None  # the id of the snapshot its files started as (a fork's; ``_snapshots.py``)
-    # Its files: box/ alone (no layers), or an overlay on box/ of ``layers`` (top first) with its writes in
-    # ``upper`` (below outer); None: not known here (a sandbox adopted whose box/ is an overlay).
-    layers: list[Layer] | None = field(default_factory=list)
-    upper: str | None = None
     starter: CommandStarter | None = None  # under bwrap: what starts its commands (see _starter.py)
     groups: dict[int, int] = field(default_factory=dict)  # process group -> alive_ticks() when last seen alive
     expired: bool = False

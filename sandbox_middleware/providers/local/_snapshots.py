@@ -43,16 +43,19 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..._errors import SandboxSnapshotError, SandboxSnapshotNotFoundError, SandboxValueError
 from ..._protocol import SandboxSnapshot
 from .._common._limits import entry_bound
-from ._mounts import clone_readonly, mount_overlay, mount_tmpfs, unmount
+from ._cgroups import CgroupBackend
+from ._mounts import clone_readonly, is_mount_point, mount_overlay, mount_tmpfs, mounted_at, unmount
 from ._records import (
     PINNED,
-    Layer,
+    ROTATING,
+    VIEW,
     directories_of,
     drop_maker,
     read_record,
@@ -71,6 +74,7 @@ __all__ = [
     "held",
     "listed",
     "release",
+    "repair",
     "retired",
     "rotate",
     "take",
@@ -85,6 +89,74 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_DEPTH = 256  # directories held open at once while copying: a deeper tree is refused
 _CHUNK = 1 << 24
 _FIELDS = ("snapshot_id", "provider", "created", "size_bytes", "metadata")  # a record's descriptor
+_NUMBERED = r"-[0-9]{1,3}"
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One read-only layer under a sandbox's files (a fork's, or what a snapshot froze): ``name`` is its
+    mount in the sandbox's directory (read-only, private), ``owner`` the uid owning its files on disk,
+    ``view`` the mount its overlay reads (``name`` itself, or an idmapped mount of it showing the files
+    as the sandbox's uid's)."""
+
+    name: str
+    owner: int
+    view: str
+
+
+@dataclass(frozen=True)
+class View:
+    """How a sandbox's files are made, kept in ``outer/view.json`` (none: box/ alone): an overlay on box/
+    of ``layers`` (top first), its writes in ``upper`` (below outer), ``stacked`` overlays mounted on
+    box/'s own mount; ``copied``: a layer is a copy's tree on base_dir's disk, which no snapshot holds
+    without a copy."""
+
+    layers: tuple[Layer, ...] = ()
+    upper: str | None = None
+    stacked: int = 0
+    copied: bool = False
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "layers": [[layer.name, layer.owner, layer.view] for layer in self.layers],
+            "upper": self.upper,
+            "stacked": self.stacked,
+            "copied": self.copied,
+        }
+
+
+def read_view(outer: Path) -> View | None:
+    """The sandbox's ``View``: box/ alone when it has none and box/ is its tmpfs's (not an overlay);
+    None when it cannot be known (an overlay without a record, or a record that is not one of ours)."""
+    try:
+        record = read_record(outer, os.geteuid(), VIEW)
+    except FileNotFoundError:
+        return View() if os.stat(outer / "box").st_dev == os.stat(outer).st_dev else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    layers, upper, stacked, copied = (record.get(key) for key in ("layers", "upper", "stacked", "copied"))
+    if not (isinstance(layers, list) and len(layers) <= MAX_LAYERS and type(stacked) is int and type(copied) is bool):
+        return None
+    if not (upper is None or (isinstance(upper, str) and re.fullmatch(rf"(gen{_NUMBERED}/)?upper", upper))):
+        return None
+    found = []
+    for entry in layers:
+        if not (isinstance(entry, list) and len(entry) == 3 and type(entry[1]) is int):
+            return None
+        name, owner, view = entry
+        if not (isinstance(name, str) and re.fullmatch(f"layer{_NUMBERED}", name)):
+            return None
+        if not (isinstance(view, str) and re.fullmatch(f"(layer|lower){_NUMBERED}", view)):
+            return None
+        found.append(Layer(name, owner, view))
+    return View(tuple(found), upper, stacked, copied)
+
+
+def _write_view(outer: Path, view: View) -> None:
+    with contextlib.suppress(FileNotFoundError):  # left by a process killed between its two steps
+        os.unlink(outer / (VIEW + ".new"))
+    write_private(outer, VIEW + ".new", json.dumps(view.record()).encode())
+    os.replace(outer / (VIEW + ".new"), outer / VIEW)
 
 
 def _too_deep() -> SandboxSnapshotError:
@@ -265,24 +337,55 @@ def _abandon(base: Path, snapshot_id: str, outer: Path | None) -> None:
 def rotate(
     base: Path,
     outer: Path,
-    layers: Sequence[Layer],
-    upper: str | None,
+    cgroups: CgroupBackend,
+    groups: Sequence[Path],
     uid: int | None,
     size: int,
     metadata: Mapping[str, str],
     source: str,
     path: str,
-) -> tuple[SandboxSnapshot, list[Layer], str]:
-    """A snapshot of the whole of a sandbox's files without a copy (blocking; its processes frozen, no
-    command running): what it writes to now (``upper``, or box/ itself) becomes a read-only layer,
-    kept by the snapshot (read-only mounts in its directory, with the layers below it) and put under
-    the sandbox's files, which go on in a new tmpfs of ``size`` bytes of their own, an overlay mounted
-    on box/ (the sandbox's view, a slave of box/, shows it). Returns the snapshot, and the sandbox's
-    new layers and upper."""
+) -> SandboxSnapshot | None:
+    """A snapshot of the whole of a sandbox's files without a copy (blocking), or None when it cannot be
+    taken so now and the caller copies: another process's snapshot or an upload under way (``outer``'s
+    lock), no freezer, a command running, a layer that is a copy's tree, or ``MAX_LAYERS`` layers.
+
+    Under ``outer``'s lock (exclusive) and ``ROTATING`` (what a process killed meanwhile left is undone
+    by the next one, ``_undo``), with the sandbox frozen: what it writes to now (its upper layer, or
+    box/ itself) becomes a read-only layer, kept by the snapshot (read-only mounts in its directory,
+    with the layers below it) and put under the sandbox's files, which go on in a new tmpfs of ``size``
+    bytes of their own, an overlay mounted on box/ (the sandbox's view, a slave of box/, shows it)."""
+    with _locked(outer, exclusive=True, wait=False) as alone:
+        if not alone:
+            return None
+        if os.path.lexists(outer / ROTATING):
+            _undo(outer, cgroups, groups)
+        view = read_view(outer)
+        if view is None or view.copied or len(view.layers) >= MAX_LAYERS:
+            return None
+        write_private(outer, ROTATING, b"")
+        try:
+            with cgroups.frozen(groups) as frozen:
+                if not frozen or cgroups.commands_running(groups):
+                    return None
+                return _rotate(base, outer, view, uid, size, metadata, source, path)
+        finally:  # thawed first
+            os.unlink(outer / ROTATING)
+
+
+def _rotate(
+    base: Path,
+    outer: Path,
+    view: View,
+    uid: int | None,
+    size: int,
+    metadata: Mapping[str, str],
+    source: str,
+    path: str,
+) -> SandboxSnapshot:
     snapshot_id = f"snap-{uuid.uuid4().hex[:13]}"
     owner = os.geteuid() if uid is None else uid
-    written = outer / (upper or "box")
-    frozen = [(written, owner), *((outer / layer.name, layer.owner) for layer in layers)]
+    written = outer / (view.upper or "box")
+    frozen = [(written, owner), *((outer / layer.name, layer.owner) for layer in view.layers)]
     budget = Budget(size)
     measure(outer / "box", budget)  # what a fork will see: its size_bytes, bounded as a copy's would be
     write_maker(base, snapshot_id)  # first: killed from here on, the next sweep removes what is left
@@ -293,8 +396,9 @@ def rotate(
         for number, (tree, _) in enumerate(frozen):
             os.mkdir(kept / f"layer-{number}", 0o700)
             clone_readonly(tree, kept / f"layer-{number}")
-        new = Layer(f"layer-{len(layers)}", owner, f"layer-{len(layers)}")
-        space = outer / f"gen-{len(layers)}"
+        count = len(view.layers)
+        new = Layer(f"layer-{count}", owner, f"layer-{count}")
+        space = outer / f"gen-{count}"
         os.mkdir(outer / new.name, 0o700)
         clone_readonly(written, outer / new.name)
         mounted.insert(0, outer / new.name)
@@ -305,14 +409,16 @@ def rotate(
         os.mkdir(space / "work", 0o700)
         if uid is not None:
             os.chown(space / "upper", uid, uid)
-        stack = [new, *layers]
+        stack = (new, *view.layers)
         mount_overlay([outer / layer.view for layer in stack], space / "upper", space / "work", outer / "box")
         mounted.insert(0, outer / "box")
         if not os.path.lexists(outer / PINNED):
             write_private(outer, PINNED, b"")
+        _write_view(outer, View(stack, f"{space.name}/upper", view.stacked + 1))
+        mounted.clear()  # the sandbox's files are the new ones from here on
         snapshot = SandboxSnapshot(snapshot_id, "local", time.time(), budget.copied, dict(metadata))
         _keep(kept, snapshot, source, [path], [(f"layer-{number}", owner) for number, (_, owner) in enumerate(frozen)])
-        return snapshot, stack, f"{space.name}/upper"
+        return snapshot
     except BaseException:
         for target in mounted:  # the overlay on box/ first, then the new tmpfs and layer (their directories too)
             with contextlib.suppress(OSError):
@@ -321,6 +427,38 @@ def rotate(
                     os.rmdir(target)
         _abandon(base, snapshot_id, kept)
         raise
+
+
+def _undo(outer: Path, cgroups: CgroupBackend, groups: Sequence[Path]) -> None:
+    """What a process killed while rotating the sandbox at ``outer`` left (``ROTATING`` is there, and it
+    holds no lock on ``outer`` any more): the mounts it made that its view does not record go, and the
+    sandbox is thawed."""
+    view = read_view(outer)
+    if view is not None:
+        for _ in range(mounted_at(outer / "box") - 1 - view.stacked):  # box/'s own mount, then its overlays
+            unmount(outer / "box")
+        for name in (f"gen-{len(view.layers)}", f"layer-{len(view.layers)}"):
+            if is_mount_point(outer / name):
+                unmount(outer / name)
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(outer / name)
+    cgroups.thaw(groups)
+    os.unlink(outer / ROTATING)
+
+
+def repair(outer: Path, cgroups: CgroupBackend | None, groups: Sequence[Path]) -> None:
+    """Undo a rotation of the sandbox at ``outer`` that its process did not finish (killed: it left its
+    sandbox frozen), unless one is under way."""
+    if cgroups is None or not os.path.lexists(outer / ROTATING):
+        return
+    with _locked(outer, exclusive=True, wait=False) as alone:
+        if alone and os.path.lexists(outer / ROTATING):
+            _undo(outer, cgroups, groups)
+
+
+def uploading(outer: Path) -> contextlib.AbstractContextManager[bool]:
+    """Held while an upload writes into the sandbox at ``outer``: no snapshot freezes its files meanwhile."""
+    return _locked(outer, exclusive=False)
 
 
 def measure(root: Path, budget: Budget) -> None:
@@ -377,11 +515,17 @@ def _find(base: Path, snapshot: object, provider: str) -> tuple[Path, dict[str, 
 
 
 @contextlib.contextmanager
-def _locked(outer: Path, exclusive: bool) -> Iterator[None]:
+def _locked(outer: Path, exclusive: bool, wait: bool = True) -> Iterator[bool]:
+    """``outer``'s ``flock`` (a snapshot's directory, or a sandbox's), held in the block; without ``wait``,
+    yields False at once when another holds it."""
     fd = os.open(outer, _DIR)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
     finally:
         os.close(fd)
 
@@ -469,16 +613,16 @@ def listed(base: Path, metadata: Mapping[str, str]) -> list[SandboxSnapshot]:
     return sorted(found, key=lambda snapshot: snapshot.created)
 
 
-def fill(outer: Path, layers: Sequence[tuple[Path, int]], uid: int | None, can_mount: bool) -> list[Layer] | None:
+def fill(outer: Path, layers: Sequence[tuple[Path, int]], uid: int | None, can_mount: bool) -> None:
     """Make a fork's files (``outer/box``, empty; a shared mount when this process may mount) the
     snapshot's ``layers``: an overlay on them mounted on box/ (its view shows it), its writes in
     ``outer/upper`` (its own tmpfs), each layer mounted read-only in ``outer`` and, where its files are
-    another uid's, seen as the fork's uid's through an idmapped mount; where this process may not mount
-    (a copied snapshot's one tree then), a copy. Returns the fork's layers (None: a copy, no layers)."""
+    another uid's, seen as the fork's uid's through an idmapped mount; its ``View`` recorded. Where this
+    process may not mount (a copied snapshot's one tree then), a copy."""
     if not can_mount:
         with open_directory(layers[0][0], (), "snapshot") as src, open_directory(outer / "box", (), "fork") as dst:
             copy_names(src, dst, os.listdir(src), Budget(None))
-        return None
+        return
     stack = []
     for number, (tree, owner) in enumerate(layers):
         layer = Layer(f"layer-{number}", owner, f"layer-{number}" if uid in (None, owner) else f"lower-{number}")
@@ -493,4 +637,5 @@ def fill(outer: Path, layers: Sequence[tuple[Path, int]], uid: int | None, can_m
     if uid is not None:
         os.chown(outer / "upper", uid, uid)
     mount_overlay([outer / layer.view for layer in stack], outer / "upper", outer / "work", outer / "box")
-    return stack
+    copied = any(tree.name == _TREE for tree, _ in layers)
+    _write_view(outer, View(tuple(stack), "upper", 1, copied))

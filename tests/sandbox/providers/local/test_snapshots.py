@@ -11,10 +11,13 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
+import anyio.to_thread
 import pytest
 
 from sandbox_middleware import (
@@ -28,8 +31,9 @@ from sandbox_middleware import (
     SandboxSpec,
     SupportsSandboxSnapshot,
 )
+from sandbox_middleware.providers.local import _snapshots, _transfers
 from sandbox_middleware.providers.local._cgroups import CgroupBackend
-from sandbox_middleware.providers.local._mounts import unmount
+from sandbox_middleware.providers.local._mounts import mount_overlay, unmount
 from tests.leftovers import mounts_below, sandbox_dirs, spare_dirs
 from tests.sandbox.providers.local.containment._support import run_unprivileged
 
@@ -515,3 +519,151 @@ async def test_a_snapshot_whose_layers_are_gone_is_not_found(local: LocalProvide
         await local.create(SandboxSpec(), from_snapshot=snapshot)
     await local.delete_snapshot(snapshot)
     assert snapshot_dirs(sandbox_base) == []
+
+
+# --- what an attacker's review found (each failed before its fix) -------------------------------------
+
+
+def _provider(base: Path, **options: object) -> LocalProvider:
+    return LocalProvider(base_dir=base, memory_mib=256, disk_gib=0.25, **options)  # type: ignore[arg-type]
+
+
+async def test_an_upload_in_flight_does_not_write_into_a_snapshot_after_it_returned(
+    sandbox_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upload holds its target open on box/ from a provider thread (which no freezer stops): a snapshot
+    meanwhile is a copy, so nothing the upload writes after snapshot() returned lands in a layer."""
+    started, resume = threading.Event(), threading.Event()
+
+    def paused(source_fd: int, target_fd: int, limit: int | None) -> int:
+        os.write(target_fd, b"before ")
+        started.set()
+        resume.wait(30)
+        os.write(target_fd, b"after")
+        return 12
+
+    monkeypatch.setattr(_transfers, "_copy", paused)
+    source = tmp_path / "source"
+    source.write_bytes(b"")
+    provider = _provider(sandbox_base)
+    try:
+        parent = await provider.create(SandboxSpec())
+        async with anyio.create_task_group() as group:
+            group.start_soon(provider.upload_file, parent, source, "/workspace/f")
+            await anyio.to_thread.run_sync(started.wait, 30)
+            snapshot = await provider.snapshot(parent)
+            assert layer_mounts(sandbox_base) == []  # a copy
+            resume.set()
+        fork = await provider.create(SandboxSpec(), from_snapshot=snapshot)
+        assert (await provider.exec(fork, "cat f")).stdout in ("", "before ")  # as of the snapshot
+        await provider.delete_snapshot(snapshot)
+    finally:
+        resume.set()
+        await provider.aclose()
+
+
+async def test_two_providers_snapshotting_at_once_freeze_the_sandbox_for_both(
+    sandbox_base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two providers (processes) snapshotting one sandbox at once: one freezes its files, the other copies
+    (the sandbox's lock), so neither thaws it under the other, and a command started right after writes
+    into the parent's new files, not into the layer a fork sees. (The first rotation is slowed.)"""
+    calls: list[None] = []
+
+    def slowed(*args: object) -> None:
+        calls.append(None)
+        if len(calls) == 1:
+            time.sleep(0.3)
+        mount_overlay(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_snapshots, "mount_overlay", slowed)
+    key = os.urandom(32)
+    first, second = _provider(sandbox_base, connect_key=key), _provider(sandbox_base, connect_key=key)
+    try:
+        handle = await first.create(SandboxSpec())
+        await first.exec(handle, "echo before > f")
+        other = await second.connect(await first.serialize_handle(handle))
+        taken = []
+
+        async def take() -> None:
+            taken.append(await second.snapshot(other))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(take)
+            await anyio.sleep(0.1)
+            await first.snapshot(handle)
+            await first.exec(handle, "exec 3>>f; sleep 0.6; echo late >&3")
+        fork = await second.create(SandboxSpec(), from_snapshot=taken[0])
+        assert (await second.exec(fork, "cat f")).stdout == "before\n"
+        for snapshot in await first.list_snapshots():
+            await first.delete_snapshot(snapshot)
+    finally:
+        await second.aclose()
+        await first.aclose()
+
+
+_KILLED = """
+import anyio, json, os, signal, sys, time
+from pathlib import Path
+from sandbox_middleware import LocalProvider, SandboxSpec
+from sandbox_middleware.providers.local import _snapshots
+
+def hang(*args):
+    print("frozen", flush=True)
+    time.sleep(600)
+
+async def main():
+    provider = LocalProvider(base_dir=sys.argv[1], memory_mib=256, disk_gib=0.25, prestart=False)
+    handle = await provider.create(SandboxSpec())
+    Path(sys.argv[2]).write_text(json.dumps([handle.sandbox_id]))
+    _snapshots.clone_readonly = hang
+    await provider.snapshot(handle)
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.requires_bwrap
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # one backend is enough for a process killed on purpose
+async def test_a_provider_killed_mid_rotation_leaves_no_sandbox_frozen(sandbox_base: Path, tmp_path: Path) -> None:
+    """Killed with the sandbox frozen: the next provider's sweep removes the half-made snapshot and thaws
+    the sandbox (what the killed process mounted undone), whose commands then run."""
+    sandbox_base.mkdir(parents=True)
+    ids = tmp_path / "ids.json"
+    async with await anyio.open_process([sys.executable, "-c", _KILLED, str(sandbox_base), str(ids)]) as child:
+        with anyio.fail_after(60):
+            assert child.stdout is not None
+            assert (await child.stdout.receive()).strip() == b"frozen"
+        child.send_signal(signal.SIGKILL)
+        await child.wait()
+    [sandbox_id] = json.loads(ids.read_text())
+    provider = _provider(sandbox_base, prestart=False)  # sweeps
+    try:
+        groups = [group for group in provider._cgroups.groups_of(sandbox_id) if (group / "freezer.state").exists()]  # type: ignore[union-attr]
+        assert groups and [(group / "freezer.state").read_text().strip() for group in groups] == ["THAWED"]
+        assert snapshot_dirs(sandbox_base) == [] and layer_mounts(sandbox_base) == []
+    finally:
+        for listing in await provider.list():
+            await provider.close(listing.handle)
+        await provider.aclose()
+    assert mounts_below(sandbox_base) == [] and sandbox_dirs(sandbox_base) == []
+
+
+async def test_a_rotated_fork_of_a_copied_snapshot_can_be_forked(sandbox_base: Path) -> None:
+    """A fork of a copied snapshot (paths=) has the copy's tree/ (base_dir's disk) as its layer, which its
+    own snapshot cannot freeze (the copy's tree is removed with its snapshot): that snapshot is a copy,
+    which outlives the copied one."""
+    provider = _provider(sandbox_base)
+    try:
+        parent = await provider.create(SandboxSpec())
+        await provider.exec(parent, "echo one > a")
+        copied = await provider.snapshot(parent, paths=["a"])
+        fork = await provider.create(SandboxSpec(), from_snapshot=copied)
+        rotated = await provider.snapshot(fork)
+        await provider.close(fork)
+        await provider.delete_snapshot(copied)
+        again = await provider.create(SandboxSpec(), from_snapshot=rotated)
+        assert (await provider.exec(again, "cat a")).stdout == "one\n"
+        await provider.delete_snapshot(rotated)
+    finally:
+        await provider.aclose()
