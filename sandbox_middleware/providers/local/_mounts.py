@@ -29,6 +29,7 @@ __all__ = [
     "probe_tmpfs",
     "share",
     "unmount",
+    "userns_mapping",
 ]
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -78,7 +79,7 @@ def _check(result: int, what: str, target: Path) -> None:
         raise OSError(code, f"{what}: {os.strerror(code)}", str(target))
 
 
-def _userns_mapping(owner: int, uid: int) -> int:
+def userns_mapping(owner: int, uid: int) -> int:
     """A descriptor of a user namespace mapping uid and gid ``owner`` to ``uid``, nothing else: made by a
     short-lived ``unshare --user`` (this process has threads: it cannot unshare itself)."""
     child = subprocess.Popen(
@@ -104,29 +105,21 @@ def _userns_mapping(owner: int, uid: int) -> int:
         child.wait()
 
 
-def clone_readonly(source: Path, target: Path, owner: int | None = None, uid: int | None = None) -> None:
+def clone_readonly(source: Path, target: Path, userns: int | None = None) -> None:
     """Mount the tree at ``source`` (the mount there, or a directory of one) again at ``target``: read-only,
-    nosuid, nodev and private (nothing mounted on ``source`` later shows at ``target``). With ``uid``,
-    idmapped: every file of ``owner``'s seen as ``uid``'s."""
-    flags = _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
-    userns = None
-    if uid is not None and owner is not None and owner != uid:
-        userns = _userns_mapping(owner, uid)
-        flags |= _MOUNT_ATTR_IDMAP
+    nosuid, nodev and private (nothing mounted on ``source`` later shows at ``target``). With ``userns``
+    (``userns_mapping``'s), idmapped through it."""
+    flags = _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | (0 if userns is None else _MOUNT_ATTR_IDMAP)
+    attr = struct.pack("=QQQQ", flags, 0, _MS_PRIVATE, 0 if userns is None else userns)  # struct mount_attr
+    tree = _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC)
+    _check(tree, "open_tree", source)
     try:
-        attr = struct.pack("=QQQQ", flags, 0, _MS_PRIVATE, 0 if userns is None else userns)  # struct mount_attr
-        tree = _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC)
-        _check(tree, "open_tree", source)
-        try:
-            setattr_ = _libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, attr, len(attr))
-            _check(setattr_, "mount_setattr", source)
-            move = _libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH)
-            _check(move, "move_mount", target)
-        finally:
-            os.close(tree)
+        setattr_ = _libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, attr, len(attr))
+        _check(setattr_, "mount_setattr", source)
+        move = _libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH)
+        _check(move, "move_mount", target)
     finally:
-        if userns is not None:
-            os.close(userns)
+        os.close(tree)
 
 
 def share(target: Path) -> None:

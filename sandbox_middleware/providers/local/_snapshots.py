@@ -51,7 +51,7 @@ from ..._errors import SandboxSnapshotError, SandboxSnapshotNotFoundError, Sandb
 from ..._protocol import SandboxSnapshot
 from .._common._limits import entry_bound
 from ._cgroups import CgroupBackend
-from ._mounts import clone_readonly, is_mount_point, mount_overlay, mount_tmpfs, mounted_at, unmount
+from ._mounts import clone_readonly, is_mount_point, mount_overlay, mount_tmpfs, mounted_at, unmount, userns_mapping
 from ._records import (
     PINNED,
     ROTATING,
@@ -90,6 +90,7 @@ _MAX_DEPTH = 256  # directories held open at once while copying: a deeper tree i
 _CHUNK = 1 << 24
 _FIELDS = ("snapshot_id", "provider", "created", "size_bytes", "metadata")  # a record's descriptor
 _NUMBERED = r"-[0-9]{1,3}"
+_SIZES = "sizes.json"  # beside box/, and in a snapshot's directory: what each directory held (``measure``)
 
 
 @dataclass(frozen=True)
@@ -152,11 +153,30 @@ def read_view(outer: Path) -> View | None:
     return View(tuple(found), upper, stacked, copied)
 
 
-def _write_view(outer: Path, view: View) -> None:
+def _replace(directory: Path, name: str, data: bytes) -> None:
+    """Write ``directory/name`` (this process's, private) whole, in place of what it held."""
     with contextlib.suppress(FileNotFoundError):  # left by a process killed between its two steps
-        os.unlink(outer / (VIEW + ".new"))
-    write_private(outer, VIEW + ".new", json.dumps(view.record()).encode())
-    os.replace(outer / (VIEW + ".new"), outer / VIEW)
+        os.unlink(directory / (name + ".new"))
+    write_private(directory, name + ".new", data)
+    os.replace(directory / (name + ".new"), directory / name)
+
+
+def _write_view(outer: Path, view: View) -> None:
+    _replace(outer, VIEW, json.dumps(view.record()).encode())
+
+
+def _read_sizes(directory: Path) -> Sizes | None:
+    """What each directory of the files held when they were last measured (``SIZES``), if recorded."""
+    try:
+        record = read_record(directory, os.geteuid(), _SIZES)
+    except (OSError, ValueError, RecursionError):
+        return None
+    sizes: Sizes = {}
+    for path, counts in record.items():
+        if not (isinstance(counts, list) and len(counts) == 2 and all(type(count) is int for count in counts)):
+            return None
+        sizes[path] = (counts[0], counts[1])
+    return sizes
 
 
 def _too_deep() -> SandboxSnapshotError:
@@ -184,8 +204,8 @@ class Budget:
         self.entries = 0
         self.copied = 0
 
-    def entry(self) -> None:
-        self.entries += 1
+    def entry(self, count: int = 1) -> None:
+        self.entries += count
         if self.most is not None and self.entries > self.most:
             raise SandboxSnapshotError(
                 f"the files to snapshot are more than {self.most} entries, more than the sandbox's disk "
@@ -386,8 +406,9 @@ def _rotate(
     owner = os.geteuid() if uid is None else uid
     written = outer / (view.upper or "box")
     frozen = [(written, owner), *((outer / layer.name, layer.owner) for layer in view.layers)]
-    budget = Budget(size)
-    measure(outer / "box", budget)  # what a fork will see: its size_bytes, bounded as a copy's would be
+    budget = Budget(size)  # what a fork will see: its size_bytes, bounded as a copy's would be
+    upper = None if view.upper is None else outer / view.upper
+    sizes = measure(outer / "box", budget, upper, None if upper is None else _read_sizes(outer))
     write_maker(base, snapshot_id)  # first: killed from here on, the next sweep removes what is left
     kept: Path | None = None
     mounted: list[Path] = []  # the sandbox's new mounts, the last first: undone on failure
@@ -414,6 +435,8 @@ def _rotate(
         mounted.insert(0, outer / "box")
         if not os.path.lexists(outer / PINNED):
             write_private(outer, PINNED, b"")
+        _replace(outer, _SIZES, json.dumps(sizes).encode())  # for its next snapshot, and its forks':
+        write_private(kept, _SIZES, json.dumps(sizes).encode())
         _write_view(outer, View(stack, f"{space.name}/upper", view.stacked + 1))
         mounted.clear()  # the sandbox's files are the new ones from here on
         snapshot = SandboxSnapshot(snapshot_id, "local", time.time(), budget.copied, dict(metadata))
@@ -461,30 +484,68 @@ def uploading(outer: Path) -> contextlib.AbstractContextManager[bool]:
     return _locked(outer, exclusive=False)
 
 
-def measure(root: Path, budget: Budget) -> None:
+Sizes = dict[str, tuple[int, int]]  # per directory (its path below the root, "" the root): entries and bytes below
+
+
+def measure(root: Path, budget: Budget, upper: Path | None = None, known: Sizes | None = None) -> Sizes:
     """Count the files under ``root`` (a still tree: the sandbox is frozen) into ``budget``: each entry,
-    and the bytes of regular files, following no symlink; past the budget, ``SandboxSnapshotError``."""
-    fds: list[int] = [os.open(root, _DIR)]
-    listings: list[Iterator[os.DirEntry[str]]] = []
+    and the bytes of regular files, following no symlink; past the budget, ``SandboxSnapshotError``.
+    Returns what each directory holds. ``root`` an overlay whose writes are in ``upper``: a directory
+    that is not in ``upper`` is only its layers', unchanged since ``known`` was measured (the same files'
+    last snapshot), so its count is taken from ``known`` instead of walked again."""
+    sizes: Sizes = {}
+    fd = os.open(root, _DIR)
     try:
-        listings.append(os.scandir(fds[0]))
-        while listings:
-            entry = next(listings[-1], None)
-            if entry is None:
-                listings.pop()
-                os.close(fds.pop())
-                continue
-            budget.entry()
-            if entry.is_dir(follow_symlinks=False):
-                if len(fds) > _MAX_DEPTH:
-                    raise _too_deep()
-                fds.append(os.open(entry.name, _DIR, dir_fd=fds[-1]))
-                listings.append(os.scandir(fds[-1]))
-            elif entry.is_file(follow_symlinks=False):
-                budget.took(entry.stat(follow_symlinks=False).st_size)
+        tops = None if upper is None or known is None else os.open(upper, _DIR)
+        try:
+            sizes[""] = _measure(fd, tops, "", 0, budget, known or {}, sizes)
+        finally:
+            if tops is not None:
+                os.close(tops)
     finally:
-        for fd in fds:
-            os.close(fd)
+        os.close(fd)
+    return sizes
+
+
+def _measure(
+    fd: int, upper: int | None, where: str, depth: int, budget: Budget, known: Sizes, sizes: Sizes
+) -> tuple[int, int]:
+    entries = total = 0
+    with os.scandir(fd) as listing:
+        found = list(listing)
+    for entry in found:
+        budget.entry()
+        entries += 1
+        if entry.is_dir(follow_symlinks=False):
+            path = f"{where}/{entry.name}" if where else entry.name
+            mine = None
+            if upper is not None:
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    mine = os.open(entry.name, _DIR, dir_fd=upper)
+            try:
+                if upper is not None and mine is None and path in known:  # only its layers': as it was
+                    below = known[path]
+                    budget.entry(below[0])
+                    budget.took(below[1])
+                else:
+                    if depth >= _MAX_DEPTH:
+                        raise _too_deep()
+                    child = os.open(entry.name, _DIR, dir_fd=fd)
+                    try:
+                        below = _measure(child, mine, path, depth + 1, budget, known, sizes)
+                    finally:
+                        os.close(child)
+            finally:
+                if mine is not None:
+                    os.close(mine)
+            sizes[path] = below
+            entries += below[0]
+            total += below[1]
+        elif entry.is_file(follow_symlinks=False):
+            size = entry.stat(follow_symlinks=False).st_size
+            budget.took(size)
+            total += size
+    return entries, total
 
 
 def _not_found(snapshot: SandboxSnapshot, base: Path, why: str) -> SandboxSnapshotNotFoundError:
@@ -624,18 +685,28 @@ def fill(outer: Path, layers: Sequence[tuple[Path, int]], uid: int | None, can_m
             copy_names(src, dst, os.listdir(src), Budget(None))
         return
     stack = []
-    for number, (tree, owner) in enumerate(layers):
-        layer = Layer(f"layer-{number}", owner, f"layer-{number}" if uid in (None, owner) else f"lower-{number}")
-        os.mkdir(outer / layer.name, 0o700)
-        clone_readonly(tree, outer / layer.name)
-        if layer.view != layer.name:
-            os.mkdir(outer / layer.view, 0o700)
-            clone_readonly(outer / layer.name, outer / layer.view, owner, uid)
-        stack.append(layer)
+    mappings: dict[int, int] = {}  # per owner: a user namespace showing its files as the fork's uid's
+    try:
+        for number, (tree, owner) in enumerate(layers):
+            layer = Layer(f"layer-{number}", owner, f"layer-{number}" if uid in (None, owner) else f"lower-{number}")
+            os.mkdir(outer / layer.name, 0o700)
+            clone_readonly(tree, outer / layer.name)
+            if uid is not None and layer.view != layer.name:
+                if owner not in mappings:
+                    mappings[owner] = userns_mapping(owner, uid)
+                os.mkdir(outer / layer.view, 0o700)
+                clone_readonly(outer / layer.name, outer / layer.view, mappings[owner])
+            stack.append(layer)
+    finally:
+        for userns in mappings.values():
+            os.close(userns)
     for name in ("upper", "work"):
         os.mkdir(outer / name, 0o700)
     if uid is not None:
         os.chown(outer / "upper", uid, uid)
     mount_overlay([outer / layer.view for layer in stack], outer / "upper", outer / "work", outer / "box")
     copied = any(tree.name == _TREE for tree, _ in layers)
+    sizes = None if copied else _read_sizes(layers[0][0].parent)  # its snapshot's: its own first snapshot's start
+    if sizes is not None:
+        write_private(outer, _SIZES, json.dumps(sizes).encode())
     _write_view(outer, View(tuple(stack), "upper", 1, copied))

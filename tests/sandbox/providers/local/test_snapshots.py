@@ -667,3 +667,40 @@ async def test_a_rotated_fork_of_a_copied_snapshot_can_be_forked(sandbox_base: P
         await provider.delete_snapshot(rotated)
     finally:
         await provider.aclose()
+
+
+_SIZES = "find . -type f -printf '%s\\n' | awk '{s += $1} END {print s + 0}'; find . -mindepth 1 | wc -l"
+
+
+async def test_a_later_snapshots_size_counts_only_what_changed_and_is_still_exact(local: LocalProvider) -> None:
+    """A snapshot counts the files a fork will see (``size_bytes``, and the entries its disk bounds); a
+    later one of the same files walks only the directories written since (their counts kept from the
+    last): still exactly what ``find`` counts inside, whatever the sandbox did in between (appends,
+    truncations, a directory removed or renamed, new ones), for the parent and for a fork's own."""
+    parent = await local.create(SandboxSpec())
+    await run(local, parent, "mkdir -p a/b c d && seq 1000 > a/b/f && seq 10 > c/g && seq 5 > d/h && echo x > top")
+
+    async def counted(handle: SandboxHandle) -> tuple[int, int]:
+        size, entries = (await run(local, handle, _SIZES)).split()
+        return int(size), int(entries)
+
+    first = await local.snapshot(parent)
+    assert first.size_bytes == (await counted(parent))[0]
+    changes = [
+        "seq 2000 >> a/b/f",
+        "rm -r c",
+        "mv d e && seq 7 > e/i",
+        "truncate -s 3 top && mkdir -p n/m && seq 99 > n/m/j",
+        "",  # nothing changed
+    ]
+    for change in changes:
+        if change:
+            await run(local, parent, change)
+        later = await local.snapshot(parent)
+        assert later.size_bytes == (await counted(parent))[0], change
+    fork = await local.create(SandboxSpec(), from_snapshot=later)
+    await run(local, fork, "seq 50 > a/new && rm -r e")
+    own = await local.snapshot(fork)
+    assert own.size_bytes == (await counted(fork))[0]
+    again = await local.create(SandboxSpec(), from_snapshot=own)
+    assert await counted(again) == await counted(fork)
