@@ -69,6 +69,7 @@ from ._commands import run_command, run_process
 from ._descriptors import DESCRIPTOR_KEYS, sign, verified_body
 from ._enforcement import Enforcement
 from ._launch import OOM_SCORE_ADJ, STARTER_OOM_SCORE_ADJ, Launch
+from ._layers import fill, repair, rotate, uploading
 from ._mounts import bind_nosuid, is_mount_point, mount_tmpfs, probe_tmpfs, share
 from ._records import (
     RECORD,
@@ -90,7 +91,7 @@ from ._records import (
     write_maker,
     write_private,
 )
-from ._snapshots import SNAPSHOT_ID, fill, held, listed, release, repair, retired, rotate, take, uploading
+from ._snapshots import SNAPSHOT_ID, held, listed, release, retired, take
 from ._snapshots import delete as delete_tree
 from ._spares import Spares
 from ._supervisor import CommandStarter, find_python
@@ -132,7 +133,7 @@ class LocalProvider(ProviderBase):
     Snapshots (``SupportsSandboxSnapshot``) of a whole bwrap sandbox freeze its files in place as
     read-only layers (no copy); others are copies in ``base_dir``. A sandbox created from one (a fork,
     a spare when one is ready: ``spares``) has an overlay of it mounted on its files, its writes in its
-    own tmpfs (``_snapshots.py``; docs/local-provider.md, "Snapshots and forks").
+    own tmpfs (``_layers.py``, ``_snapshots.py``; docs/local-provider.md, "Snapshots and forks").
     """
 
     name = "local"
@@ -314,7 +315,7 @@ class LocalProvider(ProviderBase):
 
     async def create(self, spec: SandboxSpec, *, from_snapshot: SandboxSnapshot | None = None) -> SandboxHandle:
         """A new sandbox of ``spec``; ``from_snapshot``: its files start as that snapshot's (a fork: see
-        ``_snapshots.py``), made fresh (never from the spare, which was made without them)."""
+        ``_layers.py``): a spare when one has its shape, the snapshot's files mounted on it."""
         if spec.entrypoint:
             raise SandboxArgumentError("LocalProvider does not run spec.entrypoint; start the process with exec()")
         env = checked_env(spec.env, "spec.env")
@@ -757,7 +758,7 @@ class LocalProvider(ProviderBase):
                     return None
         return None
 
-    # --- snapshots (SupportsSandboxSnapshot; see _snapshots.py and docs/local-provider.md, "Snapshots and forks") ---
+    # --- snapshots (SupportsSandboxSnapshot; see _layers.py, _snapshots.py, docs/local-provider.md) ---
 
     async def _snapshot(
         self, handle: SandboxHandle, paths: builtins.list[str] | None, metadata: dict[str, str]
