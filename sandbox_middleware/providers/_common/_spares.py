@@ -103,7 +103,7 @@ class Spares(Generic[Shape, Item]):
         """After a create of ``shape`` succeeded: make spares of that shape until ``count`` are kept,
         unless they are being made."""
         with self._lock:
-            if self._closed.is_set() or self._making or (self._shape == shape and len(self._ready) >= self._count):
+            if self._closed.is_set() or self._making or self._full(shape):
                 return
             self._making = True
         if not self._submit(self._fill, shape, self._refill_after_s):
@@ -128,11 +128,7 @@ class Spares(Generic[Shape, Item]):
                 return
             while True:
                 with self._lock:
-                    if (
-                        self._closed.is_set()
-                        or (self._ready and self._shape != shape)
-                        or len(self._ready) >= self._count
-                    ):
+                    if self._closed.is_set() or self._full(shape):
                         return
                 make = self._make()
                 if make is None:  # the provider is gone
@@ -144,6 +140,11 @@ class Spares(Generic[Shape, Item]):
             with self._lock:
                 self._making = False
                 self._lock.notify_all()
+
+    def _full(self, shape: Shape) -> bool:
+        """Whether no spare of ``shape`` is to be made now (under the lock): ``count`` are kept, or those
+        kept have another shape (the next create of ``shape`` removes them, then refills)."""
+        return len(self._ready) >= self._count or (bool(self._ready) and self._shape != shape)
 
     def wait(self, timeout_s: float) -> bool:
         """Wait until no spare is being made (at most ``timeout_s``): whether one is kept now."""

@@ -118,7 +118,7 @@ def _write_view(outer: Path, view: View) -> None:
 
 
 def _read_sizes(directory: Path) -> Sizes | None:
-    """What each directory of the files held when they were last measured (``SIZES``), if recorded."""
+    """What each directory of the files held when they were last measured (``_SIZES``), if recorded."""
     try:
         record = read_record(directory, os.geteuid(), _SIZES)
     except (OSError, ValueError, RecursionError):
@@ -212,8 +212,9 @@ def _rotate(
         mounted.insert(0, outer / "box")
         if not os.path.lexists(outer / PINNED):
             write_private(outer, PINNED, b"")
-        _replace(outer, _SIZES, json.dumps(sizes).encode())  # for its next snapshot, and its forks':
-        write_private(kept, _SIZES, json.dumps(sizes).encode())
+        counted = json.dumps(sizes).encode()
+        _replace(outer, _SIZES, counted)  # for its next snapshot, and its forks':
+        write_private(kept, _SIZES, counted)
         _write_view(outer, View(stack, f"{space.name}/upper", view.stacked + 1))
         mounted.clear()  # the sandbox's files are the new ones from here on
         snapshot = SandboxSnapshot(snapshot_id, "local", time.time(), budget.copied, dict(metadata))

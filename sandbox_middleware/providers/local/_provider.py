@@ -792,7 +792,7 @@ class LocalProvider(ProviderBase):
         self, box: Box, selections: builtins.list[tuple[tuple[str, ...], str]], metadata: dict[str, str], source: str
     ) -> SandboxSnapshot:
         """A snapshot of ``selections`` of the box's files (blocking): of the whole of them, where it can,
-        without a copy (``_snapshots.rotate``: under bwrap, on its tmpfs, its processes frozen and no
+        without a copy (``_layers.rotate``: under bwrap, on its tmpfs, its processes frozen and no
         command running, as of that moment); else a copy, made while it runs."""
         size, cgroups, whole = box.limits.disk_bytes, self._cgroups, [parts for parts, _ in selections] == [()]
         if (

@@ -56,9 +56,9 @@ __all__ = [
 
 SANDBOX_ID = re.compile(r"local-[0-9a-f]{12}")
 RECORD = "meta.json"  # beside box/, out of the sandbox's view
-PINNED = "pinned"  # in a sandbox's directory: a snapshot holds its tmpfs (``_snapshots.rotate``)
-VIEW = "view.json"  # beside box/: how its files are made, once they are layers (``_snapshots.View``)
-ROTATING = "rotating.json"  # beside box/ while a snapshot freezes its files: the process taking it
+PINNED = "pinned"  # in a sandbox's directory: a snapshot holds its tmpfs (``_layers.rotate``)
+VIEW = "view.json"  # beside box/: how its files are made, once they are layers (``_layers.View``)
+ROTATING = "rotating.json"  # beside box/ (empty) while a snapshot freezes its files: left, its maker was killed
 SPARE_RECORD = "spare.json"  # instead of RECORD while the sandbox is a spare (``_spares.py``): its maker
 # base_dir/<sandbox id>.maker: the process making (or removing) that sandbox (``Owner`` metadata), written
 # before anything else of it and removed once it has a record (or is gone), so a maker killed in between
@@ -347,7 +347,7 @@ def remove_box(outer: Path, mounted: bool, cgroups: list[Path]) -> list[str]:
             unmount(outer)  # frees the tmpfs (and its memory) at once
         except OSError as exc:
             failed.append(f"{outer} (unmount: {exc.strerror})")
-    elif not mounted:  # a snapshot's directory: its layers, read-only mounts, first
+    elif not mounted:  # a snapshot's directory: its layers (read-only mounts) first; none in a sandbox's
         for point in mounts_under(outer):
             try:
                 unmount(point)
