@@ -20,7 +20,7 @@ from ..._errors import SandboxArgumentError
 from .._common._arguments import check_text, checked_texts, checked_view_root
 from .._common._limits import Limits
 from ._pools import pts_mount, ulimits
-from ._ttl import EXPIRES, deadline_of, taken_at
+from ._ttl import EXPIRES, FILES, deadline_of, taken_at
 
 __all__ = [
     "LABEL",
@@ -28,6 +28,7 @@ __all__ = [
     "UID",
     "BodyOf",
     "Box",
+    "HostDir",
     "Made",
     "Plan",
     "box_of",
@@ -67,6 +68,7 @@ class Box:
     closed: bool = False
     paused: bool = False  # by this provider's pause(), until its resume()
     uid: int | None = None  # the host uid leased for it (None: the provider's fixed user=)
+    files: str | None = None  # the key of its work directory's tmpfs on the host (``_files.py``; None: a volume)
 
     def is_expired(self) -> bool:
         return self.deadline is not None and time.time() >= self.deadline
@@ -97,11 +99,20 @@ class Plan:
     ptys: int  # pseudo-terminals at most (0: no devpts)
     tcp_bytes: int | None  # its TCP buffers at most (cgroup v1, written from the host after start)
     remapped: bool = False  # the daemon maps container uids to others on the host (userns-remap, rootless)
+    host_files: bool = False  # the work directory is a tmpfs this process mounts on the host (``_files.py``)
 
 
-BodyOf = Callable[[tuple[int, int], bool], dict[str, Any]]
-"""A container's create body for its host uid and gid and whether that uid is leased (its own):
-``create_body`` of a plan, or ``_spares.spare_body``."""
+BodyOf = Callable[[tuple[int, int], bool, "HostDir | None"], dict[str, Any]]
+"""A container's create body for its host uid and gid, whether that uid is leased (its own), and its work
+directory on the host (``plan.host_files``): ``create_body`` of a plan, or ``_spares.spare_body``."""
+
+
+@dataclass(frozen=True)
+class HostDir:
+    """A work directory on the host (``_files.py``): its key (the ``FILES`` label) and the path bound."""
+
+    key: str
+    path: str
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,7 @@ class Made:
     name: str
     owner: tuple[int, int]
     uid: int | None
+    files: str | None = None  # its work directory's key on the host (``_files.py``)
 
 
 def workdir_of(workdir: str | None) -> tuple[PurePosixPath, PurePosixPath]:
@@ -147,11 +159,23 @@ def _tmpfs(target: PurePosixPath, size: int | None, owner: tuple[int, int] | Non
     }
 
 
-def create_body(plan: Plan, owner: tuple[int, int], leased: bool) -> dict[str, Any]:
+def _bound(target: PurePosixPath, files: HostDir | None) -> dict[str, Any]:
+    """The work directory on the host (``_files.py``; None: its place in a spare's shape) bound in as a
+    slave: what is mounted on it later shows in the container."""
+    return {
+        "Type": "bind",
+        "Source": "" if files is None else files.path,
+        "Target": str(target),
+        "BindOptions": {"Propagation": "rslave"},
+    }
+
+
+def create_body(plan: Plan, owner: tuple[int, int], leased: bool, files: HostDir | None = None) -> dict[str, Any]:
     """The body of ``POST /containers/create``: run as the host uid and gid ``owner`` (``leased``: the
-    sandbox's own), no capabilities, no new privileges, a read-only root, bounded writable directories,
-    the limits, the host's kernel pools bounded (``_pools.py``), the network asked for (``none`` by
-    default), ports published on 127.0.0.1 only, and the labels."""
+    sandbox's own), no capabilities, no new privileges, a read-only root, bounded writable directories
+    (the work directory ``files`` where ``plan.host_files``), the limits, the host's kernel pools bounded
+    (``_pools.py``), the network asked for (``none`` by default), ports published on 127.0.0.1 only, and
+    the labels."""
     limits = plan.limits
     user = f"{owner[0]}:{owner[1]}"
     files_owner = None if plan.remapped else owner
@@ -159,7 +183,7 @@ def create_body(plan: Plan, owner: tuple[int, int], leased: bool) -> dict[str, A
         "NetworkMode": plan.network,
         "Init": plan.init,
         "Mounts": [
-            _tmpfs(plan.mount, limits.disk_bytes, files_owner),
+            _bound(plan.mount, files) if plan.host_files else _tmpfs(plan.mount, limits.disk_bytes, files_owner),
             _tmpfs(TMP, plan.tmp_bytes, files_owner),
             pts_mount(plan.ptys),
         ],
@@ -188,13 +212,17 @@ def create_body(plan: Plan, owner: tuple[int, int], leased: bool) -> dict[str, A
     }
     if leased:
         labels[UID] = str(owner[0])
+    if files is not None:
+        labels[FILES] = files.key
     if plan.deadline is not None:
         labels[EXPIRES] = repr(plan.deadline)
     command = plan.entrypoint or plan.keepalive
     return {
         "Image": plan.image,
         "User": user,
-        "WorkingDir": str(plan.mount),  # the daemon would make a missing cwd below it as root's
+        # Not below it (the daemon would make a missing cwd as root's); the keep-alive's is "/": no idle
+        # process holds the work directory, which a snapshot without a copy needs (``_files.py``).
+        "WorkingDir": str(plan.mount) if plan.entrypoint else "/",
         "Env": [f"{name}={value}" for name, value in plan.env.items()],
         "Entrypoint": command[:1],
         "Cmd": command[1:],
@@ -223,12 +251,13 @@ def box_of(container: str, labels: Mapping[str, str], created: float | None, nam
         cwd = PurePosixPath(labels[_WORKDIR])
         user = labels[_USER]
         uid = leased_uid(labels)
+        files = labels.get(FILES)
     except (KeyError, ValueError):
         return None
     if not cwd.is_absolute() or not all(mount.is_absolute() for mount in mounts):
         return None
     metadata = {key[len(META) :]: value for key, value in labels.items() if key.startswith(META)}
-    return Box(container, user, cwd, mounts, ports, deadline, metadata, created, uid=uid)
+    return Box(container, user, cwd, mounts, ports, deadline, metadata, created, uid=uid, files=files)
 
 
 def leased_uid(labels: Mapping[str, str]) -> int | None:

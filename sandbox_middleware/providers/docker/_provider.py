@@ -15,7 +15,7 @@ import stat
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
@@ -34,6 +34,7 @@ from ..._errors import (
     SandboxLimitError,
     SandboxNotFoundError,
     SandboxPathError,
+    SandboxSnapshotError,
     SandboxTransferLimitError,
 )
 from ..._protocol import (
@@ -49,6 +50,10 @@ from .._common._arguments import check_text, checked_env, fspath, sandbox_id_of
 from .._common._base import ExecCall, ProviderBase
 from .._common._deadlines import checked_ttl, exec_deadline
 from .._common._limits import LIMIT_BOUNDS, Limits, file_max
+from ..local._layers import fill, uploading
+from ..local._snapshots import SNAPSHOT_ID, held, source_of
+from ..local._snapshots import delete as delete_layers
+from ..local._snapshots import listed as listed_layers
 from . import _identity, _pools
 from ._api import EngineAPI, EngineError, message_of, negotiate
 from ._archive import END, TarReader, check_directory, check_stat, located, padding, tar_records, tar_stream
@@ -58,6 +63,7 @@ from ._container import (
     TMP,
     BodyOf,
     Box,
+    HostDir,
     Made,
     Plan,
     box_of,
@@ -70,9 +76,10 @@ from ._container import (
 )
 from ._daemons import daemon_of, identity_of, socket_of
 from ._descriptors import signed, verified
+from ._files import Files, live_keys, root_of, usable
 from ._snapshots import Snapshots, rooms
 from ._spares import SUFFIX, DockerSpares, Shape, Spare, remove, shape_of, spare_body, sweep
-from ._ttl import WatchdogLauncher, is_spare, taken_name
+from ._ttl import FILES, WatchdogLauncher, is_spare, taken_name
 
 __all__ = ["DockerProvider"]
 
@@ -153,6 +160,7 @@ class DockerProvider(ProviderBase):
         tcp_mib: float | None = 64,
         prestart: bool = True,
         spare_ttl_s: float = 300.0,
+        host_files: bool | None = None,
     ) -> None:
         self._options: dict[str, Any] = {
             "socket": socket_of(socket),  # resolved here: a pickled copy speaks to the same daemon
@@ -177,6 +185,7 @@ class DockerProvider(ProviderBase):
             "tcp_mib": tcp_mib,
             "prestart": prestart,
             "spare_ttl_s": spare_ttl_s,
+            "host_files": host_files,
         }
         self.BOUNDS.check(locals())
         self._socket = check_text(fspath(self._options["socket"], "socket"), "socket")
@@ -235,11 +244,25 @@ class DockerProvider(ProviderBase):
         self._tcp_problem: str | None = None
         if self._cgroup_version == "1" and self._tcp_bytes is not None and not _pools.tcp_v1():
             self._tcp_problem = "cgroup v1 needs this provider to run as root beside the daemon"
+        # The work directories as this process's tmpfs mounts on the host (``_files.py``), where it can.
+        self._host_files_problem = (
+            "host_files=False" if host_files is False else usable(self._socket, self._daemon, self._remapped)
+        )
+        if host_files and self._host_files_problem is not None:
+            raise SandboxArgumentError(
+                f"DockerProvider: host_files=True needs this process to mount the work directories beside the "
+                f"daemon at {self._socket}, and {self._host_files_problem}; leave host_files unset (a tmpfs "
+                "volume, snapshots copied) or run as root beside a local runc daemon (docs/docker-provider.md)"
+            )
+        identity = identity_of(info, self._socket)
+        self._files = Files(root_of(identity)) if self._host_files_problem is None else None
         try:
-            self._watchdog = WatchdogLauncher(self._socket, version)
+            files_root = "" if self._files is None else str(self._files.root)
+            self._watchdog = WatchdogLauncher(self._socket, version, files_root)
         except PermissionError as exc:  # its lock's directory was made by someone else (_ttl.lock_path)
             raise SandboxError(f"DockerProvider: the TTL watchdog cannot lock safely: {exc}") from None
         sweep(self._socket, version)  # the spares of processes that died without removing them
+        self._sweep_files(live_keys(self._socket, version))
         self._api = EngineAPI(self._socket, version, request_timeout_s)  # last: nothing can fail after it
         self._commands = Commands(self._api, max_output_bytes, self._daemon)
         self._key = connect_key if connect_key is not None else os.urandom(32)
@@ -249,10 +272,11 @@ class DockerProvider(ProviderBase):
         self._spare_ttl = spare_ttl_s
         self._spares: DockerSpares | None = None
         self._snapshots = Snapshots(
-            self._api, self.name, identity_of(info, self._socket), self._watchdog.ensure, self._daemon.kind != "podman"
+            self._api, self.name, identity, self._watchdog.ensure, self._daemon.kind != "podman"
         )
         if prestart:  # removed with this provider, if not at aclose (or at exit)
-            self._spares = DockerSpares(weakref.WeakMethod(self._make_spare), partial(remove, self._socket, version))
+            removal = partial(remove, self._socket, version, self._files)
+            self._spares = DockerSpares(weakref.WeakMethod(self._make_spare), removal)
             weakref.finalize(self, self._spares.close)
 
     def __repr__(self) -> str:
@@ -319,28 +343,39 @@ class DockerProvider(ProviderBase):
 
     async def create(self, spec: SandboxSpec, *, from_snapshot: SandboxSnapshot | None = None) -> SandboxHandle:
         """A sandbox of ``spec``; ``from_snapshot``: its writable directories start as that snapshot's
-        (``_snapshots.py``), written before it is handed out."""
-        record = None if from_snapshot is None else await self._snapshots.find(from_snapshot)
+        (``_snapshots.py``: written before it is handed out; ``_files.py``: mounted on its work directory)."""
+        layered = self._files is not None and _layered(from_snapshot)
+        record = None if from_snapshot is None or layered else await self._snapshots.find(from_snapshot)
         plan = await self._plan(spec)
-        if record is not None:
+        image_id = ""
+        if from_snapshot is not None:
             image = await self._inspect_image(plan.image)
             image_id = str(image.json().get("Id")) if image.status_code == 200 else ""
+        if record is not None:
             sizes = {"work": plan.limits.disk_bytes, "tmp": plan.tmp_bytes}
             self._snapshots.check_fits(record, image_id, plan.image, sizes)
-        if plan.deadline is not None:  # before the container exists: a worker killed from here leaves none unwatched
-            self._watchdog.ensure()
-        shape = shape_of(plan, self._fixed_user, self._daemon.adapt) if self._spares is not None else None
-        spare = self._spares.take(shape) if self._spares is not None and shape is not None else None
-        made = await self._take(spare, plan) if spare is not None else None
-        if made is None:  # the spare's uid is the sandbox's, as a container made here has its own
-            made = await self._build(self._api, f"sandbox-{uuid.uuid4().hex[:12]}", plan, partial(create_body, plan))
-        container, owner, uid = made.container, made.owner, made.uid
-        async with self._removed_on_failure(self._api, made, plan.image):
-            # After start: a tmpfs volume written to before would be unmounted again, and its files lost.
-            if record is not None:
-                await self._snapshots.restore(record, container, {"work": plan.mount, "tmp": TMP}, owner)
-            files = [(PurePosixPath(target), text.encode()) for target, text in spec.files.items()]
-            await self._seed(container, plan, owner, files)
+        with contextlib.ExitStack() as held:
+            # A snapshot without a copy: its layers kept from deletion until they are mounted on the fork.
+            layers = held.enter_context(self._layers(from_snapshot, plan, image_id)) if layered else None
+            if plan.deadline is not None:  # before the container exists: a worker killed from here leaves none
+                self._watchdog.ensure()
+            shape = shape_of(plan, self._fixed_user, self._daemon.adapt) if self._spares is not None else None
+            spare = self._spares.take(shape) if self._spares is not None and shape is not None else None
+            made = await self._take(spare, plan) if spare is not None else None
+            if made is None:  # the spare's uid is the sandbox's, as a container made here has its own
+                made = await self._build(
+                    self._api, f"sandbox-{uuid.uuid4().hex[:12]}", plan, partial(create_body, plan)
+                )
+            container, owner, uid = made.container, made.owner, made.uid
+            async with self._removed_on_failure(self._api, made, plan.image):
+                # After start: a tmpfs volume written to before would be unmounted again, and its files lost.
+                if record is not None:
+                    await self._snapshots.restore(record, container, {"work": plan.mount, "tmp": TMP}, owner)
+                if layers is not None and self._files is not None and made.files is not None:
+                    outer = self._files.outer(made.files)
+                    await anyio.to_thread.run_sync(fill, outer, layers, owner[0], True)
+                files = [(PurePosixPath(target), text.encode()) for target, text in spec.files.items()]
+                await self._seed(container, plan, owner, files)
         box = Box(
             container,
             f"{owner[0]}:{owner[1]}",
@@ -351,6 +386,7 @@ class DockerProvider(ProviderBase):
             plan.metadata,
             time.time(),
             uid=uid,
+            files=made.files,
         )
         self._boxes[container] = box
         if plan.deadline is not None:
@@ -358,6 +394,26 @@ class DockerProvider(ProviderBase):
         if self._spares is not None and shape is not None:
             self._spares.refill(shape)
         return SandboxHandle(container, self.name, {"container": container, "name": made.name})
+
+    @contextlib.contextmanager
+    def _layers(self, snapshot: SandboxSnapshot | None, plan: Plan, image_id: str) -> Iterator[list[tuple[Path, int]]]:
+        """The layers of a snapshot without a copy (``_files.py``), checked to fit a sandbox of ``plan``
+        running the image ``image_id``, held from deletion for the block (blocking, for an instant)."""
+        assert self._files is not None and snapshot is not None
+        with held(self._files.root, snapshot, self.name) as layers:
+            taken_of = source_of(self._files.root, snapshot, self.name)
+            if image_id != taken_of:
+                raise SandboxSnapshotError(
+                    f"DockerProvider: snapshot {snapshot.snapshot_id} was taken of a sandbox of image "
+                    f"{taken_of[:19]}, and spec.image {plan.image!r} is {image_id[:19]}: a sandbox from a snapshot "
+                    "runs the image the snapshot was taken of; give the spec that image"
+                )
+            if not plan.host_files or (plan.limits.disk_bytes or 0) < snapshot.size_bytes:
+                raise SandboxSnapshotError(
+                    f"DockerProvider: snapshot {snapshot.snapshot_id} holds {snapshot.size_bytes} bytes of the work "
+                    f"directory, more than the new sandbox's disk_gib ({plan.limits.disk_bytes} bytes); give it more"
+                )
+            yield layers
 
     async def _build(self, api: EngineAPI, name: str, plan: Plan, body_of: BodyOf) -> Made:
         """A started container ``name`` of ``plan``, its body ``body_of`` gives for its owner (``create_body``,
@@ -380,7 +436,7 @@ class DockerProvider(ProviderBase):
             left = f"; container {container[:12]} was not removed (its labels let reap find it)"
             # A removal that fails too (the daemon died) must not replace the start's error.
             with anyio.CancelScope(shield=True), anyio.move_on_after(30), contextlib.suppress(SandboxError):
-                await self._remove(container, api)
+                await self._remove(container, api, made.files)
                 left = ""
                 if made.uid is not None:
                     await _identity.release(made.uid, self._socket, (container, made.name))
@@ -488,6 +544,7 @@ class DockerProvider(ProviderBase):
             ptys=self._ptys,
             tcp_bytes=self._tcp_bytes if self._cgroup_version == "1" else None,
             remapped=self._remapped,
+            host_files=self._files is not None and limits.disk_bytes is not None,
         )
 
     async def check_image(self, image: str) -> None:
@@ -543,12 +600,17 @@ class DockerProvider(ProviderBase):
         lease = await _identity.lease() if self._fixed_user is None else None
         owner = (lease.uid, lease.uid) if lease is not None else self._fixed_user
         assert owner is not None
+        files: HostDir | None = None
         try:
             if lease is not None:
                 lease.claim(self._socket, name)  # a create whose reply is lost holds it by name
-            body = self._daemon.adapt(body_of(owner, lease is not None))  # a spare's too: the runtime, Podman's needs
-            reply = await api.call("POST", "/containers/create", what, params={"name": name}, body=body)
-            container = str(reply.json()["Id"])
+            with contextlib.ExitStack() as held:
+                if plan.host_files and self._files is not None and plan.limits.disk_bytes is not None:
+                    key = held.enter_context(self._files.made(plan.limits.disk_bytes, owner))
+                    files = HostDir(key, str(self._files.outer(key) / "box"))
+                body = self._daemon.adapt(body_of(owner, lease is not None, files))  # a spare's too: Podman's needs
+                reply = await api.call("POST", "/containers/create", what, params={"name": name}, body=body)
+                container = str(reply.json()["Id"])
         except EngineError as exc:
             if lease is not None:  # refused (4xx): no container was made; a 5xx may have left one, which holds it
                 lease.release() if exc.status < 500 else lease.keep()
@@ -562,7 +624,7 @@ class DockerProvider(ProviderBase):
         if lease is not None:
             lease.claim(self._socket, container)
             lease.keep()
-        return Made(container, name, owner, None if lease is None else lease.uid)
+        return Made(container, name, owner, None if lease is None else lease.uid, None if files is None else files.key)
 
     def _unmapped(self, exc: SandboxError) -> str:
         """What to do where a remapping daemon has no host uid for the sandbox's."""
@@ -623,15 +685,29 @@ class DockerProvider(ProviderBase):
                     content=b"".join(chunks) + END,
                 )
 
-    async def _remove(self, container: str, api: EngineAPI | None = None) -> None:
-        """Force-remove ``container`` and its volumes; one already gone, or being removed by another
-        process (the TTL watchdog, a reaper, a second close), is done."""
+    async def _remove(self, container: str, api: EngineAPI | None = None, files: str | None = None) -> None:
+        """Force-remove ``container`` and its volumes, then its work directory on the host (``files``: its
+        key); one already gone, or being removed by another process (the TTL watchdog, a reaper, a second
+        close), is done."""
         what = f"remove container {container[:12]}"
         reply = await (api or self._api).call(
             "DELETE", f"/containers/{container}", what, params={"force": "true", "v": "true"}, ok=(404, 409)
         )
         if reply.status_code == 409 and "already in progress" not in (message := message_of(reply)):
             raise EngineError(409, message, what)
+        if files is not None and self._files is not None:
+            with anyio.CancelScope(shield=True):
+                left = await anyio.to_thread.run_sync(self._files.remove, files)
+            if left:
+                raise SandboxError(f"DockerProvider: {what}: its work directory on the host was not removed: {left}")
+
+    def _sweep_files(self, live: set[str] | None) -> None:
+        """Remove the work directories on the host that no container names (``live``; None: the daemon did
+        not say), and half-made or deleted snapshots' files (blocking)."""
+        if self._files is not None and live is not None:
+            left = self._files.sweep(live)
+            if left:
+                logger.warning("DockerProvider: leftover work directories not removed: %s", "; ".join(left))
 
     def _box(self, handle: SandboxHandle) -> Box:
         box = self._boxes.get(sandbox_id_of(handle))
@@ -674,12 +750,12 @@ class DockerProvider(ProviderBase):
             if info is None or _labels(info).get(LABEL) != "1":
                 return  # gone, or not a sandbox of ours: never touched
             sandbox_id, names = str(info["Id"]), [str(info.get("Name") or "").lstrip("/")]
-            uid = leased_uid(_labels(info))
+            uid, files = leased_uid(_labels(info)), _labels(info).get(FILES)
         else:
             box.closed = True  # a command running now returns error_type="closed"
-            uid, names = box.uid, []
+            uid, names, files = box.uid, [], box.files
         try:
-            await self._remove(sandbox_id)
+            await self._remove(sandbox_id, files=files)
         except BaseException:
             if box is not None:  # not removed: status asks the daemon again, and close can be retried
                 box.closed = False
@@ -701,6 +777,9 @@ class DockerProvider(ProviderBase):
                     await self.close(SandboxHandle(sandbox_id, self.name))
                 except SandboxError as exc:
                     failures.append(str(exc))
+            if self._files is not None:  # what dead processes and removals elsewhere left on the host
+                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                    await anyio.to_thread.run_sync(lambda: self._sweep_files(live_keys(self._socket, self.api_version)))
         finally:  # cancelled or not: the connection pool is released
             self._watchdog.reap()
             with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_TIMEOUT_S):
@@ -740,13 +819,16 @@ class DockerProvider(ProviderBase):
             os.set_blocking(fd, True)
             uid, _, gid = box.user.partition(":")
             owner = int(uid), int(gid or uid)
-            await self._api.call(
-                "PUT",
-                f"/containers/{box.container}/archive",
-                what,
-                params={"path": str(mount), "noOverwriteDirNonDir": "true"},
-                content=tar_stream(fd, info.st_size, parts, owner),
-            )
+            with contextlib.ExitStack() as held:
+                if box.files is not None and self._files is not None and mount == box.mounts[0]:
+                    held.enter_context(uploading(self._files.outer(box.files)))  # no snapshot freezes it meanwhile
+                await self._api.call(
+                    "PUT",
+                    f"/containers/{box.container}/archive",
+                    what,
+                    params={"path": str(mount), "noOverwriteDirNonDir": "true"},
+                    content=tar_stream(fd, info.st_size, parts, owner),
+                )
         except EngineError as exc:
             if "cannot overwrite non-directory" in exc.message or (  # Docker's, Podman's
                 "copier: put: error creating" in exc.message and exc.message.endswith("file exists")
@@ -821,16 +903,55 @@ class DockerProvider(ProviderBase):
             raise SandboxNotFoundError(
                 f"DockerProvider: sandbox {handle.sandbox_id!r} was removed; nothing to snapshot"
             )
+        image = str(info.get("Image"))
         sizes = rooms(info.get("HostConfig") or {})
-        return await self._snapshots.take(box, str(info.get("Image")), paths, metadata, sizes)
+        if box.files is not None and self._files is not None:
+            outer = self._files.outer(box.files)
+            if paths is None:
+                pid = int((info.get("State") or {}).get("Pid") or 0)
+                rotated = await self._rotated(box, outer, pid, metadata, image)
+                if rotated is not None:
+                    return rotated
+            room = os.statvfs(outer)
+            sizes[str(box.mounts[0])] = room.f_blocks * room.f_frsize
+        return await self._snapshots.take(box, image, paths, metadata, sizes)
+
+    async def _rotated(
+        self, box: Box, outer: Path, pid: int, metadata: dict[str, str], image: str
+    ) -> SandboxSnapshot | None:
+        """The work directory on the host made a snapshot without a copy (``_files.py``), the sandbox paused
+        meanwhile (one its user paused stays so); None where it cannot be now (the caller copies)."""
+        assert self._files is not None and box.files is not None
+        what = f"pause sandbox {box.container[:12]} for a snapshot"
+        paused = (await self._api.call("POST", f"/containers/{box.container}/pause", what, ok=(409,))).status_code < 400
+        try:
+            uid = int(box.user.partition(":")[0])
+            take = partial(self._files.take, box.files, pid, uid, metadata, image, str(box.cwd), self.name)
+            return await anyio.to_thread.run_sync(take) if pid else None
+        finally:
+            if paused:
+                with anyio.CancelScope(shield=True), anyio.fail_after(60):
+                    await self._api.call("POST", f"/containers/{box.container}/unpause", f"resume {box.container[:12]}")
 
     async def delete_snapshot(self, snapshot: SandboxSnapshot) -> None:
-        """Remove the snapshot's image (only an image this provider labelled as that snapshot); its forks run on."""
-        await self._snapshots.delete(snapshot)
+        """Remove the snapshot's image (only an image this provider labelled as that snapshot), or its layers
+        on the host (``_files.py``); its forks run on."""
+        if self._files is None or not _layered(snapshot):
+            await self._snapshots.delete(snapshot)
+            return
+        left = await anyio.to_thread.run_sync(delete_layers, self._files.root, snapshot, self.name)
+        if left:
+            raise SandboxSnapshotError(f"DockerProvider: snapshot {snapshot.snapshot_id} was deleted; left: {left}")
 
     async def list_snapshots(self, *, metadata: Mapping[str, str] | None = None) -> builtins.list[SandboxSnapshot]:
-        """This provider's snapshots on its daemon, taken by any process, whose metadata has all of ``metadata``."""
-        return await self._snapshots.listed(metadata)
+        """This provider's snapshots on its daemon (and on this host, ``_files.py``), taken by any process,
+        whose metadata has all of ``metadata``."""
+        found = await self._snapshots.listed(metadata)
+        if self._files is not None:
+            wanted = checked_metadata(metadata if metadata is not None else {}, "metadata")
+            kept = await anyio.to_thread.run_sync(listed_layers, self._files.root, wanted)
+            found = sorted([*found, *(item for item in kept if item.provider == self.name)], key=lambda s: s.created)
+        return found
 
     async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]:
         box = self._box(handle)
@@ -896,6 +1017,11 @@ def _file_in(box: Box, path: str, name: str) -> tuple[PurePosixPath, tuple[str, 
             "regular file (archive a directory in the sandbox first)"
         )
     return mount, parts
+
+
+def _layered(snapshot: object) -> bool:
+    """Whether ``snapshot`` names a snapshot without a copy (``_files.py``: LocalProvider's ids), not an image."""
+    return isinstance(snapshot, SandboxSnapshot) and SNAPSHOT_ID.fullmatch(snapshot.snapshot_id) is not None
 
 
 def _labels(info: Mapping[str, Any]) -> Mapping[str, str]:

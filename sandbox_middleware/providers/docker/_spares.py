@@ -28,6 +28,8 @@ next create of that shape takes it: two inspects and a rename, then ``spec.files
 - **Removed**: at ``aclose`` (shielded, bounded), when the provider is collected or at interpreter
   exit, at ``SPARE_UNTIL`` by the TTL watchdog (whether or not its maker lives), and, when its maker
   died, by the next provider made on the same daemon (``sweep``: ``sandbox-middleware reap`` makes one).
+  Its work directory on the host (``_files.py``) goes with it: removed with it here, else by the
+  watchdog or the next sweep of work directories no container names.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ import httpx
 
 from ..._owner import Owner
 from .._common._spares import Spares
-from ._container import Made, Plan, create_body, leased_uid
+from ._container import HostDir, Made, Plan, create_body, leased_uid
+from ._files import Files
 from ._identity import release_blocking
 from ._ttl import SPARE, SPARE_UNTIL, deadline_of, is_spare
 
@@ -91,10 +94,13 @@ def shape_of(plan: Plan, fixed_user: tuple[int, int] | None, adapt: Adapt) -> Sh
     return Shape(json.dumps({"body": body, "tcp_bytes": plan.tcp_bytes}, sort_keys=True), plan)
 
 
-def spare_body(plan: Plan, until: float, owner: tuple[int, int], leased: bool) -> dict[str, Any]:
-    """The create body of a spare of ``plan`` running as ``owner`` (``leased``: its own uid): the
-    sandbox's, without a deadline, with its maker (this process) and when it goes stale."""
-    body = create_body(dataclasses.replace(plan, deadline=None), owner, leased)
+def spare_body(
+    plan: Plan, until: float, owner: tuple[int, int], leased: bool, files: HostDir | None = None
+) -> dict[str, Any]:
+    """The create body of a spare of ``plan`` running as ``owner`` (``leased``: its own uid; ``files``: its
+    work directory on the host): the sandbox's, without a deadline, with its maker (this process) and when
+    it goes stale."""
+    body = create_body(dataclasses.replace(plan, deadline=None), owner, leased, files)
     body["Labels"] = {**body["Labels"], SPARE: json.dumps(Owner.current().metadata()), SPARE_UNTIL: repr(until)}
     return body
 
@@ -112,12 +118,14 @@ def _client(socket: str, version: str) -> httpx.Client:
     return httpx.Client(transport=httpx.HTTPTransport(uds=socket), base_url=f"http://docker/v{version}", timeout=30)
 
 
-def remove(socket: str, version: str, spare: Spare) -> None:
-    """Force-remove a spare and its volumes, then free its uid (blocking; any thread, a finalizer,
-    interpreter exit)."""
+def remove(socket: str, version: str, files: Files | None, spare: Spare) -> None:
+    """Force-remove a spare and its volumes, then free its uid and remove its work directory on the host
+    (``files``'s; blocking; any thread, a finalizer, interpreter exit)."""
     try:
         with _client(socket, version) as client:
             _removed(client, socket, spare.built.container, spare.built.name, spare.built.uid)
+        if files is not None and spare.built.files is not None:
+            files.remove(spare.built.files)
     except httpx.HTTPError as exc:  # its SPARE_UNTIL makes the watchdog remove it (and a lease then frees its uid)
         logger.warning("DockerProvider: spare container %s not removed (%s); the watchdog will", spare.name, exc)
 

@@ -13,10 +13,13 @@ once it is taken, so its state is in its name, which only the Engine API can cha
 (``sandbox-<id>-spare``) it is removed at ``SPARE_UNTIL``; taken, it is renamed
 ``sandbox-<id>-at-<ms>`` (when it was taken) with ``-until-<ms>`` (its TTL's deadline), read by
 ``deadline_of`` here and by ``list``. The lock's name carries ``v2``: a watchdog of an older
-version, which knows no spares, does not keep this one from running beside it.
+version, which knows no spares, does not keep this one from running beside it; ``v3``: nor one that
+leaves the work directories on the host (``_files.py``) of the containers it removes, which this one
+removes (``python -m sandbox_middleware.providers.docker._files FILES_ROOT KEY...``).
 
 This file imports only the standard library and httpx: the provider starts it as
-``python _ttl.py SOCKET VERSION LOCK``, which must not pay for importing the package.
+``python _ttl.py SOCKET VERSION LOCK [FILES_ROOT]``, which must not pay for importing the package (the
+removal of work directories on the host, rare, does).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import httpx
 
 __all__ = [
     "EXPIRES",
+    "FILES",
     "POLL_S",
     "SPARE",
     "SPARE_UNTIL",
@@ -51,6 +55,7 @@ __all__ = [
 ]
 
 EXPIRES = "sandbox_middleware.docker.expires_at"
+FILES = "sandbox_middleware.docker.files"  # the key of a container's work directory on the host (``_files.py``)
 SPARE = "sandbox_middleware.docker.spare"  # a spare's maker (Owner metadata, JSON)
 SPARE_UNTIL = "sandbox_middleware.docker.spare_until"  # when an untaken spare is removed (seconds since the epoch)
 _TAKEN = re.compile(r"/?sandbox-[0-9a-f]{12}-at-([0-9]{1,16})(?:-until-([0-9]{1,16}))?")
@@ -91,7 +96,7 @@ def _owned(directory: str) -> bool:
 def lock_path(socket: str) -> str:
     """The lock file of the watchdog of ``socket``, in a directory no other user can write."""
     digest = hashlib.sha256(os.path.abspath(socket).encode()).hexdigest()[:16]
-    return os.path.join(_private_dir(), f"docker-ttl-v2-{digest}.lock")
+    return os.path.join(_private_dir(), f"docker-ttl-v3-{digest}.lock")
 
 
 def taken_name(sandbox: str, now: float, deadline: float | None) -> str:
@@ -144,9 +149,9 @@ def _running(lock: str) -> bool:
 class WatchdogLauncher:
     """Starts the watchdog of one socket when none runs, and reaps the processes it started."""
 
-    def __init__(self, socket: str, version: str) -> None:
-        self._argv = [sys.executable, os.path.abspath(__file__), socket, version, lock_path(socket)]
-        self._lock = self._argv[-1]
+    def __init__(self, socket: str, version: str, files_root: str = "") -> None:
+        self._lock = lock_path(socket)
+        self._argv = [sys.executable, os.path.abspath(__file__), socket, version, self._lock, files_root]
         self._started: list[subprocess.Popen[bytes]] = []
         self._guard = threading.Lock()  # creates, and the spare maker's thread
 
@@ -172,9 +177,10 @@ class WatchdogLauncher:
             self._started = [process for process in self._started if process.poll() is None]
 
 
-def _expired(client: httpx.Client, now: float) -> tuple[list[str], bool]:
-    """Ids of containers with a deadline (``EXPIRES``) or of spares that are past it, and whether any
-    container with a deadline is left (a taken spare without a TTL keeps its spare label, and none)."""
+def _expired(client: httpx.Client, now: float) -> tuple[list[tuple[str, str]], bool]:
+    """Ids of containers with a deadline (``EXPIRES``) or of spares that are past it, each with its work
+    directory's key on the host (``FILES``, or ""), and whether any container with a deadline is left (a
+    taken spare without a TTL keeps its spare label, and none)."""
     found = []
     for label in (EXPIRES, SPARE):
         reply = client.get("/containers/json", params={"all": "1", "filters": json.dumps({"label": [label]})})
@@ -188,11 +194,26 @@ def _expired(client: httpx.Client, now: float) -> tuple[list[str], bool]:
             continue
         left = left or deadline is not None
         if deadline is not None and deadline <= now:
-            due.append(str(container["Id"]))
+            due.append((str(container["Id"]), str((container.get("Labels") or {}).get(FILES, ""))))
     return due, left
 
 
-def main(socket: str, version: str, lock: str) -> int:
+def _remove_files(root: str, keys: list[str]) -> None:
+    """Remove the work directories ``keys`` in ``root`` (their containers were removed), importing the package."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    path = os.pathsep.join(part for part in (package, os.environ.get("PYTHONPATH", "")) if part)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # left: the next sweep removes them
+        subprocess.run(
+            [sys.executable, "-m", "sandbox_middleware.providers.docker._files", root, *keys],
+            env={**os.environ, "PYTHONPATH": path},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=120,
+        )
+
+
+def main(socket: str, version: str, lock: str, files_root: str = "") -> int:
     fd = _open_lock(lock)
     for _ in range(20):  # a launcher's check holds the lock for an instant
         try:
@@ -209,9 +230,14 @@ def main(socket: str, version: str, lock: str) -> int:
         while True:
             try:
                 due, any_left = _expired(client, time.time())
-                for container in due:
+                removed = []
+                for container, files in due:
                     with contextlib.suppress(httpx.HTTPError):
-                        client.delete(f"/containers/{container}", params={"force": "1", "v": "1"})
+                        reply = client.delete(f"/containers/{container}", params={"force": "1", "v": "1"})
+                        if reply.status_code in (204, 404) and files:
+                            removed.append(files)
+                if removed and files_root:
+                    _remove_files(files_root, removed)
                 last_answer = time.monotonic()
             except httpx.HTTPError:
                 if time.monotonic() - last_answer > DOWN_S:
@@ -227,4 +253,4 @@ def main(socket: str, version: str, lock: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:4]))
+    sys.exit(main(*sys.argv[1:5]))

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..._protocol import SandboxSnapshot
 from ._cgroups import CgroupBackend
@@ -39,10 +39,43 @@ from ._records import PINNED, ROTATING, VIEW, read_record, write_maker, write_pr
 from ._snapshots import MAX_LAYERS, TREE, abandon, keep, locked
 from ._transfers import open_directory
 
-__all__ = ["Layer", "View", "fill", "measure", "read_view", "repair", "rotate", "uploading"]
+__all__ = ["CgroupFreezer", "Freezer", "Layer", "View", "fill", "measure", "read_view", "repair", "rotate", "uploading"]
 
 _NUMBERED = r"-[0-9]{1,3}"
 _SIZES = "sizes.json"  # beside box/, and in a snapshot's directory: what each directory held (``measure``)
+
+
+class Freezer(Protocol):
+    """How one sandbox's processes are held still while its files become a layer."""
+
+    def frozen(self) -> contextlib.AbstractContextManager[bool]:
+        """Hold them still for the block; yields whether they are (False: the caller copies)."""
+        ...
+
+    def busy(self) -> bool:
+        """Whether one of them could still write into the files after they are frozen (a command running)."""
+        ...
+
+    def thaw(self) -> None:
+        """Let them run again (left frozen by a snapshot's maker since killed)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CgroupFreezer:
+    """LocalProvider's: the sandbox's cgroups (``groups``) frozen by ``cgroups``; a command is busy."""
+
+    cgroups: CgroupBackend
+    groups: Sequence[Path]
+
+    def frozen(self) -> contextlib.AbstractContextManager[bool]:
+        return self.cgroups.frozen(self.groups)
+
+    def busy(self) -> bool:
+        return self.cgroups.commands_running(self.groups)
+
+    def thaw(self) -> None:
+        self.cgroups.thaw(self.groups)
 
 
 @dataclass(frozen=True)
@@ -134,17 +167,18 @@ def _read_sizes(directory: Path) -> Sizes | None:
 def rotate(
     base: Path,
     outer: Path,
-    cgroups: CgroupBackend,
-    groups: Sequence[Path],
+    freezer: Freezer,
     uid: int | None,
     size: int,
     metadata: Mapping[str, str],
     source: str,
     path: str,
+    provider: str = "local",
 ) -> SandboxSnapshot | None:
     """A snapshot of the whole of a sandbox's files without a copy (blocking), or None when it cannot be
     taken so now and the caller copies: another process's snapshot or an upload under way (``outer``'s
-    lock), no freezer, a command running, a layer that is a copy's tree, or ``MAX_LAYERS`` layers.
+    lock), no freezer, a command running (``freezer.busy``), a layer that is a copy's tree, or
+    ``MAX_LAYERS`` layers. The snapshot is ``provider``'s, its record in ``base``.
 
     Under ``outer``'s lock (exclusive) and ``ROTATING`` (what a process killed meanwhile left is undone
     by the next one, ``_undo``), with the sandbox frozen: what it writes to now (its upper layer, or
@@ -155,16 +189,16 @@ def rotate(
         if not alone:
             return None
         if os.path.lexists(outer / ROTATING):
-            _undo(outer, cgroups, groups)
+            _undo(outer, freezer)
         view = read_view(outer)
         if view is None or view.copied or len(view.layers) >= MAX_LAYERS:
             return None
         write_private(outer, ROTATING, b"")
         try:
-            with cgroups.frozen(groups) as frozen:
-                if not frozen or cgroups.commands_running(groups):
+            with freezer.frozen() as frozen:
+                if not frozen or freezer.busy():
                     return None
-                return _rotate(base, outer, view, uid, size, metadata, source, path)
+                return _rotate(base, outer, view, uid, size, metadata, source, path, provider)
         finally:  # thawed first
             os.unlink(outer / ROTATING)
 
@@ -178,6 +212,7 @@ def _rotate(
     metadata: Mapping[str, str],
     source: str,
     path: str,
+    provider: str,
 ) -> SandboxSnapshot:
     snapshot_id = f"snap-{uuid.uuid4().hex[:13]}"
     owner = os.geteuid() if uid is None else uid
@@ -217,7 +252,7 @@ def _rotate(
         write_private(kept, _SIZES, counted)
         _write_view(outer, View(stack, f"{space.name}/upper", view.stacked + 1))
         mounted.clear()  # the sandbox's files are the new ones from here on
-        snapshot = SandboxSnapshot(snapshot_id, "local", time.time(), budget.copied, dict(metadata))
+        snapshot = SandboxSnapshot(snapshot_id, provider, time.time(), budget.copied, dict(metadata))
         keep(kept, snapshot, source, [path], [(f"layer-{number}", owner) for number, (_, owner) in enumerate(frozen)])
         return snapshot
     except BaseException:
@@ -230,7 +265,7 @@ def _rotate(
         raise
 
 
-def _undo(outer: Path, cgroups: CgroupBackend, groups: Sequence[Path]) -> None:
+def _undo(outer: Path, freezer: Freezer) -> None:
     """What a process killed while rotating the sandbox at ``outer`` left (``ROTATING`` is there, and it
     holds no lock on ``outer`` any more): the mounts it made that its view does not record go, and the
     sandbox is thawed."""
@@ -243,18 +278,18 @@ def _undo(outer: Path, cgroups: CgroupBackend, groups: Sequence[Path]) -> None:
                 unmount(outer / name)
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(outer / name)
-    cgroups.thaw(groups)
+    freezer.thaw()
     os.unlink(outer / ROTATING)
 
 
-def repair(outer: Path, cgroups: CgroupBackend | None, groups: Sequence[Path]) -> None:
+def repair(outer: Path, freezer: Freezer | None) -> None:
     """Undo a rotation of the sandbox at ``outer`` that its process did not finish (killed: it left its
     sandbox frozen), unless one is under way."""
-    if cgroups is None or not os.path.lexists(outer / ROTATING):
+    if freezer is None or not os.path.lexists(outer / ROTATING):
         return
     with locked(outer, exclusive=True, wait=False) as alone:
         if alone and os.path.lexists(outer / ROTATING):
-            _undo(outer, cgroups, groups)
+            _undo(outer, freezer)
 
 
 def uploading(outer: Path) -> contextlib.AbstractContextManager[bool]:

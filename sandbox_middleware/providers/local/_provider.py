@@ -69,7 +69,7 @@ from ._commands import run_command, run_process
 from ._descriptors import DESCRIPTOR_KEYS, sign, verified_body
 from ._enforcement import Enforcement
 from ._launch import OOM_SCORE_ADJ, STARTER_OOM_SCORE_ADJ, Launch
-from ._layers import fill, repair, rotate, uploading
+from ._layers import CgroupFreezer, fill, repair, rotate, uploading
 from ._mounts import bind_nosuid, is_mount_point, mount_tmpfs, probe_tmpfs, share
 from ._records import (
     RECORD,
@@ -496,8 +496,12 @@ class LocalProvider(ProviderBase):
             for snapshot_id in retired(self._base):
                 release(self._base, snapshot_id)
             for sandbox_id, outer, _ in scan(self._base):  # sandboxes left frozen by a snapshot's killed maker
-                repair(outer, self._cgroups, self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else [])
+                repair(outer, self._freezer(sandbox_id))
         return removed, unknown
+
+    def _freezer(self, sandbox_id: str) -> CgroupFreezer | None:
+        """What freezes sandbox ``sandbox_id`` (None: no cgroups here)."""
+        return None if self._cgroups is None else CgroupFreezer(self._cgroups, self._cgroups.groups_of(sandbox_id))
 
     def _remove_leftover(self, sandbox_id: str, outer: Path, owner: str, why: str, dry_run: bool) -> ReapedSandbox:
         """Remove a dead process's leftover sandbox (its directory, mount and cgroups); report it."""
@@ -698,7 +702,7 @@ class LocalProvider(ProviderBase):
         if snapshot is not None and not (isinstance(snapshot, str) and SNAPSHOT_ID.fullmatch(snapshot)):
             raise SandboxArgumentError(f"recorded snapshot {snapshot!r} is not a snapshot id")
         cgroups = self._cgroups.groups_of(sandbox_id) if self._cgroups is not None else []
-        repair(outer, self._cgroups, cgroups)  # left frozen by a snapshot's killed maker: its commands would hang
+        repair(outer, self._freezer(sandbox_id))  # left frozen by a snapshot's killed maker: its commands would hang
         box = Box(
             outer=outer,
             view_root=checked_view_root(check_text(record.get("view_root", DEFAULT_VIEW_ROOT), "recorded view_root")),
@@ -804,7 +808,8 @@ class LocalProvider(ProviderBase):
             and size is not None
         ):
             path = selections[0][1]
-            rotated = rotate(self._base, box.outer, cgroups, box.cgroups, box.uid, size, metadata, source, path)
+            freezer = CgroupFreezer(cgroups, box.cgroups)
+            rotated = rotate(self._base, box.outer, freezer, box.uid, size, metadata, source, path)
             if rotated is not None:
                 return rotated
         return take(self._base, box.root, selections, box.limits.disk_bytes, metadata, source)

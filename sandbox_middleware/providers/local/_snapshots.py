@@ -59,6 +59,7 @@ __all__ = [
     "locked",
     "release",
     "retired",
+    "source_of",
     "take",
 ]
 
@@ -184,6 +185,11 @@ def held(base: Path, snapshot: SandboxSnapshot, provider: str) -> Iterator[list[
     with locked(outer, exclusive=False):
         _, record = _find(base, snapshot, provider)  # deleted while we waited for the lock?
         yield _layers(outer, record, snapshot, base)
+
+
+def source_of(base: Path, snapshot: SandboxSnapshot, provider: str) -> str:
+    """What ``snapshot`` (checked) was taken of, as its maker recorded it (LocalProvider: the sandbox id)."""
+    return str(_find(base, snapshot, provider)[1].get("source", ""))
 
 
 def _layers(outer: Path, record: Mapping[str, Any], snapshot: SandboxSnapshot, base: Path) -> list[tuple[Path, int]]:

@@ -186,7 +186,7 @@ async def test_a_failed_close_leaves_a_sandbox_that_says_it_runs(
     handle = await provider.create(spec())
     real_remove = provider._remove
 
-    async def gone(container: str) -> None:
+    async def gone(container: str, api: object = None, files: str | None = None) -> None:
         raise DockerUnavailableError("the daemon went away")
 
     monkeypatch.setattr(provider, "_remove", gone)

@@ -124,7 +124,7 @@ async def test_forks_start_as_the_snapshot_and_are_isolated_both_ways(
 async def test_a_fork_has_its_own_spec_limits_env_files_and_ttl(make: Callable[..., DockerProvider], tag: str) -> None:
     """A fork is made from its own spec: memory, env, spec.files (written over the snapshot's) and TTL; the
     parent's env is nowhere in it (the snapshot image is not a commit of the parent's container)."""
-    provider = make(prestart=False)
+    provider = make(prestart=False, host_files=False)
     parent = await provider.create(tagged(tag, env={"SECRET": "parent"}, resources={"memory_mib": 256}))
     await _out(provider, parent, "echo parent > note && echo kept > other")
     snapshot = await provider.snapshot(parent, metadata=_meta(tag))
@@ -226,7 +226,7 @@ async def test_hostile_descriptors_are_not_found_and_nothing_is_removed(
     """A changed descriptor (metadata, time, size, provider), an id naming another image (the base image's,
     a tag, a path), a forged image of another daemon: ``SandboxSnapshotNotFoundError`` for create and
     delete, and every image is still there."""
-    provider = make(prestart=False)
+    provider = make(prestart=False, host_files=False)
     parent = await provider.create(tagged(tag))
     snapshot = await provider.snapshot(parent, metadata=_meta(tag))
     with engine() as client:
@@ -323,8 +323,9 @@ async def test_more_entries_than_the_directorys_size_allows_are_refused(
     make: Callable[..., DockerProvider], tag: str
 ) -> None:
     """Empty directories take no room in a tmpfs but a block each on the daemon's disk: more entries than
-    LocalProvider's tmpfs of that size holds (65,536 for a small one) are refused, no image left."""
-    provider = make(prestart=False, disk_gib=1 / 256)
+    LocalProvider's tmpfs of that size holds (65,536 for a small one) are refused, no image left (a work
+    directory on the host, ``_files.py``, holds no more: its tmpfs has that bound)."""
+    provider = make(prestart=False, disk_gib=1 / 256, host_files=False)
     parent = await provider.create(tagged(tag))
     await _out(provider, parent, "mkdir many && cd many && seq 66000 | xargs mkdir")
     with pytest.raises(SandboxSnapshotError, match="more than 65536 entries"):

@@ -1,0 +1,196 @@
+"""DockerProvider's work directories on the host (``_files.py``), on the real daemon under runc as root: a
+snapshot of the work directory is made without a copy and forks are overlays on it; a process holding the
+work directory makes it a copy; the directories go with their containers (close, a removal behind the
+provider's back, the TTL watchdog); snapshots without a copy are listed, used by a second provider,
+deleted (their mounts gone) and refused when hostile."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+from sandbox_middleware import (
+    DockerProvider,
+    SandboxArgumentError,
+    SandboxHandle,
+    SandboxSnapshot,
+    SandboxSnapshotNotFoundError,
+)
+from sandbox_middleware.providers.docker import _files
+from sandbox_middleware.providers.docker._files import ROOT
+from sandbox_middleware.providers.docker._ttl import FILES
+from sandbox_middleware.providers.local._mounts import mounts_under
+
+from ._support import PYTHON, SESSION, SESSION_KEY, TAG, cannot_hold, engine, images, on_daemon, tagged
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def tag() -> str:
+    cannot_hold("podman", "the work directory is a tmpfs volume there (_files.usable)")
+    cannot_hold("runsc", "gVisor's Gofer sees no mount made on the work directory later (_files.usable)")
+    if os.geteuid() != 0:
+        pytest.skip("the work directories on the host need root beside the daemon (run the tests as root)")
+    return uuid.uuid4().hex[:12]
+
+
+def _meta(tag: str) -> dict[str, str]:
+    return {SESSION_KEY: SESSION, TAG: tag}
+
+
+def _directory(handle: SandboxHandle) -> Path:
+    """The work directory on the host of a sandbox, from its container's label."""
+    with engine() as client:
+        labels = client.get(f"/containers/{handle.sandbox_id}/json").json()["Config"]["Labels"]
+    found = list(ROOT.glob(f"*/{labels[FILES]}"))
+    assert len(found) == 1
+    return found[0]
+
+
+async def _out(provider: DockerProvider, handle: SandboxHandle, command: str, **options: object) -> str:
+    result = await provider.exec(handle, command, **options)  # type: ignore[arg-type]
+    assert result.return_code == 0, result
+    return result.stdout or ""
+
+
+def _mounted(path: Path) -> list[Path]:
+    return [point for point in mounts_under(path.parent) if point == path or point.is_relative_to(path)]
+
+
+async def test_a_snapshot_is_made_without_a_copy_and_forks_are_overlays(
+    make: Callable[..., DockerProvider], tag: str
+) -> None:
+    """The snapshot is a record on the host (no image), the parent goes on in an overlay of its frozen
+    files, each fork's work directory is an overlay on the snapshot's layers, written to its own tmpfs
+    of its own disk_gib; deleting the snapshot unmounts its layers and the forks run on."""
+    provider = make(prestart=False)
+    parent = await provider.create(tagged(tag))
+    await _out(provider, parent, "mkdir src && echo one > src/a && head -c 100000 /dev/zero > big")
+    snapshot = await provider.snapshot(parent, metadata=_meta(tag))
+    assert snapshot.snapshot_id.startswith("snap-") and snapshot.size_bytes == 4 + 100000
+    assert images(f"sandbox_middleware.docker.meta.{TAG}={tag}") == []
+    forks = [await provider.create(tagged(tag, resources={"disk_gib": 1}), from_snapshot=snapshot) for _ in "ab"]
+    for box in (parent, *forks):
+        assert " /workspace " in await _out(provider, box, "grep ' overlay ' /proc/self/mountinfo")
+    assert await _out(provider, forks[0], "cat src/a; df -k . | tail -1 | awk '{print $2}'") == "one\n1048576\n"
+    await _out(provider, forks[0], "echo fork > src/a")
+    assert await _out(provider, forks[1], "cat src/a") == "one\n"
+    assert await _out(provider, parent, "cat src/a") == "one\n"
+    assert [item.snapshot_id for item in await provider.list_snapshots(metadata={TAG: tag})] == [snapshot.snapshot_id]
+    kept = list(ROOT.glob(f"*/{snapshot.snapshot_id}-*"))
+    assert len(kept) == 1 and _mounted(kept[0])
+    await provider.delete_snapshot(snapshot)
+    assert not kept[0].exists() and await provider.list_snapshots(metadata={TAG: tag}) == []
+    assert await _out(provider, forks[1], "cat src/a") == "one\n"
+    with pytest.raises(SandboxSnapshotNotFoundError):
+        await provider.create(tagged(tag), from_snapshot=snapshot)
+    directories = [_directory(box) for box in (parent, *forks)]
+    for box in (parent, *forks):
+        await provider.close(box)
+    assert not any(directory.exists() for directory in directories) and on_daemon(tag) == []
+
+
+async def test_a_process_holding_the_work_directory_makes_the_snapshot_a_copy(
+    make: Callable[..., DockerProvider], tag: str
+) -> None:
+    """A process left in the work directory (its cwd), or mapping a file of it (its descriptor closed),
+    could write into the files after a snapshot without a copy: the snapshot is then an image, and still
+    right; once it is gone, the next one is made without a copy."""
+    provider = make(prestart=False)
+    parent = await provider.create(tagged(tag, image=PYTHON))
+    await _out(provider, parent, "echo one > a && (sleep 600 > /dev/null 2>&1 & echo $! > /tmp/pid)")
+    held = await provider.snapshot(parent, metadata=_meta(tag))
+    assert not held.snapshot_id.startswith("snap-")
+    mapper = (
+        "import mmap, os, time\n"
+        "f = open('/workspace/m', 'w+b'); f.write(b'x' * 4096); f.flush()\n"
+        "m = mmap.mmap(f.fileno(), 4096); f.close(); time.sleep(600)\n"
+    )
+    script = (
+        f"kill $(cat /tmp/pid); cat > /tmp/map.py << 'EOF'\n{mapper}EOF\n"
+        "(cd / && python3 /tmp/map.py > /dev/null 2>&1 & echo $! > /tmp/pid)"
+    )
+    await _out(provider, parent, script)
+    await anyio.sleep(1)
+    mapped = await provider.snapshot(parent, metadata=_meta(tag))
+    assert not mapped.snapshot_id.startswith("snap-")
+    await _out(provider, parent, "kill $(cat /tmp/pid); sleep 0.3")
+    free = await provider.snapshot(parent, metadata=_meta(tag))
+    assert free.snapshot_id.startswith("snap-")
+    for snapshot, files in ((held, "one\n"), (mapped, "one\nm\n"), (free, "one\nm\n")):
+        fork = await provider.create(tagged(tag, image=PYTHON), from_snapshot=snapshot)
+        assert await _out(provider, fork, "cat a; ls | grep -x m || true") == files
+        await provider.close(fork)
+        await provider.delete_snapshot(snapshot)
+    await provider.close(parent)
+    assert on_daemon(tag) == [] and images(f"sandbox_middleware.docker.meta.{TAG}={tag}") == []
+
+
+async def test_work_directories_go_with_their_containers(
+    make: Callable[..., DockerProvider], tag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Removed by close; by the next provider's sweep when the container was removed behind the provider's
+    back (once older than a minute: a create may be making it); by the TTL watchdog with its container."""
+    provider = make(prestart=False)
+    closed, removed, expiring = [await provider.create(tagged(tag, ttl_s=ttl)) for ttl in (None, None, 2)]
+    directories = [_directory(box) for box in (closed, removed, expiring)]
+    assert all(directory.is_dir() and _mounted(directory) for directory in directories)
+    await provider.close(closed)
+    assert not directories[0].exists()
+    with engine() as client:
+        client.delete(f"/containers/{removed.sandbox_id}", params={"force": "1"})
+    for _ in range(200):  # the watchdog's poll
+        if not directories[2].exists():
+            break
+        await anyio.sleep(0.1)
+    assert not directories[2].exists() and not _mounted(directories[2])
+    make(prestart=False)  # a new provider sweeps what no container names, once older than a minute
+    assert directories[1].is_dir()
+    monkeypatch.setattr(_files, "_YOUNG_S", 0.0)
+    make(prestart=False)
+    assert not directories[1].exists() and not _mounted(directories[1])
+    assert on_daemon(tag) == []
+
+
+async def test_hostile_snapshot_descriptors_are_not_found_and_nothing_is_removed(
+    make: Callable[..., DockerProvider], tag: str
+) -> None:
+    """A changed descriptor, another provider's, an id with a path in it, one never taken: typed errors for
+    create and delete, the snapshot still there; a second provider (unpickled) forks from it."""
+    provider = make(prestart=False)
+    parent = await provider.create(tagged(tag))
+    await _out(provider, parent, "echo one > a")
+    snapshot = await provider.snapshot(parent, metadata=_meta(tag))
+    changed = snapshot.to_dict()
+    hostile = [
+        SandboxSnapshot.from_dict({**changed, "metadata": {}}),
+        SandboxSnapshot.from_dict({**changed, "size_bytes": snapshot.size_bytes + 1}),
+        SandboxSnapshot.from_dict({**changed, "provider": "local"}),
+        *(
+            SandboxSnapshot.from_dict({**changed, "snapshot_id": bad})
+            for bad in ("snap-0000000000000", "snap-../../../etc", f"{snapshot.snapshot_id}/..", "box-0")
+        ),
+    ]
+    for descriptor in hostile:
+        with pytest.raises(SandboxSnapshotNotFoundError):
+            await provider.create(tagged(tag), from_snapshot=descriptor)
+        with pytest.raises(SandboxSnapshotNotFoundError):
+            await provider.delete_snapshot(descriptor)
+    with pytest.raises(SandboxArgumentError):
+        await provider.create(tagged(tag), from_snapshot=json.loads(json.dumps(changed)))  # type: ignore[arg-type]
+    other = pickle.loads(pickle.dumps(provider))
+    fork = await other.create(tagged(tag), from_snapshot=SandboxSnapshot.from_dict(json.loads(json.dumps(changed))))
+    assert await _out(other, fork, "cat a") == "one\n"
+    await other.close(fork)
+    await other.aclose()
+    await provider.delete_snapshot(snapshot)
+    await provider.close(parent)
+    assert on_daemon(tag) == []
