@@ -14,7 +14,7 @@ work directory (``disk_gib=None``), the work directory is a tmpfs volume (``_con
 - It is made before its container, under its ``flock`` (shared) until the container exists, and removed
   after the container by whoever removes that: ``close``, a failed create, a spare's removal, the TTL
   watchdog (``python -m sandbox_middleware.providers.docker._files ROOT KEY...``), and ``sweep`` (at
-  construction and ``aclose``: directories no container names, no create holds, older than a minute).
+  construction and ``aclose``: directories no container names, asked again once no create holds them).
 - A snapshot of the whole work directory (``take``): with the container paused (the daemon's cgroup
   freezer) and no process of it holding the work directory (a cwd, an open file or a mapping there: a
   command running, say), ``_layers.rotate`` makes its files a read-only layer, kept in ``<root>`` as a
@@ -24,6 +24,7 @@ work directory (``disk_gib=None``), the work directory is a tmpfs volume (``_con
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -45,16 +46,17 @@ from ..local._copies import DIRECTORY
 from ..local._layers import read_view, rotate
 from ..local._mounts import mount_tmpfs, probe_tmpfs, share
 from ..local._records import directories_of, makers, remove_box
-from ..local._snapshots import SNAPSHOT_ID, locked, release, retired
+from ..local._snapshots import SNAPSHOT_ID, release, retired
 from ._daemons import Daemon
 from ._exec import cgroup_pids
 from ._ttl import FILES
 
-__all__ = ["ROOT", "Files", "live_keys", "root_of", "usable"]
+__all__ = ["ROOT", "Files", "root_of", "usable"]
 
 ROOT = Path("/run/sandbox_middleware/docker-files")  # root's: beside the TTL watchdog's lock (``_ttl.py``)
 _KEY = re.compile(r"box-[0-9a-f]{16}")
-_YOUNG_S = 60.0  # a work directory no container names yet is left this long to its create
+_LOCK = ".lock"  # beside a work directory: flocked by its create until its container exists
+_YOUNG_S = 60.0  # a lock file without its directory is left this long to its create
 
 
 def usable(socket_path: str, daemon: Daemon, remapped: bool) -> str | None:
@@ -81,9 +83,10 @@ def usable(socket_path: str, daemon: Daemon, remapped: bool) -> str | None:
     return None
 
 
-def live_keys(socket_path: str, version: str) -> set[str] | None:
-    """The work directory keys the containers on the daemon carry (``FILES``; None: it did not answer)."""
-    params = {"all": "1", "filters": json.dumps({"label": [FILES]})}
+def live_keys(socket_path: str, version: str, key: str | None = None) -> set[str] | None:
+    """The work directory keys the containers on the daemon carry (``FILES``; only ``key``, if given;
+    None: the daemon did not answer)."""
+    params = {"all": "1", "filters": json.dumps({"label": [FILES if key is None else f"{FILES}={key}"]})}
     try:
         with httpx.Client(transport=httpx.HTTPTransport(uds=socket_path), base_url=f"http://docker/v{version}") as api:
             reply = api.get("/containers/json", params=params, timeout=30)
@@ -114,44 +117,55 @@ class Files:
     @contextlib.contextmanager
     def made(self, size: int, owner: tuple[int, int]) -> Iterator[str]:
         """A new work directory of ``size`` bytes owned by ``owner``, its key yielded; held from removal by
-        a sweep until the block ends (its container exists by then), removed if the block fails."""
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
+        a sweep until the block ends (its container exists by then: its lock file, ``flock``ed before the
+        directory is made), removed if the block fails."""
+        for directory in (self.root.parents[1], self.root.parents[0], self.root):  # the first: the watchdog's too
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700)
         key = f"box-{os.urandom(8).hex()}"
-        outer = self.root / key
-        os.mkdir(outer, 0o700)
+        lock = os.open(
+            self.root / f"{key}{_LOCK}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
         try:
-            with locked(outer, exclusive=False):
-                mount_tmpfs(outer, size)
-                os.mkdir(outer / "box", 0o700)
-                os.chown(outer / "box", *owner)
-                share(outer / "box")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                os.mkdir(self.root / key, 0o700)
+                mount_tmpfs(self.root / key, size)
+                os.mkdir(self.root / key / "box", 0o700)
+                os.chown(self.root / key / "box", *owner)
+                share(self.root / key / "box")
                 yield key
-        except BaseException:
-            self.remove(key)
-            raise
+            except BaseException:
+                self.remove(key)
+                raise
+        finally:
+            os.close(lock)
 
     def remove(self, key: str) -> list[str]:
-        """Unmount and delete a work directory (its container is gone); what could not be removed."""
+        """Unmount and delete a work directory (its container is gone) and its lock file; what could not be removed."""
         outer = self.outer(key)
-        return remove_box(outer, True, []) if os.path.lexists(outer) else []
+        failed = remove_box(outer, True, []) if os.path.lexists(outer) else []
+        if not failed:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / f"{key}{_LOCK}")
+        return failed
 
-    def sweep(self, live: set[str]) -> list[str]:
-        """Remove the work directories no container names (``live``: the keys containers carry) and no
-        create holds, the snapshots whose maker died making them, and deleted snapshots' leftovers."""
+    def sweep(self, socket_path: str, version: str) -> list[str]:
+        """Remove the work directories that no container on the daemon names and no create holds, the
+        snapshots whose maker died making them, and deleted snapshots' leftovers (blocking); what could
+        not be removed. Nothing when the daemon does not answer."""
         failed: list[str] = []
-        if not self.root.is_dir():
+        live = live_keys(socket_path, version)
+        if live is None or not self.root.is_dir():
             return failed
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self.root):
-                if not _KEY.fullmatch(entry.name) or entry.name in live:
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    if time.time() - entry.stat(follow_symlinks=False).st_ctime < _YOUNG_S:
-                        continue  # being made: its create may not have locked it yet
-                    with locked(Path(entry.path), exclusive=True, wait=False) as free:
-                        if free:
-                            failed += self.remove(entry.name)
+        for name in os.listdir(self.root):
+            key = name.removesuffix(_LOCK)
+            if not _KEY.fullmatch(key) or key in live:
+                continue
+            if name == key or not os.path.lexists(self.root / key):
+                with contextlib.suppress(FileNotFoundError), self._unheld(key, young=name != key) as free:
+                    if free and live_keys(socket_path, version, key) == set():  # not made since the list
+                        failed += self.remove(key)
         for snapshot_id, record in makers(self.root, SNAPSHOT_ID):
             owner = Owner.from_metadata(record)
             if owner is not None and owner.alive() is False:
@@ -160,6 +174,28 @@ class Files:
         for snapshot_id in retired(self.root):
             failed += release(self.root, snapshot_id)
         return failed
+
+    @contextlib.contextmanager
+    def _unheld(self, key: str, young: bool) -> Iterator[bool]:
+        """Whether no create holds work directory ``key`` (its lock file free, or gone), held so for the
+        block. ``young``: its lock file alone, left to a create that may not have locked it yet for a minute."""
+        try:
+            fd = os.open(self.root / f"{key}{_LOCK}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            yield True
+            return
+        try:
+            if young and time.time() - os.fstat(fd).st_mtime < _YOUNG_S:
+                yield False
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
 
     def take(
         self, key: str, init: int, uid: int, metadata: dict[str, str], image: str, path: str, provider: str

@@ -76,7 +76,7 @@ from ._container import (
 )
 from ._daemons import daemon_of, identity_of, socket_of
 from ._descriptors import signed, verified
-from ._files import Files, live_keys, root_of, usable
+from ._files import Files, root_of, usable
 from ._snapshots import Snapshots, rooms
 from ._spares import SUFFIX, DockerSpares, Shape, Spare, remove, shape_of, spare_body, sweep
 from ._ttl import FILES, WatchdogLauncher, is_spare, taken_name
@@ -116,8 +116,8 @@ class DockerProvider(ProviderBase):
     becomes a deadline label that a watchdog process enforces (``_ttl.py``), whatever the entrypoint
     and whether or not this process lives. ``spec.metadata`` becomes labels: ``list`` and ``reap``
     find the sandboxes of any process. Images are never pulled unless ``pull=True``. With
-    ``prestart`` one container of the last created shape is kept running ahead (``_spares.py``),
-    for at most ``spare_ttl_s``, so a create of that shape takes it.
+    ``prestart`` ``spares`` containers of the last created shape are kept running ahead
+    (``_spares.py``), each for at most ``spare_ttl_s``, so a create of that shape takes one.
     """
 
     name = "docker"
@@ -133,6 +133,7 @@ class DockerProvider(ProviderBase):
         ptys=Bound(0, whole=True, high=4096),  # kernel.pty.max is 4096 by default
         tcp_mib=POSITIVE.at_most(2**24).or_none(),
         spare_ttl_s=Bound(10, high=86400),
+        spares=Bound(1, whole=True, high=64),
     )
 
     def __init__(
@@ -160,6 +161,7 @@ class DockerProvider(ProviderBase):
         tcp_mib: float | None = 64,
         prestart: bool = True,
         spare_ttl_s: float = 300.0,
+        spares: int = 1,
         host_files: bool | None = None,
     ) -> None:
         self._options: dict[str, Any] = {
@@ -185,6 +187,7 @@ class DockerProvider(ProviderBase):
             "tcp_mib": tcp_mib,
             "prestart": prestart,
             "spare_ttl_s": spare_ttl_s,
+            "spares": spares,
             "host_files": host_files,
         }
         self.BOUNDS.check(locals())
@@ -262,7 +265,7 @@ class DockerProvider(ProviderBase):
         except PermissionError as exc:  # its lock's directory was made by someone else (_ttl.lock_path)
             raise SandboxError(f"DockerProvider: the TTL watchdog cannot lock safely: {exc}") from None
         sweep(self._socket, version)  # the spares of processes that died without removing them
-        self._sweep_files(live_keys(self._socket, version))
+        self._sweep_files(version)
         self._api = EngineAPI(self._socket, version, request_timeout_s)  # last: nothing can fail after it
         self._commands = Commands(self._api, max_output_bytes, self._daemon)
         self._key = connect_key if connect_key is not None else os.urandom(32)
@@ -276,7 +279,7 @@ class DockerProvider(ProviderBase):
         )
         if prestart:  # removed with this provider, if not at aclose (or at exit)
             removal = partial(remove, self._socket, version, self._files)
-            self._spares = DockerSpares(weakref.WeakMethod(self._make_spare), removal)
+            self._spares = DockerSpares(weakref.WeakMethod(self._make_spare), removal, count=spares)
             weakref.finalize(self, self._spares.close)
 
     def __repr__(self) -> str:
@@ -295,7 +298,8 @@ class DockerProvider(ProviderBase):
             "memory": f"cgroup (Memory = MemorySwap){whole}" if self._enforceable["memory_mib"] else "not enforced",
             "pids": f"cgroup (PidsLimit){whole}" if self._enforceable["pids"] else "not enforced",
             "cpu": "cgroup (NanoCpus)" if self._enforceable["cpu"] else "not enforced",
-            "disk": "tmpfs size of the work directory (the root filesystem is read-only)",
+            "disk": "tmpfs size of the work directory (the root filesystem is read-only)"
+            + ("" if self._files is None else "; a tmpfs this process mounts on the host"),
             "ttl": "deadline label, removed by the watchdog process",
             "output": f"exec stream, {self._max_output} bytes kept per stream",
             **self._pool_mechanisms(),
@@ -701,11 +705,11 @@ class DockerProvider(ProviderBase):
             if left:
                 raise SandboxError(f"DockerProvider: {what}: its work directory on the host was not removed: {left}")
 
-    def _sweep_files(self, live: set[str] | None) -> None:
-        """Remove the work directories on the host that no container names (``live``; None: the daemon did
-        not say), and half-made or deleted snapshots' files (blocking)."""
-        if self._files is not None and live is not None:
-            left = self._files.sweep(live)
+    def _sweep_files(self, version: str) -> None:
+        """Remove the work directories on the host that no container names, and half-made or deleted
+        snapshots' files (blocking)."""
+        if self._files is not None:
+            left = self._files.sweep(self._socket, version)
             if left:
                 logger.warning("DockerProvider: leftover work directories not removed: %s", "; ".join(left))
 
@@ -779,7 +783,7 @@ class DockerProvider(ProviderBase):
                     failures.append(str(exc))
             if self._files is not None:  # what dead processes and removals elsewhere left on the host
                 with anyio.CancelScope(shield=True), anyio.move_on_after(30):
-                    await anyio.to_thread.run_sync(lambda: self._sweep_files(live_keys(self._socket, self.api_version)))
+                    await anyio.to_thread.run_sync(self._sweep_files, self.api_version)
         finally:  # cancelled or not: the connection pool is released
             self._watchdog.reap()
             with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_TIMEOUT_S):

@@ -6,6 +6,7 @@ of every container and snapshot image a test session made (by its label), even a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -23,7 +24,10 @@ import pytest
 
 from sandbox_middleware import DockerProvider, SandboxSpec
 from sandbox_middleware.providers._common import _uids
+from sandbox_middleware.providers.docker._files import ROOT
 from sandbox_middleware.providers.docker._ttl import SPARE
+from sandbox_middleware.providers.local._records import remove_box
+from sandbox_middleware.providers.local._snapshots import SNAPSHOT_RECORD
 from tests.needs import unavailable
 
 SOCKET = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock").removeprefix("unix://")
@@ -174,6 +178,17 @@ def images(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
 def remove_images(label: str = SESSION_LABEL, socket: str = SOCKET) -> list[str]:
     """Force-remove the images carrying ``label`` (never their parents); returns their ids."""
     return _removed("images", label, socket, {"force": "1", "noprune": "1"})
+
+
+def remove_host_snapshots() -> list[Path]:
+    """Remove the snapshots without a copy (``_files.py``: records on the host) of this session; returns them."""
+    found = []
+    for record in ROOT.glob(f"*/snap-*/{SNAPSHOT_RECORD}"):
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(record.read_text()).get("metadata", {}).get(SESSION_KEY) == SESSION:
+                found.append(record.parent)
+                remove_box(record.parent, False, [])
+    return found
 
 
 def free_claims(socket: str = SOCKET, *, daemon_gone: bool = False) -> list[int]:

@@ -9,7 +9,15 @@ import pytest
 from sandbox_middleware import DockerProvider
 from tests.providers import closing_all
 
-from ._support import docker_problem, free_claims, options, remove_containers, remove_images, require_docker
+from ._support import (
+    docker_problem,
+    free_claims,
+    options,
+    remove_containers,
+    remove_host_snapshots,
+    remove_images,
+    require_docker,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -20,6 +28,7 @@ def _remove_session_containers() -> Iterator[None]:
     if docker_problem() is None:
         remove_containers()
         remove_images()
+        remove_host_snapshots()
         free_claims()
 
 

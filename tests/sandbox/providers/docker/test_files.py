@@ -152,11 +152,16 @@ async def test_work_directories_go_with_their_containers(
             break
         await anyio.sleep(0.1)
     assert not directories[2].exists() and not _mounted(directories[2])
-    make(prestart=False)  # a new provider sweeps what no container names, once older than a minute
-    assert directories[1].is_dir()
+    make(prestart=False)  # a new provider sweeps what no container names (and no create holds)
+    assert not directories[1].exists() and not _mounted(directories[1])
+    lock = directories[1].parent / f"{directories[1].name}.lock"
+    assert not lock.exists()
+    lock.touch()  # a create's, about to make its directory: left to it for a minute
+    make(prestart=False)
+    assert lock.exists()
     monkeypatch.setattr(_files, "_YOUNG_S", 0.0)
     make(prestart=False)
-    assert not directories[1].exists() and not _mounted(directories[1])
+    assert not lock.exists()
     assert on_daemon(tag) == []
 
 

@@ -77,6 +77,7 @@ async def _done(
     is left on the daemon."""
     for snapshot in deleted:
         await provider.delete_snapshot(snapshot)
+    assert await provider.list_snapshots(metadata={TAG: tag}) == []  # images, and records on the host
     for handle in handles:
         await provider.close(handle)
     if aclose:
