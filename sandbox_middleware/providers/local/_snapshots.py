@@ -134,10 +134,11 @@ def abandon(base: Path, snapshot_id: str, outer: Path | None) -> None:
         remove_box(outer, False, [])  # drops the maker once nothing is left
 
 
-def _not_found(snapshot: SandboxSnapshot, base: Path, why: str) -> SandboxSnapshotNotFoundError:
+def _not_found(snapshot: SandboxSnapshot, base: Path, why: str, provider: str) -> SandboxSnapshotNotFoundError:
     return SandboxSnapshotNotFoundError(
-        f"LocalProvider: no snapshot {snapshot.snapshot_id!r} in base_dir {base} ({why}); take a new one "
-        "(a snapshot is used by a LocalProvider of the base_dir that took it, with its descriptor unchanged)"
+        f"provider {provider!r}: no snapshot {snapshot.snapshot_id!r:.80} in {base} ({why}); take a new one (a "
+        "snapshot is used by a provider of the directory that took it, LocalProvider's base_dir or DockerProvider's "
+        "on the daemon's host, with its descriptor unchanged)"
     )
 
 
@@ -146,18 +147,18 @@ def _find(base: Path, snapshot: object, provider: str) -> tuple[Path, dict[str, 
     if not isinstance(snapshot, SandboxSnapshot):
         raise SandboxValueError(f"a snapshot must be a SandboxSnapshot, not {type(snapshot).__name__}")
     if snapshot.provider != provider:
-        raise _not_found(snapshot, base, f"it was taken by provider {snapshot.provider!r}")
+        raise _not_found(snapshot, base, f"it was taken by provider {snapshot.provider!r}", provider)
     if not SNAPSHOT_ID.fullmatch(snapshot.snapshot_id):  # never a path: '../', '/', NUL never reach one
-        raise _not_found(snapshot, base, "that is no LocalProvider snapshot id")
+        raise _not_found(snapshot, base, "an id of its snapshots is snap- and 13 hex digits", provider)
     found = directories_of(base, snapshot.snapshot_id)
     try:
         record = read_record(found[0], os.geteuid(), SNAPSHOT_RECORD) if len(found) == 1 else None
     except (OSError, ValueError, RecursionError):
         record = None
     if record is None:
-        raise _not_found(snapshot, base, "never taken there, or deleted")
+        raise _not_found(snapshot, base, "never taken there, or deleted", provider)
     if {name: record.get(name) for name in snapshot.to_dict()} != snapshot.to_dict():
-        raise _not_found(snapshot, base, "the descriptor does not match the snapshot's record")
+        raise _not_found(snapshot, base, "the descriptor does not match the snapshot's record", provider)
     return found[0], record
 
 
@@ -184,7 +185,7 @@ def held(base: Path, snapshot: SandboxSnapshot, provider: str) -> Iterator[list[
     outer, _ = _find(base, snapshot, provider)
     with locked(outer, exclusive=False):
         _, record = _find(base, snapshot, provider)  # deleted while we waited for the lock?
-        yield _layers(outer, record, snapshot, base)
+        yield _layers(outer, record, snapshot, base, provider)
 
 
 def source_of(base: Path, snapshot: SandboxSnapshot, provider: str) -> str:
@@ -192,16 +193,18 @@ def source_of(base: Path, snapshot: SandboxSnapshot, provider: str) -> str:
     return str(_find(base, snapshot, provider)[1].get("source", ""))
 
 
-def _layers(outer: Path, record: Mapping[str, Any], snapshot: SandboxSnapshot, base: Path) -> list[tuple[Path, int]]:
+def _layers(
+    outer: Path, record: Mapping[str, Any], snapshot: SandboxSnapshot, base: Path, provider: str
+) -> list[tuple[Path, int]]:
     """The layers a snapshot's record names (a copy's one tree when it names none), each there."""
     named = record.get("layers", [{"name": TREE, "uid": os.geteuid()}])
     layers = []
     for entry in named if isinstance(named, list) and 0 < len(named) <= MAX_LAYERS else [None]:
         name, owner = (entry.get("name"), entry.get("uid")) if isinstance(entry, dict) else (None, None)
         if not (name == TREE or (isinstance(name, str) and _LAYER.fullmatch(name))) or type(owner) is not int:
-            raise _not_found(snapshot, base, "its record names no layers a snapshot has")
+            raise _not_found(snapshot, base, "its record names no layers a snapshot has", provider)
         if name != TREE and os.stat(outer / name).st_dev == os.stat(outer).st_dev:
-            raise _not_found(snapshot, base, "its files, kept in memory, are gone (a reboot, or unmounted)")
+            raise _not_found(snapshot, base, "its files, kept in memory, are gone (a reboot, or unmounted)", provider)
         layers.append((outer / name, owner))
     return layers
 
