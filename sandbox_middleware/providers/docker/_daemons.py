@@ -135,7 +135,8 @@ def daemon_of(info: Mapping[str, Any], runtime: str | None, socket: str) -> Daem
 
 def identity_of(info: Mapping[str, Any], socket: str) -> str:
     """What tells the daemon of ``info`` (its ``/info``) from any other, the same in every process: Docker's
-    ``ID``; Podman's changes at every call, so its host name and storage root (else the socket)."""
+    ``ID`` and data root (two daemons of one host share an ``ID``, Docker 20.10's from ``/etc/docker/key.json``,
+    never a data root); Podman's ``ID`` changes at every call, so its host name and storage root (else the socket)."""
     if "BuildahVersion" in info:
         return f"podman:{info.get('Name')}:{info.get('DockerRootDir') or socket}"
-    return str(info.get("ID") or socket)
+    return f"{info.get('ID') or socket}:{info.get('DockerRootDir') or socket}"

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import httpx
 
+from sandbox_middleware.providers.docker._daemons import identity_of
+from sandbox_middleware.providers.docker._files import root_of
+
 from ._support import build_failure, free_claims
 
 __all__ = ["PrivateDaemon", "private_daemon"]
@@ -28,6 +31,7 @@ class PrivateDaemon:
         self.remap = remap  # --userns-remap's USER:GROUP
         self.socket = str(root / "docker.sock")
         self.process: subprocess.Popen[bytes] | None = None
+        self.files: Path | None = None  # its sandboxes' work directories on the host (``_files.root_of``)
         self._log = open(root / "dockerd.log", "ab")  # noqa: SIM115 - closed in stop()
 
     def start(self) -> None:
@@ -48,6 +52,7 @@ class PrivateDaemon:
             try:
                 with httpx.Client(transport=httpx.HTTPTransport(uds=self.socket), timeout=2) as client:
                     if client.get("http://docker/_ping").status_code == 200:
+                        self.files = root_of(identity_of(client.get("http://docker/info").json(), self.socket))
                         return
             except httpx.HTTPError:
                 pass
@@ -82,6 +87,10 @@ class PrivateDaemon:
             time.sleep(0.2)
         for mount in reversed(_mounts(str(self.root))):
             subprocess.run(["umount", "-l", mount], capture_output=True)
+        if self.files is not None:  # what its sandboxes left there, their containers gone with it
+            for mount in reversed(_mounts(f"{self.files}/")):
+                subprocess.run(["umount", "-l", mount], capture_output=True)
+            shutil.rmtree(self.files, ignore_errors=True)
         self._log.close()
 
 

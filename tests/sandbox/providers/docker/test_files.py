@@ -28,7 +28,8 @@ from sandbox_middleware.providers.docker._files import ROOT
 from sandbox_middleware.providers.docker._ttl import FILES
 from sandbox_middleware.providers.local._mounts import mounts_under
 
-from ._support import PYTHON, SESSION, SESSION_KEY, TAG, cannot_hold, engine, images, on_daemon, tagged
+from ._daemon import private_daemon
+from ._support import PYTHON, SESSION, SESSION_KEY, SOCKET, TAG, cannot_hold, engine, images, on_daemon, tagged
 
 pytestmark = pytest.mark.anyio
 
@@ -46,9 +47,9 @@ def _meta(tag: str) -> dict[str, str]:
     return {SESSION_KEY: SESSION, TAG: tag}
 
 
-def _directory(handle: SandboxHandle) -> Path:
-    """The work directory on the host of a sandbox, from its container's label."""
-    with engine() as client:
+def _directory(handle: SandboxHandle, socket: str = SOCKET) -> Path:
+    """The work directory on the host of a sandbox (of the daemon at ``socket``), from its container's label."""
+    with engine(socket) as client:
         labels = client.get(f"/containers/{handle.sandbox_id}/json").json()["Config"]["Labels"]
     found = list(ROOT.glob(f"*/{labels[FILES]}"))
     assert len(found) == 1
@@ -163,6 +164,36 @@ async def test_work_directories_go_with_their_containers(
     make(prestart=False)
     assert not lock.exists()
     assert on_daemon(tag) == []
+
+
+async def test_another_daemon_of_the_host_keeps_off_this_ones_work_directories(
+    make: Callable[..., DockerProvider], tag: str
+) -> None:
+    """Two daemons of one host can answer one ID (Docker 20.10's is /etc/docker/key.json's, which a second
+    dockerd reads too): a provider of the other one sweeps at construction and at aclose, and removes none
+    of this daemon's work directories, whose containers it does not see; nor does it find this one's
+    snapshots; its own sandboxes' work directories are elsewhere."""
+    provider = make(prestart=False)
+    box = await provider.create(tagged(tag))
+    await _out(provider, box, "echo kept > a")
+    snapshot = await provider.snapshot(box, metadata=_meta(tag))
+    await _out(provider, box, "echo after > b")  # in the overlay mounted on the work directory since
+    with private_daemon() as daemon:
+        other = DockerProvider(socket=daemon.socket, prestart=False)
+        try:
+            theirs = await other.create(tagged(tag))
+            assert _directory(theirs, daemon.socket).parent != _directory(box).parent
+            with pytest.raises(SandboxSnapshotNotFoundError):
+                await other.create(tagged(tag), from_snapshot=snapshot)
+            await other.close(theirs)
+        finally:
+            await other.aclose()
+    assert await _out(provider, box, "cat a b") == "kept\nafter\n"
+    fork = await provider.create(tagged(tag), from_snapshot=snapshot)
+    assert await _out(provider, fork, "cat a") == "kept\n"
+    await provider.delete_snapshot(snapshot)
+    for handle in (box, fork):
+        await provider.close(handle)
 
 
 async def test_hostile_snapshot_descriptors_are_not_found_and_nothing_is_removed(
