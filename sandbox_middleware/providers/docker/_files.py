@@ -16,8 +16,9 @@ work directory (``disk_gib=None``), the work directory is a tmpfs volume (``_con
   watchdog (``python -m sandbox_middleware.providers.docker._files ROOT KEY...``), and ``sweep`` (at
   construction and ``aclose``: directories no container names, asked again once no create holds them).
 - A snapshot of the whole work directory (``take``): with the container paused (the daemon's cgroup
-  freezer) and no process of it holding the work directory (a cwd, an open file or a mapping there: a
-  command running, say), ``_layers.rotate`` makes its files a read-only layer, kept in ``<root>`` as a
+  freezer), running no process besides its own (``_kept``: a command's could hold the work directory
+  where no listing shows it) and those holding nothing of it (a cwd, an open file, a mapping, a socket),
+  ``_layers.rotate`` makes its files a read-only layer, kept in ``<root>`` as a
   LocalProvider snapshot record (``snap-`` ids), and the sandbox goes on in an overlay on it.
 """
 
@@ -198,23 +199,35 @@ class Files:
             os.close(fd)
 
     def take(
-        self, key: str, init: int, uid: int, metadata: dict[str, str], image: str, path: str, provider: str
+        self,
+        key: str,
+        init: int,
+        tini: bool,
+        uid: int,
+        metadata: dict[str, str],
+        image: str,
+        path: str,
+        provider: str,
     ) -> SandboxSnapshot | None:
         """A snapshot of the work directory ``key`` of the paused container whose init is host pid ``init``
-        (blocking), recorded as taken of ``image``; None when a process of it holds the work directory (or
+        (``tini``: Docker's init, its main process the init's first child) (blocking), recorded as taken of
+        ``image``; None when it runs a process besides those (``_kept``), or one of those holds the work directory (or
         ``_layers.rotate`` cannot take one now): the caller copies."""
         outer = self.outer(key)
         room = os.statvfs(outer)
         size = room.f_blocks * room.f_frsize
-        return rotate(self.root, outer, _Paused(init, outer), uid, size, metadata, image, path, provider)
+        return rotate(self.root, outer, _Paused(init, tini, outer), uid, size, metadata, image, path, provider)
 
 
 @dataclass(frozen=True)
 class _Paused:
-    """A container the daemon paused (``_layers.Freezer``): busy while one of its processes holds its
-    work directory (``outer/box``, what is mounted there): a cwd, an open file or a mapping on it."""
+    """A container the daemon paused (``_layers.Freezer``): busy while it runs any process besides its init
+    and main process (a command, or one a command left: it could hold the work directory in ways no
+    ``/proc`` listing shows, a descriptor in a socket's queue, a thread's own cwd), or while one of those
+    two holds its work directory (``outer/box``, what is mounted there) or anything that could carry it."""
 
     init: int
+    tini: bool
     outer: Path
 
     def frozen(self) -> contextlib.AbstractContextManager[bool]:
@@ -223,6 +236,8 @@ class _Paused:
     def busy(self) -> bool:
         pids = cgroup_pids(self.init)
         if pids is None:
+            return True
+        if set(pids) - _kept(self.init, self.tini, pids):
             return True
         view = read_view(self.outer)
         written = [self.outer / "box", *([] if view is None or view.upper is None else [self.outer / view.upper])]
@@ -239,15 +254,43 @@ class _Paused:
         """Nothing: the daemon's unpause is the caller's, and one left paused by a killed maker stays so."""
 
 
+def _kept(init: int, tini: bool, pids: list[int]) -> set[int]:
+    """The processes of ``pids`` that are the container's own: its init, the first process it started (the
+    main process: a command's orphan is adopted by the init later) and, under Docker's init (``tini``),
+    that one's descendants (the keep-alive's ``sleep``); unreadable ones are not."""
+    parents: dict[int, int] = {}
+    started: dict[int, int] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat_file:
+                fields = stat_file.read().rpartition(b")")[2].split()
+            parents[pid], started[pid] = int(fields[1]), int(fields[19])
+        except (OSError, ValueError, IndexError):
+            continue
+    children = [pid for pid, parent in parents.items() if parent == init]
+    kept = {init}
+    if children:
+        tops = [min(children, key=lambda pid: (started[pid], pid))]
+        while tops:
+            kept.update(tops)
+            tops = [pid for pid, parent in parents.items() if parent in tops and pid not in kept] if tini else []
+    return kept
+
+
 def _holds(pid: int, devices: set[int]) -> bool:
-    """Whether process ``pid`` has its cwd, an open file or a mapped file on one of ``devices``."""
+    """Whether a thread of process ``pid`` has its cwd, or the process an open file or a mapped file, on one of
+    ``devices``, or a descriptor that could carry one (a socket's queue, an io_uring's files, an epoll's);
+    unreadable: it may."""
     proc = Path(f"/proc/{pid}")
     try:
-        if os.stat(proc / "cwd").st_dev in devices:
-            return True
-        for name in os.listdir(proc / "fd"):
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(proc / "fd" / name).st_dev in devices:
+        for task in os.listdir(proc / "task"):  # a thread made without CLONE_FS, CLONE_FILES has its own
+            if os.stat(proc / "task" / task / "cwd").st_dev in devices:
+                return True
+            for name in os.listdir(proc / "task" / task / "fd"):
+                target = os.readlink(proc / "task" / task / "fd" / name)
+                if target.startswith(("socket:", "anon_inode:")):
+                    return True
+                if not target.startswith("pipe:") and os.stat(proc / "task" / task / "fd" / name).st_dev in devices:
                     return True
         with open(proc / "maps") as maps:
             for line in maps:
@@ -256,9 +299,7 @@ def _holds(pid: int, devices: set[int]) -> bool:
                     major, _, minor = fields[3].partition(":")
                     if os.makedev(int(major, 16), int(minor, 16)) in devices:
                         return True
-    except FileNotFoundError:  # it ended meanwhile
-        return False
-    except (OSError, ValueError):  # unreadable: it may hold them
+    except (OSError, ValueError):  # unreadable, or ended though frozen (its leader gone, say): it may hold them
         return True
     return False
 

@@ -913,7 +913,8 @@ class DockerProvider(ProviderBase):
             outer = self._files.outer(box.files)
             if paths is None:
                 pid = int((info.get("State") or {}).get("Pid") or 0)
-                rotated = await self._rotated(box, outer, pid, metadata, image)
+                tini = bool((info.get("HostConfig") or {}).get("Init"))
+                rotated = await self._rotated(box, outer, pid, tini, metadata, image)
                 if rotated is not None:
                     return rotated
             room = os.statvfs(outer)
@@ -921,21 +922,33 @@ class DockerProvider(ProviderBase):
         return await self._snapshots.take(box, image, paths, metadata, sizes)
 
     async def _rotated(
-        self, box: Box, outer: Path, pid: int, metadata: dict[str, str], image: str
+        self, box: Box, outer: Path, pid: int, tini: bool, metadata: dict[str, str], image: str
     ) -> SandboxSnapshot | None:
         """The work directory on the host made a snapshot without a copy (``_files.py``), the sandbox paused
-        meanwhile (one its user paused stays so); None where it cannot be now (the caller copies)."""
+        meanwhile; None where it cannot be now (the caller copies): one paused already (by its user, or by a
+        command's kill, whose resume could come mid-way). Resumed after, or the snapshot is deleted: a
+        sandbox stopped meanwhile (killed, removed) leaves none."""
         assert self._files is not None and box.files is not None
         what = f"pause sandbox {box.container[:12]} for a snapshot"
-        paused = (await self._api.call("POST", f"/containers/{box.container}/pause", what, ok=(409,))).status_code < 400
+        if (await self._api.call("POST", f"/containers/{box.container}/pause", what, ok=(409,))).status_code >= 400:
+            return None
+        snapshot = None
         try:
             uid = int(box.user.partition(":")[0])
-            take = partial(self._files.take, box.files, pid, uid, metadata, image, str(box.cwd), self.name)
-            return await anyio.to_thread.run_sync(take) if pid else None
+            take = partial(self._files.take, box.files, pid, tini, uid, metadata, image, str(box.cwd), self.name)
+            snapshot = await anyio.to_thread.run_sync(take) if pid else None
+            return snapshot
         finally:
-            if paused:
-                with anyio.CancelScope(shield=True), anyio.fail_after(60):
+            with anyio.CancelScope(shield=True), anyio.fail_after(60):
+                try:
                     await self._api.call("POST", f"/containers/{box.container}/unpause", f"resume {box.container[:12]}")
+                except EngineError as exc:
+                    if snapshot is not None:
+                        await anyio.to_thread.run_sync(delete_layers, self._files.root, snapshot, self.name)
+                    raise SandboxSnapshotError(
+                        f"DockerProvider: sandbox {box.container[:12]} stopped during its snapshot ({exc.message}); "
+                        "no snapshot is kept: take one of a running sandbox"
+                    ) from exc
 
     async def delete_snapshot(self, snapshot: SandboxSnapshot) -> None:
         """Remove the snapshot's image (only an image this provider labelled as that snapshot), or its layers

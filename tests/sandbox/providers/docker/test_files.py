@@ -135,6 +135,46 @@ async def test_a_process_holding_the_work_directory_makes_the_snapshot_a_copy(
     assert on_daemon(tag) == [] and images(f"sandbox_middleware.docker.meta.{TAG}={tag}") == []
 
 
+_HOLDER = """
+import array, os, socket, time
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+os.chdir("/")
+fd = os.open("/workspace", os.O_RDONLY | os.O_DIRECTORY)
+a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+os.close(fd)
+open("/tmp/ready", "w").close()
+while not os.path.exists("/tmp/go"):
+    time.sleep(0.05)
+_, ancillary, _, _ = b.recvmsg(1, socket.CMSG_LEN(4))
+fd = array.array("i", ancillary[0][2][:4])[0]
+with open(os.open("state", os.O_WRONLY | os.O_TRUNC, dir_fd=fd), "w") as state:
+    state.write("poisoned\\n")
+open("/tmp/done", "w").close()
+"""
+
+
+async def test_a_process_left_running_makes_the_snapshot_a_copy_whatever_it_holds(
+    make: Callable[..., DockerProvider], tag: str
+) -> None:
+    """A process besides the sandbox's own can hold the work directory where no /proc listing shows it (here
+    a descriptor in a socket's queue, its cwd elsewhere): the snapshot is then a copy, and what it writes
+    through that descriptor after the snapshot reaches no fork."""
+    provider = make(prestart=False)
+    parent = await provider.create(tagged(tag, image=PYTHON))
+    await _out(provider, parent, "echo prepared > state")
+    started = "cd / && (python3 /tmp/holder.py > /dev/null 2>&1 &); while [ ! -e /tmp/ready ]; do sleep 0.05; done"
+    await _out(provider, parent, f"cat > /tmp/holder.py << 'EOF'\n{_HOLDER}EOF\n{started}")
+    snapshot = await provider.snapshot(parent, metadata=_meta(tag))
+    assert not snapshot.snapshot_id.startswith("snap-")
+    written = "touch /tmp/go; while [ ! -e /tmp/done ]; do sleep 0.05; done; cat state"
+    assert await _out(provider, parent, written) == "poisoned\n"
+    fork = await provider.create(tagged(tag, image=PYTHON), from_snapshot=snapshot)
+    assert await _out(provider, fork, "cat state") == "prepared\n"
+    await provider.delete_snapshot(snapshot)
+    for handle in (parent, fork):
+        await provider.close(handle)
+
+
 async def test_work_directories_go_with_their_containers(
     make: Callable[..., DockerProvider], tag: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
