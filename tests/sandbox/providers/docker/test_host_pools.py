@@ -322,7 +322,7 @@ async def test_live_sandboxes_never_share_a_uid_and_close_or_removal_frees_it(
     skips both though this process holds no lock on them (their containers do, by claim); a container
     removed behind the provider's back (the TTL watchdog, by hand) frees its uid; close frees it at once.
     No spares: each holds a uid of its own too (test_spares.py), which would take the next one here."""
-    first_uid = _uids.UID_BASE + 11
+    first_uid = _uids.UID_BASE + 1_000_011  # far from the LocalProvider tests' forced draws (UID_BASE + 7 on)
     monkeypatch.setattr(_uids, "draw", lambda: first_uid)
     provider = make(prestart=False)
     first, second = await provider.create(spec()), await provider.create(spec())
@@ -361,7 +361,7 @@ async def test_a_sandbox_outliving_its_maker_keeps_its_uid(
     """A process that made a sandbox and exited (its lease's lock gone with it) leaves the uid held by the
     container's claim: another process drawing the same uid gets the next one; closing the listed
     sandbox frees it."""
-    first_uid = _uids.UID_BASE + 23
+    first_uid = _uids.UID_BASE + 1_000_023
     done = await anyio.run_process(
         [sys.executable, "-c", _MAKER, str(first_uid), BUSYBOX, SESSION_KEY, SESSION], check=False
     )
