@@ -347,7 +347,7 @@ from sandbox_middleware.providers._common import _uids
 _uids.draw = lambda: int(sys.argv[1])  # every process draws the same uid first
 
 async def main():
-    provider = DockerProvider()
+    provider = DockerProvider(prestart=False)  # a spare drawing first would take the forced uid
     handle = await provider.create(SandboxSpec(image=sys.argv[2], metadata={sys.argv[3]: sys.argv[4], "maker": "gone"}))
     print((await provider.exec(handle, "id -u")).stdout.strip())  # and exits, its sandbox left running
 
