@@ -221,10 +221,10 @@ class Files:
 
 @dataclass(frozen=True)
 class _Paused:
-    """A container the daemon paused (``_layers.Freezer``): busy while it runs any process besides its init
-    and main process (a command, or one a command left: it could hold the work directory in ways no
-    ``/proc`` listing shows, a descriptor in a socket's queue, a thread's own cwd), or while one of those
-    two holds its work directory (``outer/box``, what is mounted there) or anything that could carry it."""
+    """A container the daemon paused (``_layers.Freezer``): busy while it runs any process besides its own
+    (``_kept``; a command, or one a command left, could hold the work directory in ways no ``/proc``
+    listing shows: a descriptor in a socket's queue, a thread's own cwd), or while one of its own holds
+    its work directory (``outer/box``, what is mounted there) or anything that could carry it."""
 
     init: int
     tini: bool
@@ -284,13 +284,14 @@ def _holds(pid: int, devices: set[int]) -> bool:
     proc = Path(f"/proc/{pid}")
     try:
         for task in os.listdir(proc / "task"):  # a thread made without CLONE_FS, CLONE_FILES has its own
-            if os.stat(proc / "task" / task / "cwd").st_dev in devices:
+            thread = proc / "task" / task
+            if os.stat(thread / "cwd").st_dev in devices:
                 return True
-            for name in os.listdir(proc / "task" / task / "fd"):
-                target = os.readlink(proc / "task" / task / "fd" / name)
+            for name in os.listdir(thread / "fd"):
+                target = os.readlink(thread / "fd" / name)
                 if target.startswith(("socket:", "anon_inode:")):
                     return True
-                if not target.startswith("pipe:") and os.stat(proc / "task" / task / "fd" / name).st_dev in devices:
+                if not target.startswith("pipe:") and os.stat(thread / "fd" / name).st_dev in devices:
                     return True
         with open(proc / "maps") as maps:
             for line in maps:

@@ -85,11 +85,10 @@ class PrivateDaemon:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.2)
-        for mount in reversed(_mounts(str(self.root))):
+        # its own mounts, and what its sandboxes left in their work directories, their containers gone with it
+        for mount in reversed([*_mounts(str(self.root)), *(_mounts(f"{self.files}/") if self.files else [])]):
             subprocess.run(["umount", "-l", mount], capture_output=True)
-        if self.files is not None:  # what its sandboxes left there, their containers gone with it
-            for mount in reversed(_mounts(f"{self.files}/")):
-                subprocess.run(["umount", "-l", mount], capture_output=True)
+        if self.files is not None:
             shutil.rmtree(self.files, ignore_errors=True)
         self._log.close()
 
