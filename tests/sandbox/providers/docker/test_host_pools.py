@@ -315,6 +315,7 @@ async def test_no_host_process_but_root_reads_a_sandbox_environment(provider: Do
     await provider.close(other)
 
 
+@pytest.mark.xdist_group("docker-forced-uids")  # its variants side by side would draw the same uids
 async def test_live_sandboxes_never_share_a_uid_and_close_or_removal_frees_it(
     make: Callable[..., DockerProvider], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -355,6 +356,7 @@ anyio.run(main)
 """
 
 
+@pytest.mark.xdist_group("docker-forced-uids")
 async def test_a_sandbox_outliving_its_maker_keeps_its_uid(
     make: Callable[..., DockerProvider], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -362,19 +364,23 @@ async def test_a_sandbox_outliving_its_maker_keeps_its_uid(
     container's claim: another process drawing the same uid gets the next one; closing the listed
     sandbox frees it."""
     first_uid = _uids.UID_BASE + 1_000_023
-    done = await anyio.run_process(
-        [sys.executable, "-c", _MAKER, str(first_uid), BUSYBOX, SESSION_KEY, SESSION], check=False
-    )
-    assert done.returncode == 0, done.stderr.decode()
-    assert int(done.stdout) == first_uid
-    monkeypatch.setattr(_uids, "draw", lambda: first_uid)
     provider = make(prestart=False)  # a spare's maker drawing the same uid would hold its lock at the close
-    handle = await provider.create(spec())
-    assert _uid(await provider.exec(handle, "id -u")) == first_uid + 1
-    (left,) = await provider.list(metadata={"maker": "gone", SESSION_KEY: SESSION})
-    await provider.close(left.handle)
-    assert not (_uids.lease_directory() / str(first_uid)).exists()
-    await provider.close(handle)
+    try:
+        done = await anyio.run_process(
+            [sys.executable, "-c", _MAKER, str(first_uid), BUSYBOX, SESSION_KEY, SESSION], check=False
+        )
+        assert done.returncode == 0, done.stderr.decode()
+        assert int(done.stdout) == first_uid
+        monkeypatch.setattr(_uids, "draw", lambda: first_uid)
+        handle = await provider.create(spec())
+        assert _uid(await provider.exec(handle, "id -u")) == first_uid + 1
+        (left,) = await provider.list(metadata={"maker": "gone", SESSION_KEY: SESSION})
+        await provider.close(left.handle)
+        assert not (_uids.lease_directory() / str(first_uid)).exists()
+        await provider.close(handle)
+    finally:  # the maker's sandbox is no provider's here: a failure above would leave it to later tests' lists
+        for listing in await provider.list(metadata={"maker": "gone", SESSION_KEY: SESSION}):
+            await provider.close(listing.handle)
 
 
 async def test_reap_from_another_provider_frees_the_uid(make: Callable[..., DockerProvider]) -> None:

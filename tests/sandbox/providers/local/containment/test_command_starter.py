@@ -153,10 +153,12 @@ async def test_a_dead_starter_is_reported_not_waited_on(make: Callable[..., Loca
     starters = [
         pid
         for pid in _host_pids("/proc/self/fd/")
-        if handle.sandbox_id in Path(f"/proc/{pid}/cgroup").read_text() and b"-I\0-S" in _cmdline(pid)
+        if handle.sandbox_id.encode() in _proc(pid, "cgroup") and b"-I\0-S" in _proc(pid, "cmdline")
     ]
     starter = next(
-        pid for pid in starters if not _cmdline(pid).startswith(b"/bin/sh") and b"bwrap" not in _cmdline(pid)
+        pid
+        for pid in starters
+        if not _proc(pid, "cmdline").startswith(b"/bin/sh") and b"bwrap" not in _proc(pid, "cmdline")
     )
 
     async def kill_soon() -> None:
@@ -175,9 +177,10 @@ async def test_a_dead_starter_is_reported_not_waited_on(make: Callable[..., Loca
     assert not Path(handle.raw["root"]).exists()
 
 
-def _cmdline(pid: int) -> bytes:
+def _proc(pid: int, name: str) -> bytes:
+    """``/proc/<pid>/<name>``, empty for a process gone since it was listed (another test's, ending)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
+        return Path(f"/proc/{pid}/{name}").read_bytes()
     except OSError:
         return b""
 
