@@ -825,7 +825,9 @@ class DockerProvider(ProviderBase):
             owner = int(uid), int(gid or uid)
             with contextlib.ExitStack() as held:
                 if box.files is not None and self._files is not None and mount == box.mounts[0]:
-                    held.enter_context(uploading(self._files.outer(box.files)))  # no snapshot freezes it meanwhile
+                    # no snapshot freezes it meanwhile; waited for in a thread: a snapshot's count holds it
+                    lock = uploading(self._files.outer(box.files))
+                    await anyio.to_thread.run_sync(held.enter_context, lock)
                 await self._api.call(
                     "PUT",
                     f"/containers/{box.container}/archive",

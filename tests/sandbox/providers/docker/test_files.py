@@ -6,9 +6,11 @@ deleted (their mounts gone) and refused when hostile."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pickle
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -173,6 +175,39 @@ async def test_a_process_left_running_makes_the_snapshot_a_copy_whatever_it_hold
     await provider.delete_snapshot(snapshot)
     for handle in (parent, fork):
         await provider.close(handle)
+
+
+async def test_an_upload_waiting_for_a_snapshot_s_count_leaves_the_event_loop_running(
+    make: Callable[..., DockerProvider], tag: str, tmp_path: Path
+) -> None:
+    """An upload into the work directory waits for its lock, held exclusive by a snapshot's count (up to
+    a second for a large tree), in a worker thread: the loop runs on meanwhile, and the upload lands after."""
+    provider = make(prestart=False)
+    box = await provider.create(tagged(tag))
+    source = tmp_path / "late"
+    source.write_text("after the count")
+    fd = os.open(_directory(box), os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as a snapshot's count holds it
+    released, releasing = threading.Event(), threading.Lock()
+
+    def release() -> None:
+        with releasing:
+            if not released.is_set():
+                released.set()
+                os.close(fd)
+
+    timer = threading.Timer(60, release)  # an upload blocking the loop never lets the test release it
+    timer.start()
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(provider.upload_file, box, source, "late")
+            await anyio.sleep(0.5)  # returns before the timer's release only if the upload waits off the loop
+            assert not released.is_set()
+            release()
+    finally:
+        timer.cancel()
+        release()
+    assert await _out(provider, box, "cat late") == "after the count"
 
 
 async def test_work_directories_go_with_their_containers(
