@@ -13,6 +13,8 @@ hand); a daemon that does not answer keeps it held, unless its socket is gone an
 the host runs as that uid. ``close`` and ``reap`` unlink it at once
 (``release_claim``). Released leases are unlinked while still locked, and a taker checks that the
 file it locked is still the one at that path, so two processes never both think they hold one uid.
+A maker killed (SIGKILL, an OOM kill) leaves its lease's file unlocked: free, and unlinked by the next
+``sweep_leases`` (a LocalProvider's construction), so the directory holds only live sandboxes' leases.
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ import httpx
 
 from ..._errors import SandboxCreateError
 
-__all__ = ["UID_BASE", "UID_COUNT", "UidLease", "draw", "lease_directory", "lease_uid", "release_claim"]
+__all__ = [
+    "UID_BASE",
+    "UID_COUNT",
+    "UidLease",
+    "draw",
+    "lease_directory",
+    "lease_uid",
+    "release_claim",
+    "sweep_leases",
+]
 
 # Far above any account or container range in common use; below 2**31: bwrap writes its uid map as a signed int.
 UID_BASE, UID_COUNT = 1_500_000_000, 1 << 24
@@ -207,5 +218,27 @@ def release_claim(directory: Path, uid: int, socket: str, containers: tuple[str,
                     os.unlink(str(uid), dir_fd=dir_fd)
             finally:
                 os.close(fd)
+        finally:
+            os.close(dir_fd)
+
+
+def sweep_leases(directory: Path = LEASES) -> None:
+    """Unlink the LocalProvider leases in ``directory`` that nobody locks (their makers were killed: the
+    kernel dropped the lock, the file stayed), each while locked, as a release does; a claim is left to
+    ``close``, ``reap`` and the next draw of its uid (its container may live on). Best effort (blocking)."""
+    if not directory.is_dir():
+        return
+    with contextlib.suppress(OSError, SandboxCreateError):
+        dir_fd = _leases_dir(directory)
+        try:
+            for name in os.listdir(dir_fd):
+                with contextlib.suppress(OSError):  # gone meanwhile (released, or swept by another process)
+                    fd = _locked(dir_fd, name, create=False) if name.isdigit() else None
+                    if fd is not None:
+                        try:
+                            if _claimed(os.pread(fd, 4096, 0)) is None:
+                                os.unlink(name, dir_fd=dir_fd)
+                        finally:
+                            os.close(fd)
         finally:
             os.close(dir_fd)

@@ -62,7 +62,7 @@ from .._common._arguments import (
 from .._common._base import ExecCall, ProviderBase
 from .._common._deadlines import checked_ttl, exec_deadline
 from .._common._limits import LIMIT_BOUNDS, Limits
-from .._common._uids import UidLease
+from .._common._uids import UidLease, sweep_leases
 from ._bwrap import BASE_PATH, HOST_ENV, BwrapCommand
 from ._cgroups import CgroupBackend
 from ._commands import run_command, run_process
@@ -492,8 +492,9 @@ class LocalProvider(ProviderBase):
             why = f"half-made: {owner} died while making or removing it"
             outers = directories_of(self._base, sandbox_id) or [self._base / sandbox_id]  # none: a maker file, cgroups
             removed += [self._remove_leftover(sandbox_id, outer, str(owner), why, dry_run) for outer in outers]
-        if not dry_run:  # deleted snapshots whose last fork went without releasing them (its process died)
-            for snapshot_id in retired(self._base):
+        if not dry_run:
+            sweep_leases()  # the uid leases of makers killed (their files stay, unlocked)
+            for snapshot_id in retired(self._base):  # deleted snapshots whose last fork died without releasing them
                 release(self._base, snapshot_id)
             for sandbox_id, outer, _ in scan(self._base):  # sandboxes left frozen by a snapshot's killed maker
                 repair(outer, self._freezer(sandbox_id))

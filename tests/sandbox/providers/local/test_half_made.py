@@ -7,6 +7,7 @@ one step of the make (after the provider is built), which kills it there (or hol
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ import anyio
 import pytest
 
 from sandbox_middleware import LocalProvider, reap
+from sandbox_middleware.providers._common import _uids
 from sandbox_middleware.providers.local._cgroups import CgroupBackend
 from sandbox_middleware.providers.local._records import MAKER, remove_box
 from tests.leftovers import mounts_below
@@ -75,9 +77,9 @@ _BWRAP = ["starter", "spare record"]
 
 
 @asynccontextmanager
-async def stopped_at(base: Path, isolation: str, point: str, then: str) -> AsyncIterator[None]:
-    """A child making a sandbox in ``base``, killed (``then="kill"``) or held alive at ``point``;
-    SIGKILLed after in any case."""
+async def stopped_at(base: Path, isolation: str, point: str, then: str) -> AsyncIterator[int]:
+    """A child making a sandbox in ``base``, killed (``then="kill"``) or held alive at ``point`` (its pid
+    yielded); SIGKILLed after in any case."""
     argv = [sys.executable, "-c", _CHILD, str(base), isolation, point, then]
     async with await anyio.open_process(argv) as child:
         try:
@@ -90,7 +92,7 @@ async def stopped_at(base: Path, isolation: str, point: str, then: str) -> Async
             if then == "kill":
                 await child.wait()
                 assert child.returncode == -signal.SIGKILL
-            yield
+            yield child.pid
         finally:
             if child.returncode is None:
                 child.send_signal(signal.SIGKILL)
@@ -104,6 +106,16 @@ def _left(base: Path) -> tuple[list[str], list[str], list[str]]:
     ids = {name[:18] for name in names}
     groups = [str(group) for sandbox_id in ids for group in CgroupBackend().groups_of(sandbox_id)]
     return names, mounts_below(base), groups
+
+
+def _leases_of(pid: int) -> list[str]:
+    """The host uid leases (``_uids.LEASES``) whose maker is process ``pid``."""
+    found = []
+    for lease in _uids.LEASES.glob("*") if os.geteuid() == 0 else []:
+        with contextlib.suppress(FileNotFoundError):  # released meanwhile (another test's)
+            if lease.read_text() == f"{pid}\n":
+                found.append(lease.name)
+    return found
 
 
 def _check_machine(point: str) -> None:
@@ -123,14 +135,17 @@ async def test_a_maker_killed_at_each_point_leaves_what_the_next_provider_remove
 ) -> None:
     _check_machine(point)
     sandbox_base.mkdir(parents=True)
-    async with stopped_at(sandbox_base, isolation, point, "kill"):
+    async with stopped_at(sandbox_base, isolation, point, "kill") as pid:
         names, _, _ = _left(sandbox_base)
         assert [name for name in names if name.endswith(MAKER)], names  # its trail
         if point in ("mount", "layout", "record", "starter"):
             assert mounts_below(sandbox_base), "a half-made sandbox with its tmpfs is what this is about"
+        if isolation == "bwrap" and os.geteuid() == 0:
+            assert _leases_of(pid), "as root each bwrap sandbox leases a uid: its file outlives the kill"
     provider = LocalProvider(isolation=isolation, base_dir=sandbox_base, prestart=False)  # sweeps
     try:
         assert _left(sandbox_base) == ([], [], [])
+        assert _leases_of(pid) == []
     finally:
         await provider.aclose()
 
