@@ -158,7 +158,8 @@ class SandboxQuotaExceededError(_KeywordFields, SandboxError):
 
 class SandboxAdmissionError(SandboxError):
     """The admission layer could not consult its shared limiter (the host's SQLite file, the Ray
-    actor): the create was not attempted. The message names the limiter and what failed."""
+    actor), or a group of creates made together (``Sandbox.fork``) needs more held slots at once than
+    ``max_held``: the create was not attempted. The message names the limiter and what failed."""
 
 
 class SandboxPtyError(SandboxError, NemoPtyError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from ._errors import SandboxError, SandboxNotStartedError, SandboxValueError
+from ._groups import create_group
 from ._protocol import (
     SandboxExecResult,
     SandboxHandle,
@@ -257,7 +259,13 @@ class Forks:
             for _ in range(self._n)
         ]
         try:
-            await _all(fork.start for fork in forks)
+            async with create_group(self._n, parent.close_timeout_s) as group:  # admitted as one (_groups.py)
+
+                async def start(fork: Sandbox) -> None:
+                    await fork.start()
+                    group.made += 1
+
+                await _all(functools.partial(start, fork) for fork in forks)
             if not self._keep:  # failing, it would leave the forks made where no caller can reach them
                 await self._delete(provider, snapshot)
         except BaseException:

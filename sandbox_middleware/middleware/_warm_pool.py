@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import time
@@ -442,6 +443,6 @@ def _spawn_system_task(run: Callable[[], Awaitable[None]], tasks: set[asyncio.Ta
 
         trio.lowlevel.spawn_system_task(run)
         return
-    task = loop.create_task(cast("Any", run()))
+    task = loop.create_task(cast("Any", run()), context=contextvars.Context())  # as trio's: nothing inherited
     tasks.add(task)  # the loop keeps only a weak reference
     task.add_done_callback(tasks.discard)

@@ -77,15 +77,16 @@ class Ledger:
     def pause(self, now: float, seconds: float) -> None:
         self.paused_until = max(self.paused_until, now + seconds)
 
-    def acquire(self, kind: str, owner: str, limit: int, dead: Callable[[str], bool] = _dead) -> bool:
-        """Take one ``kind`` slot for ``owner`` if fewer than ``limit`` are taken (dead owners' freed first)."""
+    def acquire(self, kind: str, owner: str, limit: int, count: int = 1, dead: Callable[[str], bool] = _dead) -> bool:
+        """Take ``count`` ``kind`` slots for ``owner`` if at most ``limit`` are taken then (dead owners'
+        freed first); else none."""
         counts = self.slots.setdefault(kind, {})
-        if sum(counts.values()) >= limit:
+        if sum(counts.values()) + count > limit:
             for other in [key for key in counts if key != owner and dead(key)]:
                 self.forget(other)
-            if sum(counts.values()) >= limit:
+            if sum(counts.values()) + count > limit:
                 return False
-        counts[owner] = counts.get(owner, 0) + 1
+        counts[owner] = counts.get(owner, 0) + count
         return True
 
     def release(self, kind: str, owner: str, count: int = 1) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar, cast
 
@@ -18,6 +20,7 @@ from ..._errors import (
     SandboxQuotaExceededError,
     SandboxRateLimitedError,
 )
+from ..._groups import CreateGroup, current_group
 from ..._protocol import SandboxHandle, SandboxProvider
 from ..._telemetry import PROVIDER_ATTR, InstrumentBundle, Instruments, counter, duration_ms, safely
 from ._ledger import BACKEND_TIMEOUT_S, Backend, HostBackend, ProcessBackend, default_host_path, owner_key
@@ -47,6 +50,16 @@ class _Instruments(InstrumentBundle):
     )
 
 
+class _Share:
+    """What one group of creates (``_groups.py``) took here: whether its held slots were taken, how
+    many no create of it holds yet, and whether the group ended (a create of it after: its own slot)."""
+
+    def __init__(self) -> None:
+        self.lock = anyio.Lock()
+        self.taken = self.ended = False
+        self.left = 0
+
+
 class AdmissionMiddleware(ProviderMiddleware):
     """Admits each create within the provider's limits, and classifies its refusals.
 
@@ -56,7 +69,8 @@ class AdmissionMiddleware(ProviderMiddleware):
       default 1 lets at most ``rate + 1`` creates into any one-second window);
       ``start_jitter_s``: each create first waits a random 0 to ``start_jitter_s`` seconds. None is
       no limit. A create takes a held slot, then a create slot, then a token; cancelled while it
-      waits, it gives back what it took: it takes no slot and leaks nothing.
+      waits, it gives back what it took: it takes no slot and leaks nothing. The creates of one
+      group (``Sandbox.fork``'s, ``_groups.py``) take their held slots in one step.
     - ``shared``: where the limits are counted: ``"process"`` (this layer), ``"host"`` (every
       process of this host naming the same ``shared_path`` SQLite file, default one per user in
       the temp directory) or ``"ray"`` (every process of a Ray cluster, through one small named
@@ -189,14 +203,14 @@ class AdmissionMiddleware(ProviderMiddleware):
             lock = self._locks[kind] = anyio.Lock()  # FIFO: waiters of this process are admitted in order
         return lock
 
-    async def _acquire(self, kind: str, limit: int, reason: str, taken: list[str]) -> None:
-        """Take one ``kind`` slot, waiting (holding nothing) until one is free; note it in ``taken``
-        in the same step as the ledger's answer, so a cancellation after it cannot lose the slot."""
+    async def _acquire(self, kind: str, limit: int, reason: str, took: Callable[[], None], count: int = 1) -> None:
+        """Take ``count`` ``kind`` slots at once, waiting (holding nothing) until they are free; call
+        ``took`` in the same step as the ledger's answer, so a cancellation after it cannot lose them."""
         async with self._lock(kind):
             counted = False
             while True:
-                if await self._call("acquire", kind, self._owner, limit):
-                    taken.append(kind)
+                if await self._call("acquire", kind, self._owner, limit, count):
+                    took()
                     return
                 if not counted:
                     counted = True
@@ -208,8 +222,8 @@ class AdmissionMiddleware(ProviderMiddleware):
                 else:
                     await freed.wait()
 
-    async def _release(self, kind: str) -> None:
-        await self._call("release", kind, self._owner)
+    async def _release(self, kind: str, count: int = 1) -> None:
+        await self._call("release", kind, self._owner, count)
         freed = self._freed.pop(kind, None)
         if freed is not None:
             freed.set()
@@ -243,11 +257,17 @@ class AdmissionMiddleware(ProviderMiddleware):
         if self.start_jitter_s:
             await anyio.sleep(self._random.uniform(0.0, self.start_jitter_s))
         taken: list[str] = []  # the slots this create holds, released at the end (held: by the close)
+        group = current_group() if self.max_held is not None else None
+        share = group.share(self, _Share) if group is not None else None
         try:
             if self.max_held is not None:
-                await self._acquire("held", self.max_held, "max_held", taken)
+                if group is not None and share is not None:
+                    await self._hold_for(group, share, taken, self.max_held)
+                else:
+                    await self._acquire("held", self.max_held, "max_held", lambda: taken.append("held"))
             if self.max_concurrent_creates is not None:
-                await self._acquire("creating", self.max_concurrent_creates, "max_concurrent_creates", taken)
+                limit = self.max_concurrent_creates
+                await self._acquire("creating", limit, "max_concurrent_creates", lambda: taken.append("creating"))
             await self._take_token()
             self._waited(started)
             try:
@@ -261,7 +281,39 @@ class AdmissionMiddleware(ProviderMiddleware):
             return handle
         finally:
             for kind in reversed(taken):
-                await self._release(kind)
+                if kind == "held" and share is not None and not share.ended:
+                    share.left += 1  # back to its group: a retry of this create takes it; the rest go at its end
+                else:
+                    await self._release(kind)
+
+    async def _hold_for(self, group: CreateGroup, share: _Share, taken: list[str], limit: int) -> None:
+        """A held slot of ``group``'s, all of whose creates still to come take theirs in one step (the
+        first to arrive waits for them, the others for it); past what it took, a slot of its own."""
+        async with share.lock:
+            if not share.taken and not share.ended:
+                count = max(1, group.size - group.made)
+                if count > limit:
+                    raise SandboxAdmissionError(
+                        f"{self.inner.name}: a group of {count} creates made together (Sandbox.fork) needs "
+                        f"{count} held slots at once, over max_held={limit}: raise max_held or fork fewer"
+                    )
+
+                def took() -> None:
+                    share.taken, share.left = True, count
+                    group.on_end(functools.partial(self._give_back, share))
+
+                await self._acquire("held", limit, "max_held", took, count)
+            if share.left > 0:
+                share.left -= 1
+                taken.append("held")
+                return
+        await self._acquire("held", limit, "max_held", lambda: taken.append("held"))
+
+    async def _give_back(self, share: _Share) -> None:
+        """The held slots a group took and none of its creates kept."""
+        left, share.left, share.ended = share.left, 0, True
+        if left:
+            await self._release("held", left)
 
     async def _refused(self, exc: Exception) -> None:
         """Raise the typed error a rate limit or a quota calls for (pausing the key first); else return."""

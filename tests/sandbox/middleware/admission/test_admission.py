@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import pickle
+import random
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.lowlevel
@@ -18,10 +19,12 @@ import pytest
 
 from sandbox_middleware import (
     AdmissionMiddleware,
+    LocalProvider,
     Middleware,
     RateLimited,
     RetryBudget,
     RetryMiddleware,
+    Sandbox,
     SandboxAdmissionError,
     SandboxArgumentError,
     SandboxCreateError,
@@ -234,6 +237,80 @@ async def test_a_create_cancelled_while_waiting_takes_no_slot() -> None:
     await admission.close(second)
     assert inner.alive == set()
     await admission.aclose()
+
+
+class _Arrivals(random.Random):
+    """Start jitters given in order, one per create (0 past them): the creates reach the layer when told."""
+
+    def __init__(self, jitters: list[float]) -> None:
+        super().__init__()
+        self._jitters = jitters
+
+    def uniform(self, a: float, b: float) -> float:
+        return self._jitters.pop(0) if self._jitters else 0.0
+
+
+async def test_two_groups_forking_at_once_under_max_held_never_each_hold_part(sandbox_base: Path) -> None:
+    """Two prepared parents fork 4 each with room for one group of forks (max_held = 2 parents + 4), their
+    creates reaching the layer interleaved (start jitter): one group takes its 4 slots in one step, the
+    other waits holding none and is made once the first group's forks are closed. One create at a time,
+    the groups took 2 slots each and waited for each other until create_timeout_s."""
+    provider = stack(
+        LocalProvider(isolation="none", base_dir=sandbox_base, prestart=False),
+        [Middleware(AdmissionMiddleware, max_held=6, start_jitter_s=3.0)],
+    )
+    admission = cast("AdmissionMiddleware", provider)
+    first, second = [0.0, 0.6, 1.2, 1.8], [0.3, 0.9, 1.5, 2.1]  # whichever group starts first, they interleave
+    admission._random = _Arrivals([0.0, 0.0, *first, *second])
+    events: list[tuple[str, str]] = []
+    held: list[int] = []  # slots taken while each group's forks lived
+    prepared: list[str] = []
+    both = anyio.Event()
+
+    async def session(name: str) -> None:
+        async with Sandbox(provider, create_timeout_s=20) as parent:  # its forks' bound too
+            await parent.exec(f"echo {name} > state")
+            prepared.append(name)
+            if len(prepared) == 2:
+                both.set()
+            await both.wait()
+            async with parent.fork(4) as forks:
+                events.append(("forked", name))
+                states = {(await fork.exec("cat state")).stdout for fork in forks}
+                assert states == {f"{name}\n"}
+                held.append(await admission._backend.call("taken", "held"))
+                await anyio.sleep(0.3)
+                events.append(("closed", name))
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                for name in ("a", "b"):
+                    group.start_soon(session, name)
+        assert [event for event, _ in events] == ["forked", "closed", "forked", "closed"], events
+        assert held[0] == 6  # both parents and the first group's 4 (the second's parent may be gone by its turn)
+        assert await admission._backend.call("taken", "held") == 0  # no slot a group took is left
+    finally:
+        await provider.aclose()
+
+
+async def test_a_group_larger_than_max_held_is_refused_in_words(sandbox_base: Path) -> None:
+    provider = stack(
+        LocalProvider(isolation="none", base_dir=sandbox_base, prestart=False),
+        [Middleware(AdmissionMiddleware, max_held=4)],
+    )
+    admission = cast("AdmissionMiddleware", provider)
+    try:
+        async with Sandbox(provider, create_timeout_s=20) as parent:  # a group waiting for what never comes: bounded
+            with pytest.raises(SandboxAdmissionError, match=r"group of 5 creates .* over max_held=4: raise max_held"):
+                await parent.fork(5)
+            assert await admission._backend.call("taken", "held") == 1  # the parent's, and nothing more
+            assert admission.held_slots() == 1
+            async with parent.fork(3) as forks:  # room for the parent and 3
+                assert len(forks) == 3
+        assert await admission._backend.call("taken", "held") == 0
+    finally:
+        await provider.aclose()
 
 
 def test_bad_options_are_refused_in_words() -> None:
