@@ -27,6 +27,7 @@ import os
 import secrets
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -209,17 +210,22 @@ def release_claim(directory: Path, uid: int, socket: str, containers: tuple[str,
     with contextlib.suppress(OSError):
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            fd = _locked(dir_fd, str(uid), create=False)
-            if fd is None:
-                return
-            try:
-                claim = _claimed(os.pread(fd, 4096, 0))
-                if claim is not None and claim[0] == socket and claim[1] in containers:
-                    os.unlink(str(uid), dir_fd=dir_fd)
-            finally:
-                os.close(fd)
+            _unlink_if(dir_fd, str(uid), lambda claim: claim in [(socket, name) for name in containers])
         finally:
             os.close(dir_fd)
+
+
+def _unlink_if(dir_fd: int, name: str, free: Callable[[tuple[str, str] | None], bool]) -> None:
+    """Unlink the lease ``name`` while holding its lock, if ``free`` says so of its claim (None: a
+    LocalProvider lease); one another process locks, or that is gone, is left alone."""
+    fd = _locked(dir_fd, name, create=False)
+    if fd is None:
+        return
+    try:
+        if free(_claimed(os.pread(fd, 4096, 0))):
+            os.unlink(name, dir_fd=dir_fd)
+    finally:
+        os.close(fd)
 
 
 def sweep_leases(directory: Path = LEASES) -> None:
@@ -231,14 +237,8 @@ def sweep_leases(directory: Path = LEASES) -> None:
     with contextlib.suppress(OSError, SandboxCreateError):
         dir_fd = _leases_dir(directory)
         try:
-            for name in os.listdir(dir_fd):
+            for name in filter(str.isdigit, os.listdir(dir_fd)):
                 with contextlib.suppress(OSError):  # gone meanwhile (released, or swept by another process)
-                    fd = _locked(dir_fd, name, create=False) if name.isdigit() else None
-                    if fd is not None:
-                        try:
-                            if _claimed(os.pread(fd, 4096, 0)) is None:
-                                os.unlink(name, dir_fd=dir_fd)
-                        finally:
-                            os.close(fd)
+                    _unlink_if(dir_fd, name, lambda claim: claim is None)
         finally:
             os.close(dir_fd)
