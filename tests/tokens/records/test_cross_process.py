@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 import anyio
@@ -38,6 +39,18 @@ def _ray_capture(url: str, index: int) -> int:
     return anyio.run(capture_turns, url, ROLLOUTS, TURNS, index, WORKERS)
 
 
+def _started() -> None:
+    time.sleep(0.5)  # long enough for the other task to need a worker of its own
+
+
+def _ended(processes: list[subprocess.Popen[str]]) -> list[str]:
+    """Each process's exit code and the end of its stderr (killed first if still running)."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+    return [f"exit {process.wait()}: {process.communicate()[1][-3000:]}" for process in processes]
+
+
 def _require_ray() -> Any:
     try:
         import ray
@@ -50,8 +63,7 @@ def _require_ray() -> Any:
 def test_two_processes_and_two_ray_workers_share_rollouts_through_postgres(postgres_url: str) -> None:
     ray = _require_ray()
     names = ",".join(ROLLOUTS)
-    processes = [_module("capture", postgres_url, names, str(TURNS), str(i), str(WORKERS)) for i in (0, 1)]
-    freezer = _module("freeze", postgres_url, names, str(TURNS))
+    processes: list[subprocess.Popen[str]] = []
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     try:
         ray.init(
@@ -62,20 +74,27 @@ def test_two_processes_and_two_ray_workers_share_rollouts_through_postgres(postg
             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
         )
         try:
+            # Both Ray workers started before any turn waits on another's (120 s each): under load a
+            # worker's start (its runtime env first) can take a good part of that.
+            ray.get([ray.remote(_started).remote() for _ in range(2)], timeout=300)
+            processes += [_module("capture", postgres_url, names, str(TURNS), str(i), str(WORKERS)) for i in (0, 1)]
+            processes.append(_module("freeze", postgres_url, names, str(TURNS)))
             remote = ray.remote(_ray_capture)
-            captured = ray.get([remote.remote(postgres_url, i) for i in (2, 3)], timeout=300)
+            try:
+                captured = ray.get([remote.remote(postgres_url, i) for i in (2, 3)], timeout=300)
+            except ray.exceptions.RayError as exc:  # the processes' side too: a worker waits on the others' turns
+                pytest.fail(f"a Ray worker failed: {exc}\nthe processes printed: {_ended(processes)}")
         finally:
             ray.shutdown()
-        outputs = [process.communicate(timeout=300) for process in processes]
-        report_out, report_err = freezer.communicate(timeout=300)
+        ended = [process.communicate(timeout=300) for process in processes]  # two capturers, the freezer
     finally:
-        for process in [*processes, freezer]:
+        for process in processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
         subprocess.run(["rm", "-rf", temp], check=False)
-    assert [p.returncode for p in processes] == [0, 0], [err[-2000:] for _, err in outputs]
-    assert freezer.returncode == 0, report_err[-2000:]
+    assert [p.returncode for p in processes] == [0, 0, 0], [err[-2000:] for _, err in ended]
+    *outputs, (report_out, _) = ended
     assert captured == [len(ROLLOUTS) * 2] * 2 and [int(out) for out, _ in outputs] == [len(ROLLOUTS) * 2] * 2
     report = json.loads(report_out)
     for rollout in ROLLOUTS:
