@@ -20,7 +20,7 @@ clauses catch ours)::
         ├── SandboxPathError                  a path would leave the sandbox
         ├── SandboxLimitError                 a limit this machine cannot enforce (never retried)
         ├── SandboxQuotaExceededError         a hard provider quota is exhausted (never retried); names the quota
-        ├── SandboxAdmissionError             the admission layer's shared limiter (SQLite file, Ray actor) failed
+        ├── SandboxAdmissionError             the shared limiter failed, or a create group can never fit max_held
         ├── SandboxTransferLimitError         a file larger than max_transfer_bytes
         ├── BwrapUnavailableError             isolation="bwrap" cannot run on this machine
         ├── DockerUnavailableError            no Docker daemon answers at the socket (or not an API version we speak)

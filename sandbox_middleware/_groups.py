@@ -30,10 +30,12 @@ _GROUP: contextvars.ContextVar[CreateGroup | None] = contextvars.ContextVar("san
 
 class CreateGroup:
     """``size`` creates made together; ``made`` of them returned so far (what a layer still has to
-    take something for is ``size - made``)."""
+    take something for is ``size - made``); ``parent_id``: the sandbox they are forks of, held while
+    they are made."""
 
-    def __init__(self, size: int) -> None:
-        self.size, self.made = size, 0
+    def __init__(self, size: int, parent_id: str | None = None) -> None:
+        self.size, self.made, self.parent_id = size, 0, parent_id
+        self.closed = False
         self._shares: dict[int, Any] = {}
         self._ends: list[Callable[[], Awaitable[None]]] = []
 
@@ -49,20 +51,24 @@ class CreateGroup:
 
 
 def current_group() -> CreateGroup | None:
-    """The group the running create belongs to, if any."""
-    return _GROUP.get()
+    """The group the running create belongs to, if any (none once its block is left: a task that
+    copied the context and runs on after it makes creates of its own)."""
+    group = _GROUP.get()
+    return None if group is None or group.closed else group
 
 
 @contextlib.asynccontextmanager
-async def create_group(size: int, timeout_s: float) -> AsyncIterator[CreateGroup]:
-    """A block whose creates are one group of ``size``; on the way out each layer's ``on_end`` runs,
-    shielded and bounded by ``timeout_s`` in all, a failure logged (never raised over the block's own)."""
-    group = CreateGroup(size)
+async def create_group(size: int, timeout_s: float, parent_id: str | None = None) -> AsyncIterator[CreateGroup]:
+    """A block whose creates are one group of ``size``; on the way out the group is closed, then each
+    layer's ``on_end`` runs, shielded and bounded by ``timeout_s`` in all, a failure logged (never
+    raised over the block's own)."""
+    group = CreateGroup(size, parent_id)
     token = _GROUP.set(group)
     try:
         yield group
     finally:
         _GROUP.reset(token)
+        group.closed = True
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
             for end in group._ends:
                 try:

@@ -259,7 +259,9 @@ class Forks:
             for _ in range(self._n)
         ]
         try:
-            async with create_group(self._n, parent.close_timeout_s) as group:  # admitted as one (_groups.py)
+            async with create_group(
+                self._n, parent.close_timeout_s, parent.handle.sandbox_id
+            ) as group:  # one (_groups.py)
 
                 async def start(fork: Sandbox) -> None:
                     await fork.start()

@@ -77,9 +77,16 @@ class Ledger:
     def pause(self, now: float, seconds: float) -> None:
         self.paused_until = max(self.paused_until, now + seconds)
 
-    def acquire(self, kind: str, owner: str, limit: int, count: int = 1, dead: Callable[[str], bool] = _dead) -> bool:
-        """Take ``count`` ``kind`` slots for ``owner`` if at most ``limit`` are taken then (dead owners'
-        freed first); else none."""
+    def acquire(self, kind: str, owner: str, limit: int, *, dead: Callable[[str], bool] = _dead) -> bool:
+        """Take a ``kind`` slot for ``owner`` if at most ``limit`` are taken then (dead owners' freed first)."""
+        return self.acquire_many(kind, owner, limit, 1, dead=dead)
+
+    def acquire_many(
+        self, kind: str, owner: str, limit: int, count: int, *, dead: Callable[[str], bool] = _dead
+    ) -> bool:
+        """Take ``count`` ``kind`` slots at once, or none (a group's: ``_groups.py``). An operation of its
+        own, not a new argument of ``acquire``: a Ray actor of an older version, still running in a
+        long-lived cluster, refuses it by name rather than read the count as something else."""
         counts = self.slots.setdefault(kind, {})
         if sum(counts.values()) + count > limit:
             for other in [key for key in counts if key != owner and dead(key)]:
@@ -121,7 +128,7 @@ def apply(ledger: Ledger, operation: str, args: tuple[Any, ...]) -> Any:
         return ledger.take(now, *args)
     if operation == "pause":
         return ledger.pause(now, *args)
-    method: Callable[..., Any] = getattr(ledger, operation)  # acquire, release, forget, taken
+    method: Callable[..., Any] = getattr(ledger, operation)  # acquire, acquire_many, release, forget, taken
     return method(*args)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import time
@@ -203,13 +204,32 @@ class AdmissionMiddleware(ProviderMiddleware):
             lock = self._locks[kind] = anyio.Lock()  # FIFO: waiters of this process are admitted in order
         return lock
 
-    async def _acquire(self, kind: str, limit: int, reason: str, took: Callable[[], None], count: int = 1) -> None:
+    async def _acquire(
+        self,
+        kind: str,
+        limit: int,
+        reason: str,
+        took: Callable[[], None],
+        count: int = 1,
+        *,
+        ahead: Callable[[], bool] | None = None,
+    ) -> None:
         """Take ``count`` ``kind`` slots at once, waiting (holding nothing) until they are free; call
-        ``took`` in the same step as the ledger's answer, so a cancellation after it cannot lose them."""
-        async with self._lock(kind):
+        ``took`` in the same step as the ledger's answer, so a cancellation after it cannot lose them.
+        Waiters queue in order, except one with ``ahead``: a create of a group that holds its slots
+        and needs one more (another group queued first may wait for this one's), which takes a slot
+        as soon as one is free, or one its group gets back (``ahead()`` takes it and is true)."""
+        operation, args = (
+            ("acquire", (kind, self._owner, limit))
+            if count == 1
+            else ("acquire_many", (kind, self._owner, limit, count))
+        )
+        async with self._lock(kind) if ahead is None else contextlib.nullcontext():
             counted = False
             while True:
-                if await self._call("acquire", kind, self._owner, limit, count):
+                if ahead is not None and ahead():
+                    return
+                if await self._call(operation, *args):
                     took()
                     return
                 if not counted:
@@ -224,6 +244,10 @@ class AdmissionMiddleware(ProviderMiddleware):
 
     async def _release(self, kind: str, count: int = 1) -> None:
         await self._call("release", kind, self._owner, count)
+        self._wake(kind)
+
+    def _wake(self, kind: str) -> None:
+        """Wake this process's waiters for ``kind`` slots: one was freed."""
         freed = self._freed.pop(kind, None)
         if freed is not None:
             freed.set()
@@ -283,19 +307,22 @@ class AdmissionMiddleware(ProviderMiddleware):
             for kind in reversed(taken):
                 if kind == "held" and share is not None and not share.ended:
                     share.left += 1  # back to its group: a retry of this create takes it; the rest go at its end
+                    self._wake("held")
                 else:
                     await self._release(kind)
 
     async def _hold_for(self, group: CreateGroup, share: _Share, taken: list[str], limit: int) -> None:
         """A held slot of ``group``'s, all of whose creates still to come take theirs in one step (the
-        first to arrive waits for them, the others for it); past what it took, a slot of its own."""
+        first to arrive waits for them, the others for it); past what it took, a slot of its own,
+        taken ahead of the queue."""
         async with share.lock:
             if not share.taken and not share.ended:
                 count = max(1, group.size - group.made)
-                if count > limit:
+                beside = " beside its parent's" if group.parent_id in self._held else ""
+                if count + bool(beside) > limit:
                     raise SandboxAdmissionError(
                         f"{self.inner.name}: a group of {count} creates made together (Sandbox.fork) needs "
-                        f"{count} held slots at once, over max_held={limit}: raise max_held or fork fewer"
+                        f"{count} held slots at once{beside}, over max_held={limit}: raise max_held or fork fewer"
                     )
 
                 def took() -> None:
@@ -303,11 +330,15 @@ class AdmissionMiddleware(ProviderMiddleware):
                     group.on_end(functools.partial(self._give_back, share))
 
                 await self._acquire("held", limit, "max_held", took, count)
+
+        def from_share() -> bool:
             if share.left > 0:
                 share.left -= 1
                 taken.append("held")
-                return
-        await self._acquire("held", limit, "max_held", lambda: taken.append("held"))
+                return True
+            return False
+
+        await self._acquire("held", limit, "max_held", lambda: taken.append("held"), ahead=from_share)
 
     async def _give_back(self, share: _Share) -> None:
         """The held slots a group took and none of its creates kept."""

@@ -66,9 +66,16 @@ class RayBackend:
         except SandboxAdmissionError:
             raise
         except Exception as exc:  # Ray's errors: the actor died, a timeout, the cluster went away
+            older = (
+                "; an actor made by an older version of sandbox_middleware (detached, it outlives the jobs) lacks "
+                f"this operation: remove it with ray.kill(ray.get_actor({actor_name(self.key)!r}, "
+                f"namespace={ACTOR_NAMESPACE!r})) when no job uses it"
+                if isinstance(exc, AttributeError)  # Ray raises the remote error as an instance of its cause too
+                else ""
+            )
             raise SandboxAdmissionError(
                 f"admission: the Ray actor {actor_name(self.key)!r} (namespace {ACTOR_NAMESPACE!r}) failed during "
-                f"{operation}: {type(exc).__name__}: {exc}"
+                f"{operation}: {type(exc).__name__}: {exc}{older}"
             ) from exc
 
     async def aclose(self) -> None:

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 import anyio.lowlevel
@@ -21,6 +21,8 @@ from sandbox_middleware import (
     AdmissionMiddleware,
     LocalProvider,
     Middleware,
+    Operation,
+    ProviderMiddleware,
     RateLimited,
     RetryBudget,
     RetryMiddleware,
@@ -294,6 +296,63 @@ async def test_two_groups_forking_at_once_under_max_held_never_each_hold_part(sa
         await provider.aclose()
 
 
+T = TypeVar("T")
+
+
+class _FailsThirdCreate(ProviderMiddleware):
+    """Fails the third create once: below admission before the provider makes it (its held slot goes
+    back to its group), or above it (``after``) once admission handed the sandbox back, closing it (as
+    a layer between can, or an attempt's timeout): its group then needs a slot past those it took."""
+
+    _wrapped = frozenset({"create"})
+
+    def __init__(self, inner: Any, *, after: bool) -> None:
+        super().__init__(inner)
+        self.after, self.creates = after, 0
+
+    async def around(self, operation: Operation[T]) -> T:
+        self.creates += 1
+        if self.creates != 3:
+            return await operation()
+        if self.after:
+            await self.inner.close(cast("SandboxHandle", await operation()))
+        raise SandboxCreateError("the third create fails, once")
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["below", "above"])
+async def test_a_group_s_failed_create_is_retried_while_another_group_waits(after: bool) -> None:
+    """Two parents fork 4 each with room for one group of forks (max_held = 2 + 4); the first group's
+    first fork fails once and is retried while the second group waits for 4 slots: the retry gets a
+    slot (its own back, or the one its close freed) ahead of that wait, so the groups are made in
+    turn. Queued behind the second group's wait, the retry waited for it until create_timeout_s."""
+    faulty = FaultInjectingProvider(latency={"create": 0.3})
+    admission = AdmissionMiddleware(faulty if after else _FailsThirdCreate(faulty, after=False), max_held=6)
+    layers = _FailsThirdCreate(admission, after=True) if after else admission
+    provider = RetryMiddleware(layers, wait_initial=0.01, wait_jitter=0)
+    events: list[str] = []
+
+    async def forks_of(parent: Sandbox, name: str) -> None:
+        async with parent.fork(4) as forks:
+            events.append(f"forked {name}: {len(forks)}")
+            await anyio.sleep(0.2)
+            events.append(f"closed {name}")
+
+    try:
+        with anyio.fail_after(30):
+            async with (
+                Sandbox(provider, create_timeout_s=10) as a,
+                Sandbox(provider, create_timeout_s=10) as b,
+                anyio.create_task_group() as group,
+            ):
+                group.start_soon(forks_of, a, "a")
+                await anyio.sleep(0.1)  # a's group has its 4 slots, b's waits for 4
+                group.start_soon(forks_of, b, "b")
+        assert events == ["forked a: 4", "closed a", "forked b: 4", "closed b"]
+        assert await admission._backend.call("taken", "held") == 0 and not faulty.alive
+    finally:
+        await provider.aclose()
+
+
 async def test_a_group_larger_than_max_held_is_refused_in_words(sandbox_base: Path) -> None:
     provider = stack(
         LocalProvider(isolation="none", base_dir=sandbox_base, prestart=False),
@@ -304,6 +363,8 @@ async def test_a_group_larger_than_max_held_is_refused_in_words(sandbox_base: Pa
         async with Sandbox(provider, create_timeout_s=20) as parent:  # a group waiting for what never comes: bounded
             with pytest.raises(SandboxAdmissionError, match=r"group of 5 creates .* over max_held=4: raise max_held"):
                 await parent.fork(5)
+            with pytest.raises(SandboxAdmissionError, match=r"4 held slots at once beside its parent's, over max_hel"):
+                await parent.fork(4)  # the parent holds one of the 4 while they are made
             assert await admission._backend.call("taken", "held") == 1  # the parent's, and nothing more
             assert admission.held_slots() == 1
             async with parent.fork(3) as forks:  # room for the parent and 3
