@@ -20,6 +20,7 @@ from opentelemetry.metrics import Counter, Histogram, MeterProvider, UpDownCount
 from .._bounds import AT_LEAST_ONE, POSITIVE, Bounds
 from .._core import Operation, ProviderMiddleware, reduce_to_options
 from .._errors import SandboxSnapshotNotFoundError
+from .._groups import current_group
 from .._protocol import SandboxHandle, SandboxProvider, SandboxSnapshot, SandboxSpec, SupportsSandboxSnapshot
 from .._sandbox import close_shielded
 from .._telemetry import PROVIDER_ATTR, InstrumentBundle, Instruments, counter, duration_ms, safely, up_down_counter
@@ -122,7 +123,10 @@ class WarmPoolMiddleware(ProviderMiddleware):
     only for an equal descriptor of the same snapshot, never for another or for a create without one.
     ``delete_snapshot`` drains the snapshot's pools (their ready forks are closed, reason
     ``snapshot_deleted``; refills in flight are closed as they land). Pool forks of a snapshot kept
-    for a while (many groups of one task): ``Sandbox.fork`` deletes its snapshot once its forks are made.
+    for a while (many groups of one task, ``create(spec, from_snapshot=kept)``). ``Sandbox.fork``'s
+    creates pass through (one group, ``_groups.py``): its snapshot is new and deleted once its forks
+    are made, and a fork waiting for the pool's refills could wait, under a held cap, for slots its
+    own group holds.
 
     ``aclose`` stops the refills (those in flight finish, bounded by ``create_timeout_s``), closes
     every pooled sandbox (shielded, ``close_timeout_s`` each) and closes the layers below.
@@ -241,7 +245,7 @@ class WarmPoolMiddleware(ProviderMiddleware):
         poolable = snapshot is None or (
             isinstance(snapshot, SandboxSnapshot) and isinstance(self.inner, SupportsSandboxSnapshot)
         )
-        if spec is None or extensions or not poolable:
+        if spec is None or extensions or not poolable or current_group() is not None:
             return await operation()
         started = time.perf_counter()
         await anyio.lowlevel.checkpoint()  # the only await of a hit, before the take: a cancel loses nothing

@@ -424,6 +424,32 @@ async def test_deleting_a_snapshot_drains_its_pool(telemetry: TelemetryCapture, 
     assert inner.alive == set()
 
 
+async def test_a_fork_group_passes_the_pool(telemetry: TelemetryCapture) -> None:
+    """``Sandbox.fork``'s creates go through the pool to admission as one group: they start no pool of
+    forks and wait for no refill. They started one: 4 more creates, admitted against the same cap
+    (waiting for the group's slots; a fork waiting for them would have waited for its own group),
+    for a snapshot deleted once the forks are made."""
+    inner = FaultInjectingProvider(latency={"create": 0.05})
+    provider = stack(
+        inner,
+        recommended_middleware(
+            meter_provider=telemetry.meter_provider, warm_pool={"size": 4}, admission={"max_held": 1 + 4 + 4}
+        ),
+    )
+    pool = layer(provider, WarmPoolMiddleware)
+    try:
+        async with Sandbox(provider, create_timeout_s=10) as parent:
+            await pool.wait_ready(timeout_s=10)  # the pool of the parent's spec: 4 held
+            with anyio.fail_after(30):
+                async with parent.fork(4) as forks:
+                    assert len(forks) == 4
+            await anyio.sleep(0.5)  # a refill would have been made, or tried
+            assert inner.calls["create"] == 1 + 4 + 4 and pool.ready() == 4  # the parent, its pool, the forks
+    finally:
+        await provider.aclose()
+    assert inner.alive == set() and inner.snapshots == set()
+
+
 async def test_without_the_capability_the_pool_takes_no_snapshot_calls() -> None:
     pool = WarmPoolMiddleware(PlainProvider(), size=1)
     assert not isinstance(pool, SupportsSandboxSnapshot) and pool.delete_snapshot is None  # type: ignore[comparison-overlap]
