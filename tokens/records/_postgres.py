@@ -53,8 +53,7 @@ class PostgresBackend:
         if not self._schema_ready:
             try:
                 with self.transaction(connection, write=True) as cursor:
-                    (present,) = cursor.execute("SELECT to_regclass(?) IS NOT NULL", (LATEST,))
-                    if not present[0]:  # new, or made by an older client
+                    if not self._made(cursor):  # new, or made by an older client
                         self._create(cursor)
             except BaseException:
                 connection.close()
@@ -63,10 +62,24 @@ class PostgresBackend:
         return connection
 
     @staticmethod
-    def _create(cursor: _Cursor) -> None:
-        """The tables, made once or migrated (every statement is idempotent; other clients wait on the
-        advisory lock, then find them made)."""
+    def _made(cursor: _Cursor) -> bool:
+        """Whether the newest table is there, as of this statement: read from the catalog itself, not
+        through the name cache (to_regclass), which keeps within a transaction what it found before."""
+        query = (
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = current_schema() AND tablename = ?)"
+        )
+        ((made,),) = cursor.execute(query, (LATEST,))
+        return bool(made)
+
+    @classmethod
+    def _create(cls, cursor: _Cursor) -> None:
+        """The tables, made once or migrated (every statement is idempotent); other clients wait on the
+        advisory lock, then find them made and run none: run again, the DDL would lock tables the
+        first client's writers already use (its indexes' ShareLock, ALTER TABLE's exclusive lock)
+        until this connect commits, each of many workers connecting at once in turn."""
         cursor.execute("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
+        if cls._made(cursor):
+            return
         for statement in ddl(blob="BYTEA", float_="DOUBLE PRECISION", int_="BIGINT"):
             cursor.execute(statement)
         # Token arrays barely compress and pglz costs milliseconds per record: store them as they are.

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from tests.tokens.records.helpers import USER, answer, make_record
@@ -201,3 +202,39 @@ def test_the_token_cache_keeps_to_its_budget() -> None:
     assert cache.get(("r", "b")) is None and cache.get(("r", "a")) and cache.get(("r", "c"))
     cache.put(("r", "huge"), (4,) * 11)
     assert cache.get(("r", "huge")) is None
+
+
+async def test_a_client_that_waited_for_another_s_schema_runs_no_ddl(postgres_url: str) -> None:
+    """Many workers connecting to a new PostgreSQL store at once all find its tables missing; those
+    that wait for the first one's schema lock find them made, and return without locking tables its
+    writers already use. Running the DDL again, the waiter's index statement waited for an open write."""
+    import psycopg
+
+    from tokens.records._postgres import _SCHEMA_LOCK
+    from tokens.records._schema import ddl
+
+    with psycopg.connect(postgres_url, autocommit=True) as first, psycopg.connect(postgres_url) as writer:
+        first.execute("SELECT pg_advisory_lock(%s)", (_SCHEMA_LOCK,))  # the first client, making the schema
+        connected = anyio.Event()
+
+        async def waiter() -> None:
+            async with open_store(postgres_url) as store:
+                assert await store.records("r") == ()
+            connected.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(waiter)
+            waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            with anyio.fail_after(10):
+                while first.execute(waiting).fetchone() != (1,):  # the waiter found no tables, and waits
+                    await anyio.sleep(0.02)
+            for statement in ddl(blob="BYTEA", float_="DOUBLE PRECISION", int_="BIGINT"):
+                first.execute(statement)
+            writer.execute("INSERT INTO token_marks VALUES ('r', 't0', 'open', 0)")  # a write in progress
+            writer.execute("LOCK TABLE token_records IN ROW EXCLUSIVE MODE")  # what its put holds, open
+            first.execute("SELECT pg_advisory_unlock(%s)", (_SCHEMA_LOCK,))
+            with anyio.move_on_after(10):
+                await connected.wait()
+            in_time = connected.is_set()
+            writer.rollback()  # the old waiter, blocked behind it, goes on now
+        assert in_time
