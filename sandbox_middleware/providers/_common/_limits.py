@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, cast
 
 from ..._bounds import POSITIVE, Bound
-from ..._errors import SandboxArgumentError
+from ..._errors import SandboxArgumentError, SandboxSnapshotError
 from ._arguments import positive_number
 
-__all__ = ["LIMIT_BOUNDS", "Limits", "checked_limit", "entry_bound", "file_max"]
+__all__ = ["LIMIT_BOUNDS", "Budget", "Limits", "checked_limit", "entry_bound", "file_max"]
 
 _MiB = 1 << 20
 _GiB = 1 << 30
@@ -109,3 +109,36 @@ def entry_bound(size: int) -> int:
     ``nr_inodes`` (``LocalProvider``), and what a snapshot of it may carry (both providers: an empty
     file or directory takes no room in a tmpfs, but an inode and a block where a snapshot is kept)."""
     return max(65_536, size // 16_384)
+
+
+class Budget:
+    """What a snapshot may still take, copied, counted or archived: bytes of regular files and entries
+    (files, links, directories); None: no bound. A snapshot's is the size of the writable space it is
+    taken of (``limits`` names the options that set it) and that space's inode bound
+    (``entry_bound``), so a copy taken while the sandbox runs cannot carry more than its space ever
+    held at once, however the sandbox renames and recreates entries under the copier (each entry met
+    counts once), and a snapshot without a copy holds no more than one copy would."""
+
+    def __init__(self, size: int | None, limits: str = "disk_gib") -> None:
+        self.size = size
+        self.limits = limits
+        self.most = None if size is None else entry_bound(size)
+        self.entries = 0
+        self.copied = 0
+
+    def entry(self, count: int = 1) -> None:
+        self.entries += count
+        if self.most is not None and self.entries > self.most:
+            raise SandboxSnapshotError(
+                f"the files to snapshot are more than {self.most} entries, more than the sandbox's disk "
+                f"({self.limits}) holds at once; nothing was kept: snapshot fewer paths"
+            )
+
+    def took(self, size: int) -> None:
+        self.copied += size
+        if self.size is not None and self.copied > self.size:
+            raise SandboxSnapshotError(
+                f"the files to snapshot hold more than {self.size} bytes, the sandbox's disk limit ({self.limits}; a "
+                f"sparse file counts whole); nothing was kept: snapshot fewer paths, or make the sandbox with a "
+                f"larger {self.limits.split(' or ')[0]}"
+            )

@@ -61,7 +61,7 @@ from ..._errors import (
     SandboxSnapshotNotFoundError,
 )
 from ..._protocol import SandboxSnapshot
-from .._common._limits import entry_bound
+from .._common._limits import Budget
 from ._api import EngineAPI, EngineError
 from ._archive import END, TarEntries, check_directory, check_named, located, owned_stream, padding
 from ._container import META, Box, checked_metadata, label_keys
@@ -86,6 +86,7 @@ _KEPT = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, ta
 _ROOT = (0, 0)  # the owner of a snapshot's files in its image: each fork's are its own uid's
 _BATCH = 1 << 20
 _HELPER_S = 1800.0  # a helper container's deadline: the watchdog removes one its maker left
+_REMOVE_S = 30.0  # how long a helper's removal is waited for (a big writable layer under load takes long)
 
 
 @dataclass(frozen=True)
@@ -147,34 +148,6 @@ def _targets(box: Box, paths: list[str] | None) -> list[_Target]:
     return kept
 
 
-class _Sizes:
-    """The bytes of the regular files a rewritten archive carried, refused past ``limit`` (None: no bound),
-    and its entries, refused past ``entry_bound(limit)`` (an empty directory takes no room in a tmpfs
-    but a block on the daemon's disk)."""
-
-    def __init__(self, limit: int | None = None) -> None:
-        self.total = 0
-        self.limit = limit
-        self.entries = 0
-        self.most = None if limit is None else entry_bound(limit)
-
-    def add(self, size: int) -> None:
-        self.entries += 1
-        if self.most is not None and self.entries > self.most:
-            raise SandboxSnapshotError(
-                f"DockerProvider: the files to snapshot are more than {self.most} entries, more than a "
-                f"snapshot of a directory of {self.limit} bytes keeps (disk_gib or tmp_mib); nothing was kept: "
-                "snapshot fewer paths"
-            )
-        self.total += size
-        if self.limit is not None and self.total > self.limit:
-            raise SandboxSnapshotError(
-                f"DockerProvider: the files to snapshot hold more than {self.limit} bytes, more than its writable "
-                "directory holds (disk_gib or tmp_mib; a sparse file counts whole); nothing was kept: snapshot "
-                "fewer paths"
-            )
-
-
 def rooms(host: Mapping[str, Any]) -> dict[str, int]:
     """The sizes of a container's tmpfs directories (by mount point) its ``HostConfig`` gives: a tmpfs
     volume's ``size=`` (Docker's), or a tmpfs mount's (Podman's); one without a size is not there."""
@@ -194,7 +167,7 @@ def rooms(host: Mapping[str, Any]) -> dict[str, int]:
 
 
 async def _rewritten(
-    entries: TarEntries, rename: Callable[[str], str], owner: tuple[int, int], sizes: _Sizes
+    entries: TarEntries, rename: Callable[[str], str], owner: tuple[int, int], sizes: Budget
 ) -> AsyncIterator[bytes]:
     """The entries of an archive the daemon made, renamed (``rename``), owned by ``owner``, with only
     what a snapshot keeps: directories, regular files, symlinks (their targets as they are), hard links
@@ -221,7 +194,8 @@ async def _rewritten(
         elif info.type == tarfile.LNKTYPE:
             out.linkname = rename(info.linkname)
         batch += out.tobuf(format=tarfile.PAX_FORMAT)
-        sizes.add(info.size if regular else 0)
+        sizes.entry()
+        sizes.took(info.size if regular else 0)
         if regular:
             async for piece in entries.data():
                 batch += piece
@@ -284,17 +258,17 @@ class Snapshots:
         build = await self._helper(base, f"sandbox-snapshot-{snapshot_id[:12]}-build", labels)
         image = None
         try:
-            parts: dict[str, _Sizes] = {}
+            parts: dict[str, Budget] = {}
             async with self._frozen(box.container):
                 for target in targets:
-                    part = parts.setdefault(target.key, _Sizes(sizes.get(str(target.mount))))
+                    part = parts.setdefault(target.key, Budget(sizes.get(str(target.mount)), "disk_gib or tmp_mib"))
                     await self._archive(box.container, target, build, part)
             # Labels known once the archive is written, as Dockerfile instructions (Podman's commit ignores a
             # config's; Docker applies both): values of digits, dots, colons and commas only.
             computed = {
                 _CREATED: repr(time.time()),
-                _SIZE: str(sum(part.total for part in parts.values())),
-                _PARTS: ",".join(f"{key}:{part.total}" for key, part in parts.items()),
+                _SIZE: str(sum(part.copied for part in parts.values())),
+                _PARTS: ",".join(f"{key}:{part.copied}" for key, part in parts.items()),
                 EXPIRES: "",  # the build container's, which the image would inherit otherwise
             }
             changes = [f'LABEL {key}="{value}"' for key, value in computed.items()]
@@ -339,7 +313,7 @@ class Snapshots:
                         "POST", f"/containers/{container}/unpause", f"resume {container[:12]} after a snapshot"
                     )
 
-    async def _archive(self, container: str, target: _Target, build: str, sizes: _Sizes) -> None:
+    async def _archive(self, container: str, target: _Target, build: str, sizes: Budget) -> None:
         """Copy ``target`` of the (frozen) sandbox ``container`` into the build container, below ``STATE``:
         checked first, each component a real directory and the path itself no symlink; its bytes added to
         ``sizes``."""
@@ -506,13 +480,17 @@ class Snapshots:
     async def _remove_helper(self, container: str) -> None:
         """Remove a helper container, shielded and bounded; one left (the daemon failed) the watchdog removes."""
         what = f"remove helper container {container[:12]}"
-        with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_REMOVE_S) as bound:
             try:
                 await self._api.call(
                     "DELETE", f"/containers/{container}", what, params={"force": "true", "v": "true"}, ok=(404,)
                 )
             except SandboxError as exc:
                 logger.warning("DockerProvider: %s: %s (the TTL watchdog removes it)", what, exc)
+        if bound.cancelled_caught:
+            logger.warning(
+                "DockerProvider: %s: not done within %g s (the daemon goes on, else the watchdog)", what, _REMOVE_S
+            )
 
 
 async def _leading(records: Sequence[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

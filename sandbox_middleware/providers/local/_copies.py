@@ -11,9 +11,9 @@ import stat
 from collections.abc import Iterator, Sequence
 
 from ..._errors import SandboxSnapshotError
-from .._common._limits import entry_bound
+from .._common._limits import Budget
 
-__all__ = ["DIRECTORY", "MAX_DEPTH", "Budget", "copy_names", "too_deep"]
+__all__ = ["DIRECTORY", "MAX_DEPTH", "copy_names", "too_deep"]
 
 DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_DEPTH = 256  # directories held open at once while copying or counting: a deeper tree is refused
@@ -24,40 +24,6 @@ def too_deep() -> SandboxSnapshotError:
     return SandboxSnapshotError(
         f"the files to snapshot nest more than {MAX_DEPTH} directories deep; snapshot a shallower tree"
     )
-
-
-def _over(limit: int) -> SandboxSnapshotError:
-    return SandboxSnapshotError(
-        f"the files to snapshot hold more than {limit} bytes, the sandbox's disk limit (disk_gib); nothing was kept: "
-        "snapshot fewer paths, or make the sandbox with a larger disk_gib"
-    )
-
-
-class Budget:
-    """What a snapshot may still take, copied or counted (``measure``): bytes of files and entries
-    (files, links, directories); None: no bound. A snapshot's is its sandbox's ``disk_gib`` and that
-    tmpfs's inode bound (``entry_bound``), so a copy taken while the sandbox runs cannot carry more than
-    its space ever held at once, however the sandbox renames and recreates entries under the copier
-    (each entry met counts once), and a snapshot without a copy holds no more than one copy would."""
-
-    def __init__(self, size: int | None) -> None:
-        self.size = size
-        self.most = None if size is None else entry_bound(size)
-        self.entries = 0
-        self.copied = 0
-
-    def entry(self, count: int = 1) -> None:
-        self.entries += count
-        if self.most is not None and self.entries > self.most:
-            raise SandboxSnapshotError(
-                f"the files to snapshot are more than {self.most} entries, more than the sandbox's disk "
-                "(disk_gib) holds at once; nothing was kept: snapshot fewer paths"
-            )
-
-    def took(self, size: int) -> None:
-        self.copied += size
-        if self.size is not None and self.copied > self.size:
-            raise _over(self.size)
 
 
 def _copy_file(source: int, target: int, name: str, budget: Budget) -> None:

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..._protocol import SandboxSnapshot
+from .._common._limits import Budget
 from ._cgroups import CgroupBackend
-from ._copies import DIRECTORY, MAX_DEPTH, Budget, copy_names, too_deep
+from ._copies import DIRECTORY, MAX_DEPTH, copy_names, too_deep
 from ._mounts import clone_readonly, is_mount_point, mount_overlay, mount_tmpfs, mounted_at, unmount, userns_mapping
 from ._records import PINNED, ROTATING, VIEW, read_record, write_maker, write_private
 from ._snapshots import MAX_LAYERS, TREE, abandon, keep, locked

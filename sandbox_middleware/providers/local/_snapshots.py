@@ -34,7 +34,8 @@ from typing import Any
 
 from ..._errors import SandboxSnapshotError, SandboxSnapshotNotFoundError, SandboxValueError
 from ..._protocol import SandboxSnapshot
-from ._copies import DIRECTORY, Budget, copy_names
+from .._common._limits import Budget
+from ._copies import DIRECTORY, copy_names
 from ._records import (
     directories_of,
     drop_maker,

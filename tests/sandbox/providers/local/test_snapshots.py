@@ -153,7 +153,7 @@ async def test_a_snapshot_of_more_entries_than_the_disk_holds_is_refused(
     """Empty files take no bytes: the entries are bounded too, at the inode bound of the sandbox's tmpfs
     (65,536 for this one: lowered here), so a sandbox recreating entries under the copier cannot make
     a snapshot of more than its space holds at once."""
-    monkeypatch.setattr("sandbox_middleware.providers.local._copies.entry_bound", lambda size: 40)
+    monkeypatch.setattr("sandbox_middleware.providers._common._limits.entry_bound", lambda size: 40)
     parent = await local.create(SandboxSpec())
     await run(local, parent, "mkdir few many && touch few/f1 few/f2 && for i in $(seq 60); do : > many/$i; done")
     with pytest.raises(SandboxSnapshotError, match="more than 40 entries"):
