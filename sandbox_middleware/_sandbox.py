@@ -259,9 +259,8 @@ class Forks:
             for _ in range(self._n)
         ]
         try:
-            async with create_group(
-                self._n, parent.close_timeout_s, parent.handle.sandbox_id
-            ) as group:  # one (_groups.py)
+            group_of = create_group(self._n, parent.close_timeout_s, parent.handle.sandbox_id)
+            async with group_of as group:  # admitted as one (_groups.py)
 
                 async def start(fork: Sandbox) -> None:
                     await fork.start()

@@ -318,8 +318,9 @@ class AdmissionMiddleware(ProviderMiddleware):
         async with share.lock:
             if not share.taken and not share.ended:
                 count = max(1, group.size - group.made)
-                beside = " beside its parent's" if group.parent_id in self._held else ""
-                if count + bool(beside) > limit:
+                parent_held = group.parent_id in self._held  # held all the while the group waits
+                if count + parent_held > limit:
+                    beside = " beside its parent's" if parent_held else ""
                     raise SandboxAdmissionError(
                         f"{self.inner.name}: a group of {count} creates made together (Sandbox.fork) needs "
                         f"{count} held slots at once{beside}, over max_held={limit}: raise max_held or fork fewer"

@@ -140,5 +140,5 @@ class Budget:
             raise SandboxSnapshotError(
                 f"the files to snapshot hold more than {self.size} bytes, the sandbox's disk limit ({self.limits}; a "
                 f"sparse file counts whole); nothing was kept: snapshot fewer paths, or make the sandbox with a "
-                f"larger {self.limits.split(' or ')[0]}"
+                f"larger {self.limits}"
             )
